@@ -1,0 +1,54 @@
+"""The attention backend contract.
+
+A backend does two things per decoder layer: store the new tokens' K/V at their
+physical slots, then attend each new token to its sequence's cached prefix (all of
+it) plus the new tokens its mask allows. `plan()` runs once per forward and turns the
+batch's plain ints into whatever index tensors the backend wants, so per-layer work is
+tensor ops only.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+
+from verifier.batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch, block_size: int, device: torch.device) -> Any:
+        """Build per-forward metadata from the batch (called once, before layer 0)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                scale: float) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] for the T new tokens (sequence order);
+        k_cache/v_cache: [num_blocks, block_size, KVH, D] of this layer.
+        Writes k/v into the cache, returns attention output [T, H, D]."""
+
+
+_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str):
+    def deco(factory):
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _REGISTRY:
+        # Import lazily so that Triton is only needed when asked for.
+        if name == "torch":
+            import verifier.attention.torch_backend  # noqa: F401
+        elif name == "triton":
+            import verifier.attention.triton_backend  # noqa: F401
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; known: torch, triton")
+    return _REGISTRY[name]()

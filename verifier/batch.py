@@ -1,0 +1,65 @@
+"""Hand-off types between the engine (`spec/`) and the target model.
+
+The engine describes a step in plain ints; the verifier turns them into tensors once
+per forward. Prefill chunks, decode steps and token-tree verification are the same
+thing here: some new tokens per sequence, written after that sequence's cached
+prefix, attending to the whole prefix and to each other under a mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]              # new tokens: a prefill chunk, one decode token, or tree nodes
+    ctx_len: int                      # tokens already in this sequence's KV cache; all are attended
+    block_table: list[int]            # physical KV blocks, covering ctx_len + len(token_ids) slots
+    positions: list[int] | None = None  # RoPE positions; None means ctx_len + i (a chain)
+    # Which new tokens attend to which: mask[i][j] is True when token i sees new token j.
+    # None means causal. Tree verification passes the ancestor mask (self included).
+    mask: torch.Tensor | None = None  # bool [q, q]
+    logits_indices: list[int] | None = None  # new tokens that need logits; None means the last one
+
+    def __post_init__(self):
+        q = len(self.token_ids)
+        if q == 0:
+            raise ValueError("SeqInput needs at least one new token")
+        if self.positions is not None and len(self.positions) != q:
+            raise ValueError(f"positions has {len(self.positions)} entries for {q} tokens")
+        if self.mask is not None and tuple(self.mask.shape) != (q, q):
+            raise ValueError(f"mask shape {tuple(self.mask.shape)} does not match {q} new tokens")
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.ctx_len + len(self.token_ids)
+
+    @property
+    def sample_indices(self) -> list[int]:
+        return [self.num_new - 1] if self.logits_indices is None else self.logits_indices
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    seqs: list[SeqInput]
+    capture_layers: tuple[int, ...] = ()  # hidden states entering these decoder layers are returned
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor                  # [sum of len(sample_indices)] x vocab, fp32, in seq order
+    logits_offsets: list[int]             # seq i's rows are logits[offsets[i]:offsets[i+1]]
+    # layer index -> [total new tokens, hidden]: the residual stream entering that layer
+    # (HF `hidden_states[layer]`, where index 0 is the embedding output).
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def seq_logits(self, i: int) -> torch.Tensor:
+        return self.logits[self.logits_offsets[i]:self.logits_offsets[i + 1]]

@@ -1,0 +1,125 @@
+"""The target model's architecture, read from an HF `config.json` dictionary.
+
+One frozen dataclass covers the Llama family Tercel serves (Llama, Mistral, Qwen2):
+RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied
+LM head, optional q/k/v bias (Qwen2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"          # default | linear | llama3 | yarn
+    factor: float = 1.0
+    # llama3 frequency-band scaling
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
+                             "supported: default, linear, llama3, yarn")
+        if self.theta <= 0 or self.factor <= 0:
+            raise ValueError(f"rope theta and factor must be > 0, got {self.theta}, {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False        # Qwen2 has bias on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; "
+                             f"Tercel serves {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_kv_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from an HF config.json dict; raise ValueError naming a missing key."""
+        def need(key):
+            if key not in d:
+                raise ValueError(f"config.json lacks required key {key!r}")
+            return d[key]
+        model_type = d.get("model_type", "llama")
+        if model_type == "qwen2":
+            bias = True
+        else:
+            bias = bool(d.get("attention_bias", False))
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position=int(d.get("max_position_embeddings", 4096)),
+            rope=_rope_from_hf(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bias,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+    """Read both forms: transformers>=5 `rope_parameters` and older `rope_theta` + `rope_scaling`."""
+    params = dict(d.get("rope_parameters") or {})
+    scaling = dict(d.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    attn_factor = merged.get("attention_factor")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=int(merged.get("original_max_position_embeddings",
+                                             d.get("max_position_embeddings", 8192))),
+        beta_fast=float(merged.get("beta_fast", 32.0)),
+        beta_slow=float(merged.get("beta_slow", 1.0)),
+        attention_factor=None if attn_factor is None else float(attn_factor),
+    )

@@ -1,0 +1,112 @@
+"""Convert a GGUF checkpoint (llama.cpp format) into an HF-style directory.
+
+Quantized tensors are dequantized to fp32. llama.cpp stores the Llama q/k projections
+with rows permuted for its interleaved RoPE; we undo that so the weights match the HF
+half-split convention our forward uses.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    base, kind = gguf_name.rsplit(".", 1)         # kind: weight | bias
+    if base.startswith("blk."):
+        _, idx, part = base.split(".", 2)
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+        return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{kind}"
+    if base not in _TOP_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"{_TOP_NAMES[base]}.{kind}"
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp: w.reshape(n_heads, 2, d/2, ...).swapaxes(1, 2); this is the inverse.
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"GGUF architecture {arch!r} is not a Llama-family model Tercel serves")
+    a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(a("attention.head_count"))
+    hidden = int(a("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": int(a("feed_forward_length")),
+        "num_hidden_layers": int(a("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+        "head_dim": int(a("rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(a("context_length", 4096)),
+        "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = a("rope.scaling.type")
+    if scaling and scaling != "none":
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(a("rope.scaling.factor", 1.0)),
+                               "original_max_position_embeddings":
+                                   int(a("rope.scaling.original_context_length", cfg["max_position_embeddings"]))}
+    return cfg
+
+
+def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+    unpermute = cfg["model_type"] == "llama"
+    out = {}
+    for t in reader.tensors:
+        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+        w = torch.from_numpy(arr).reshape([int(x) for x in reversed(t.shape)])
+        name = hf_name(t.name)
+        if unpermute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_rope_rows(w, cfg["num_attention_heads"])
+        elif unpermute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
+        out[name] = w.contiguous()
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors (fp32) and tokenizer files into out_dir."""
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    cfg = gguf_config(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(gguf_tensors(reader, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata.
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                        local_files_only=True)
+    tok.save_pretrained(str(out_dir))

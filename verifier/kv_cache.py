@@ -1,0 +1,38 @@
+"""Per-layer paged KV block pools.
+
+Layout per layer: k, v: [num_blocks, block_size, kv_heads, head_dim]. A token at
+logical position p of a sequence lives in block block_table[p // block_size] at
+offset p % block_size, i.e. at physical slot block_table[p // bs] * bs + p % bs of the
+flattened pool. The Triton kernels use the same layout.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int,
+                        head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def slot_of(block_table: list[int], pos: int, block_size: int) -> int:
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Physical slots of logical positions [start, end) of one sequence."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,0 +1,113 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+Module names follow the HF checkpoint names so the loader is a short mapping; the only
+difference is the fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` =
+[gate; up] (one matmul each instead of three and two).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verifier.attention.base import AttentionBackend
+from verifier.config import ModelConfig
+from verifier.kv_cache import KVCache
+from verifier.linear import Linear
+from verifier.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 whatever the activation dtype (as HF does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend, meta):
+        c = self.cfg
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)     # [T, H, D]
+        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, KVH, D]
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)    # [T, H, D]
+        return self.o_proj(o.reshape(-1, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(ids [T], positions [T], ...) -> (logits [N, V] for `logits_rows`, taps)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, device, dtype):
+        c = self.cfg
+        self.rotary = RotaryEmbedding(c.rope, c.head_dim, c.max_position, device, dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor,
+                kv: KVCache, backend: AttentionBackend, meta,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        cos, sin = self.rotary.lookup(positions)           # [T, 1, D]
+        x = self.model.embed_tokens(ids)                   # [T, hidden]
+        taps = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in capture_layers:
+                taps[i] = x
+            x = layer(x, cos, sin, *kv.layer(i), backend, meta)
+        if self.cfg.num_layers in capture_layers:
+            taps[self.cfg.num_layers] = x                  # the last layer's output, before the norm
+        # Only rows that are sampled go through the norm and the (large) LM head.
+        x = self.model.norm(x[logits_rows])
+        return self.lm_head(x).float(), taps
