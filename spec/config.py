@@ -1,0 +1,36 @@
+"""Engine configuration: one frozen dataclass, validated once, passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verifier.loader import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL            # alias, .gguf file or HF directory
+    max_num_seqs: int = 16                # requests decoding together (continuous batching)
+    max_num_batched_tokens: int = 512     # new tokens per forward: bounds prefill chunks
+    max_model_len: int | None = None      # None: the model's max positions, at most 8192
+    block_size: int = 16                  # tokens per KV block
+    num_kv_blocks: int | None = None      # None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30         # KV pool size when num_kv_blocks is None
+    enable_prefix_cache: bool = True      # share KV of identical full-block prompt prefixes
+    seed: int = 0                         # seeds the generators of requests without a seed
+    num_threads: int | None = None        # torch CPU threads; None keeps torch's default
+    device: str | None = None             # None: cuda if available, else cpu
+    attention_backend: str | None = None  # None: triton on cuda, torch on cpu
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+
+
+def _positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")

@@ -1,0 +1,72 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(conversations, params)`."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+from typing import Sequence
+
+from spec.config import EngineConfig
+from spec.engine import LLMEngine
+from spec.request import RequestOutput
+from spec.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(**({"model": model} if model else {}), **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, None) for p in prompts], params)
+
+    def chat(self, conversations: list[Message] | list[list[Message]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Conversations go through the model's chat template with the assistant turn opened."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([(None, self.apply_chat_template(c)) for c in conversations], params)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"bad message {m!r}: need role system/user/assistant and string content")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False))
+
+    def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        plist = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(items):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(items)} prompts")
+        engine, ids = self.engine, []
+        try:
+            for (prompt, tokens), p in zip(items, plist):
+                rid = f"gen-{next(self._ids)}"
+                engine.add_request(rid, prompt if prompt is not None else tokens, p, prompt_token_ids=tokens)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:            # a bad prompt in the list: leave nothing queued
+                engine.abort(rid)
+            engine.step()
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in ids]

@@ -1,0 +1,104 @@
+"""Request state: one small object per request; derived values are properties."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from spec.detokenizer import IncrementalDetokenizer
+from spec.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # not admitted, or preempted (blocks freed; recompute on re-admission)
+    RUNNING = "running"      # holds KV blocks
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (all zero when it decodes plainly)."""
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0          # tokens produced by verify steps (accepted + corrected/bonus)
+    accepted_per_depth: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        # Tokens emitted per verify step, the bonus/corrected token included.
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+_seq_ids = itertools.count()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, prompt: str | None = None,
+                 generator=None, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.seq_id = next(_seq_ids)             # the block manager's key
+        self.prompt = prompt
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)   # prompt, then output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0             # leading tokens whose KV is in the cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.detok = detokenizer
+        self.generator = generator               # torch.Generator for seeded sampling
+        self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0        # prefix-cache hit at first admission
+        self.spec = SpecStats()
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        # More than the last sampled token still lacks KV: a prompt (or recompute) chunk is due.
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees for one request: the whole output so far, plus the newest delta."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    ttft: float | None = None          # seconds from arrival to the first output token
+    total_time: float | None = None    # seconds from arrival to finish
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    stats: SpecStats = field(default_factory=SpecStats)

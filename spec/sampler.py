@@ -1,0 +1,71 @@
+"""The logits transform and plain sampling. Speculative acceptance reuses `target_probs`,
+so the distribution it preserves is exactly the one sampled here.
+
+Order of operations (as vLLM): penalties on raw logits -> temperature -> top-k -> top-p
+-> min-p -> renormalise.
+"""
+from __future__ import annotations
+
+import torch
+
+from spec.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams,
+                    prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """logits: [V] raw -> [V] penalised (a new tensor when any penalty is set)."""
+    if not params.has_penalties:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long,
+                            device=logits.device)
+        vals = logits[seen]
+        # HF convention: shrink positive logits, push negative ones further down.
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
+                                   vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] penalised logits -> [N, V] fp32 probabilities after temperature and truncation.
+
+    Not for greedy requests (temperature 0 has no distribution; it is an argmax)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p(probs, params.top_p)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
+    drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                 output_ids: list[int], generator: torch.Generator | None) -> int:
+    """logits: [V] raw logits of one position -> the next token id."""
+    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if params.greedy:
+        return int(logits.argmax())
+    probs = target_probs(logits[None], params)[0]
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

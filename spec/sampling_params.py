@@ -1,0 +1,78 @@
+"""Per-request sampling parameters (the same knobs as vLLM and the OpenAI API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 means greedy (argmax after penalties)
+    top_k: int = 0                    # 0 disables; otherwise keep the k most likely tokens
+    top_p: float = 1.0                # nucleus mass in (0, 1]
+    min_p: float = 0.0                # drop tokens below min_p * max prob, in [0, 1]
+    repetition_penalty: float = 1.0   # HF-style, over prompt and output tokens; > 0
+    presence_penalty: float = 0.0     # OpenAI-style, over output tokens; in [-2, 2]
+    frequency_penalty: float = 0.0    # OpenAI-style, over output tokens; in [-2, 2]
+    seed: int | None = None           # per-request generator seed: same seed, same output
+    max_tokens: int = 16              # new tokens at most (as vLLM's default)
+    stop: tuple[str, ...] = ()        # stop strings; the text is cut before them
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # Lists are accepted for convenience and frozen into tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for check in (_check_temperature, _check_top, _check_penalties, _check_lengths):
+            check(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_temperature(p: SamplingParams) -> None:
+    if _number("temperature", p.temperature) < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {p.temperature}")
+
+
+def _check_top(p: SamplingParams) -> None:
+    if isinstance(p.top_k, bool) or not isinstance(p.top_k, int) or p.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables), got {p.top_k!r}")
+    if not 0.0 < _number("top_p", p.top_p) <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    if not 0.0 <= _number("min_p", p.min_p) <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {p.min_p}")
+
+
+def _check_penalties(p: SamplingParams) -> None:
+    if _number("repetition_penalty", p.repetition_penalty) <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 disables), got {p.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= _number(name, getattr(p, name)) <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(p, name)}")
+
+
+def _check_lengths(p: SamplingParams) -> None:
+    if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens <= 0:
+        raise ValueError(f"max_tokens must be an int >= 1, got {p.max_tokens!r}")
+    if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int)):
+        raise ValueError(f"seed must be an int or None, got {p.seed!r}")
+    if any(not isinstance(s, str) or not s for s in p.stop):
+        raise ValueError(f"stop must be non-empty strings, got {p.stop!r}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be ints >= 0, got {p.stop_token_ids!r}")
