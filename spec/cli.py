@@ -1,0 +1,77 @@
+"""`tercel` command line: `tercel chat` now; serve, bench and train-drafter join later."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _chat_args(sub) -> None:
+    p = sub.add_parser("chat", help="chat with the model in the terminal (one prompt, or a REPL)")
+    p.add_argument("prompt", nargs="?", help="one user message; omit for an interactive session")
+    p.add_argument("--model", default=None, help="alias, .gguf file or HF directory "
+                                                 "(default: smollm2-135m-instruct)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tercel", description="Tercel: speculative-decoding LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _chat_args(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "chat":
+            return run_chat(args)
+    except ValueError as e:
+        print(f"tercel: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_chat(args) -> int:
+    from spec import LLM, SamplingParams
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    print("loading model...", file=sys.stderr, flush=True)
+    llm = LLM(args.model, **({"num_threads": args.threads} if args.threads else {}))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    if args.prompt is not None:
+        _turn(llm, history, args.prompt, params)
+        return 0
+    print("tercel chat: type a message; /reset clears the history, Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+        elif line:
+            _turn(llm, history, line, params)
+
+
+def _turn(llm, history: list[dict], user: str, params) -> None:
+    """Stream one assistant reply to stdout, then tokens/s to stderr."""
+    history.append({"role": "user", "content": user})
+    engine = llm.engine
+    rid = f"chat-{len(history)}"
+    start = time.perf_counter()
+    engine.add_request(rid, None, params, prompt_token_ids=llm.apply_chat_template(history))
+    out = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            print(out.delta_text, end="", flush=True)
+    elapsed = time.perf_counter() - start
+    print()
+    history.append({"role": "assistant", "content": out.text})
+    n = len(out.token_ids)
+    print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, "
+          f"time to first token {out.ttft * 1000:.0f} ms, finish: {out.finish_reason}]",
+          file=sys.stderr)
