@@ -17,3 +17,56 @@ def mtbench_prompts(n: int) -> list[str]:
     path = SHARED_DATA / "mtbench" / "question.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
+
+
+def load_jsonl_prompts(path: Path, n: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model, converted from its GGUF into the cache once."""
+    from verifier.loader import DEFAULT_MODEL, resolve_model_dir
+    return resolve_model_dir(DEFAULT_MODEL)
+
+
+def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "llama",
+                    seed: int = 0, **overrides) -> Path:
+    """A random-weight HF checkpoint (config.json + safetensors), built with transformers.
+
+    With tokenizer_dir, the SmolLM2 tokenizer files are copied in (vocab 49152) so the
+    whole engine, detokenization included, runs on it."""
+    import shutil
+
+    import torch
+    import transformers
+
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}[model_type]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[model_type]
+    kw = dict(vocab_size=49152 if tokenizer_dir else 256, hidden_size=64, intermediate_size=128,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw)).float().eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not near-uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer_dir:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """Tiny random Llama with the SmolLM2 tokenizer: fast engine tests."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), smollm2_dir)
