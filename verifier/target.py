@@ -76,7 +76,7 @@ class TargetModel:
         dev = self.device
         meta = self.backend.plan(batch, self.kv.block_size, dev)
         logits, taps = self.net(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                torch.tensor(rows, device=dev), self.kv, self.backend, meta,
+                                torch.tensor(rows, dtype=torch.long, device=dev), self.kv, self.backend, meta,
                                 batch.capture_layers)
         return ForwardOutput(logits, offsets, taps)
 

@@ -2,8 +2,9 @@
 
 Sequences with many new tokens (prefill chunks) run one at a time so that no padding
 is wasted; the rest (decode steps, token trees) are padded into one batched call.
-Per layer: scatter the new K/V into their slots, gather each sequence's slots
-[B, Kmax], and run SDPA under a [B, 1, Qmax, Kmax] boolean mask.
+Per layer: scatter the new K/V into their slots, gather each sequence's whole blocks
+[B, Nblk] (12 KB contiguous copies rather than 768-byte slots: about 3x faster here),
+and run SDPA under a [B, 1, Qmax, Nblk * block_size] boolean mask.
 """
 from __future__ import annotations
 
@@ -16,16 +17,21 @@ from verifier.attention.base import AttentionBackend, register_backend
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.kv_cache import slots_for
 
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 # Sequences with more new tokens than this attend alone (padding them would waste work).
 SOLO_QUERY_LEN = 32
 
 
 @dataclass
 class _Group:
-    q_rows: torch.Tensor | slice   # [B, Qmax] rows of the flattened new tokens, or one slice (B=1)
-    kv_slots: torch.Tensor         # [B, Kmax] physical slots (padded with 0)
-    mask: torch.Tensor             # [B, 1, Qmax, Kmax] bool
-    valid: torch.Tensor | None     # [n] flat indices of real (non-padding) rows in B*Qmax
+    q_rows: torch.Tensor | slice   # [B, Qmax] rows of the flattened new tokens, or a slice when
+                                   # the rows are contiguous (one solo sequence, or B decode steps)
+    kv_blocks: torch.Tensor        # [B, Nblk] physical blocks (padded with block 0, masked out)
+    mask: torch.Tensor             # [B, 1, Qmax, Nblk * block_size] bool
+    valid: torch.Tensor | None     # [n] flat indices of real (non-padding) rows in B*Qmax; None: no padding
 
 
 @dataclass
@@ -62,51 +68,64 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _solo_group(seq: SeqInput, start: int, block_size: int, device) -> _Group:
-        kv = torch.tensor(slots_for(seq.block_table, 0, seq.kv_len, block_size), device=device)
-        mask = new_token_mask(seq).to(device)[None, None]
-        return _Group(slice(start, start + seq.num_new), kv[None], mask, None)
+        nblk = _cdiv(seq.kv_len, block_size)
+        kv = torch.tensor(seq.block_table[:nblk], device=device)
+        mask = torch.zeros(1, 1, seq.num_new, nblk * block_size, dtype=torch.bool)
+        mask[0, 0, :, :seq.kv_len] = new_token_mask(seq)
+        return _Group(slice(start, start + seq.num_new), kv[None], mask.to(device), None)
 
     @staticmethod
     def _padded_group(seqs: list[SeqInput], starts: list[int], block_size: int, device) -> _Group:
-        b, qmax, kmax = len(seqs), max(s.num_new for s in seqs), max(s.kv_len for s in seqs)
+        b, qmax = len(seqs), max(s.num_new for s in seqs)
+        nblk = max(_cdiv(s.kv_len, block_size) for s in seqs)
         q_rows = torch.zeros(b, qmax, dtype=torch.long)
-        kv = torch.zeros(b, kmax, dtype=torch.long)
-        mask = torch.zeros(b, 1, qmax, kmax, dtype=torch.bool)
+        kv = torch.zeros(b, nblk, dtype=torch.long)
+        mask = torch.zeros(b, 1, qmax, nblk * block_size, dtype=torch.bool)
         mask[:, :, :, 0] = True  # padding rows see one key so softmax stays finite; dropped later
         valid = []
+        if qmax == 1 and starts == list(range(starts[0], starts[0] + b)):
+            # All decode steps, adjacent rows: the query gather and output scatter are views.
+            q_rows = slice(starts[0], starts[0] + b)
         for i, (seq, start) in enumerate(zip(seqs, starts)):
             q, n = seq.num_new, seq.kv_len
-            q_rows[i, :q] = torch.arange(start, start + q)
-            kv[i, :n] = torch.tensor(slots_for(seq.block_table, 0, n, block_size))
+            if not isinstance(q_rows, slice):
+                q_rows[i, :q] = torch.arange(start, start + q)
+            used = _cdiv(n, block_size)
+            kv[i, :used] = torch.tensor(seq.block_table[:used])
             mask[i, 0, :q, :] = False
             mask[i, 0, :q, :n] = new_token_mask(seq)
             valid += range(i * qmax, i * qmax + q)
+        if isinstance(q_rows, slice):
+            return _Group(q_rows, kv.to(device), mask.to(device), None)
         return _Group(q_rows.to(device), kv.to(device), mask.to(device),
                       torch.tensor(valid, dtype=torch.long, device=device))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
         kvh, d = k_cache.shape[-2:]
-        k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for g in meta.groups:
-            self._attend_group(q, k_flat, v_flat, g, out, scale)
+            self._attend_group(q, k_cache, v_cache, g, out, scale)
         return out
 
     @staticmethod
-    def _attend_group(q, k_flat, v_flat, g: _Group, out, scale):
+    def _attend_group(q, k_cache, v_cache, g: _Group, out, scale):
         h, d = q.shape[-2:]
-        qg = q[g.q_rows]                                   # [B, Qmax, H, D] (or [Q, H, D] solo)
-        if g.valid is None:
-            qg = qg.unsqueeze(0)
-        kg = k_flat[g.kv_slots].transpose(1, 2)            # [B, KVH, Kmax, D]
-        vg = v_flat[g.kv_slots].transpose(1, 2)
+        b, kvh = g.kv_blocks.shape[0], k_cache.shape[-2]
+        if isinstance(g.q_rows, slice):
+            # solo: [Q, H, D] -> [1, Q, H, D]; all-decode: [B, H, D] -> [B, 1, H, D]
+            qg = q[g.q_rows].unsqueeze(0 if b == 1 else 1)
+        else:
+            qg = q[g.q_rows]                               # [B, Qmax, H, D]
+        # [B, Nblk, bs, KVH, D] -> [B, KVH, Nblk * bs, D]
+        kg = k_cache[g.kv_blocks].view(b, -1, kvh, d).transpose(1, 2)
+        vg = v_cache[g.kv_blocks].view(b, -1, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
                                            scale=scale, enable_gqa=True)  # [B, H, Qmax, D]
         o = o.transpose(1, 2)                              # [B, Qmax, H, D]
         if g.valid is None:
-            out[g.q_rows] = o[0]
+            out[g.q_rows] = o.reshape(-1, h, d)
         else:
             rows = g.q_rows.reshape(-1)[g.valid]
             out[rows] = o.reshape(-1, h, d)[g.valid]

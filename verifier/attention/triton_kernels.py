@@ -235,7 +235,7 @@ def _paged_tree_attn_kernel(
         key_ok = j < hi
         pair_ok = row_ok[:, None] & key_ok[None, :]
         if causal:
-            visible = pair_ok & (j[None, :] < tok[:, None])
+            visible = pair_ok & (j[None, :] <= tok[:, None])
         else:
             tree_vis = tl.load(mask_ptr + mask_off + tok[:, None].to(tl.int64) * q_len + j[None, :],
                                mask=pair_ok, other=0)
