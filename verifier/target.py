@@ -12,6 +12,7 @@ from verifier.config import ModelConfig
 from verifier.kv_cache import KVCache
 from verifier.loader import resolve_model_dir
 from verifier.model import LlamaForCausalLM
+from verifier.tokenizer import Tokenizer
 from verifier.weights import load_safetensors
 
 
@@ -32,10 +33,9 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise ValueError(f"malformed {path}: {e}") from e
 
 
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+def load_tokenizer(model_dir: Path) -> Tokenizer:
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return Tokenizer(model_dir)
     except Exception as e:
         raise ValueError(f"no usable tokenizer files in {model_dir}: {e}") from e
 
