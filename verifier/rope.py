@@ -73,7 +73,8 @@ class RotaryEmbedding:
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, D] (broadcast over heads)
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return (torch.index_select(self.cos, 0, positions).unsqueeze(1),
+                torch.index_select(self.sin, 0, positions).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

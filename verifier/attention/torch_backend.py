@@ -117,10 +117,12 @@ class TorchBackend(AttentionBackend):
             # solo: [Q, H, D] -> [1, Q, H, D]; all-decode: [B, H, D] -> [B, 1, H, D]
             qg = q[g.q_rows].unsqueeze(0 if b == 1 else 1)
         else:
-            qg = q[g.q_rows]                               # [B, Qmax, H, D]
-        # [B, Nblk, bs, KVH, D] -> [B, KVH, Nblk * bs, D]
-        kg = k_cache[g.kv_blocks].view(b, -1, kvh, d).transpose(1, 2)
-        vg = v_cache[g.kv_blocks].view(b, -1, kvh, d).transpose(1, 2)
+            qg = torch.index_select(q, 0, g.q_rows.view(-1)).view(b, -1, h, d)  # [B, Qmax, H, D]
+        # [B * Nblk, bs, KVH, D] -> [B, KVH, Nblk * bs, D]; index_select is ~5x faster than
+        # advanced indexing with a 2-D index here.
+        blocks = g.kv_blocks.view(-1)
+        kg = torch.index_select(k_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+        vg = torch.index_select(v_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
                                            scale=scale, enable_gqa=True)  # [B, H, Qmax, D]
         o = o.transpose(1, 2)                              # [B, Qmax, H, D]
