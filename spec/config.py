@@ -20,6 +20,8 @@ class EngineConfig:
     num_threads: int | None = None        # torch CPU threads; None keeps torch's default
     device: str | None = None             # None: cuda if available, else cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
+    drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
+    speculation: "SpecConfig" = None      # None: SpecConfig() defaults
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
@@ -29,8 +31,33 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.speculation is None:
+            object.__setattr__(self, "speculation", SpecConfig())
+        elif not isinstance(self.speculation, SpecConfig):
+            raise ValueError(f"speculation must be a SpecConfig, got {type(self.speculation).__name__}")
 
 
 def _positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How far to speculate each step; each drafter reads the fields that apply to it."""
+    num_speculative_tokens: int = 4   # γ: depth of the deepest draft node
+    topk: int = 1                     # children per expanded node, n-gram branches (1 = a chain)
+    budget: int | None = None         # draft nodes per request per step; None: γ × topk
+
+    def __post_init__(self):
+        _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        _positive_int("topk", self.topk)
+        if self.budget is not None:
+            _positive_int("budget", self.budget)
+            if self.budget < self.num_speculative_tokens:
+                raise ValueError(f"budget ({self.budget}) must be >= num_speculative_tokens "
+                                 f"({self.num_speculative_tokens}) so the deepest path fits")
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget if self.budget is not None else self.num_speculative_tokens * self.topk

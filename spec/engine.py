@@ -1,10 +1,13 @@
 """The engine: requests in, one step at a time, outputs out.
 
-One step: schedule -> forward (prefill chunks and decode tokens in one pass) -> sample
--> commit (publish full blocks to the prefix cache) -> emit (detokenize, stop checks).
+One step: schedule -> draft (a token tree per decoding request) -> verify (one target
+forward over prefill chunks and every tree) -> accept (exact rejection sampling) ->
+commit (move accepted KV into place, publish full blocks to the prefix cache) -> emit
+(detokenize, stop checks). Plain decoding is the same loop without a drafter.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -13,11 +16,15 @@ from spec.block_manager import BlockManager, BlockManagerConfig
 from spec.config import EngineConfig
 from spec.detokenizer import IncrementalDetokenizer
 from spec.request import Request, RequestOutput, Status
-from spec.sampler import make_generator, sample_token
+from spec.rejection import accept_greedy, accept_tree
+from spec.sampler import apply_penalties, make_generator, sample_token, target_probs
 from spec.sampling_params import SamplingParams
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.kv_cache import slot_of
 from verifier.target import TargetModel
+
+log = logging.getLogger("tercel.engine")
 
 
 class LLMEngine:
@@ -41,6 +48,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
+        self.drafter = None
+        if config.drafter:
+            from drafters.base import build_drafter
+            self.drafter = build_drafter(config.drafter, self.target, config.speculation)
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -49,7 +60,7 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None) -> Request:
+                    prompt_token_ids: list[int] | None = None, speculate: bool = True) -> Request:
         """Validate and queue; ValueError (naming the problem) leaves no state behind."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -61,6 +72,7 @@ class LLMEngine:
                       IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
                       prompt=prompt if isinstance(prompt, str) else None,
                       generator=make_generator(seed))
+        req.speculate = speculate
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -93,36 +105,129 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(lookahead=lambda req: self._spec_limits(req)[1])
+        for req in sched.preempted:
+            self._release_draft(req)
         if sched.is_empty:
             return outputs
-        fwd = self.target.forward(self._forward_batch(sched))
-        return outputs + self._postprocess(sched, fwd)
+        proposals = self._draft(sched)
+        fwd = self.target.forward(self._forward_batch(sched, proposals))
+        return outputs + self._postprocess(sched, proposals, fwd)
 
-    def _forward_batch(self, sched: SchedulerOutput) -> ForwardBatch:
+    # ---- draft ----------------------------------------------------------------------------
+    def _spec_limits(self, req: Request) -> tuple[int, int]:
+        """(max draft depth, max draft nodes) for a decoding request this step; (0, 0) = plain."""
+        if self.drafter is None or not req.speculate:
+            return 0, 0
+        # A step emits at most depth + 1 tokens: never draft past max_tokens or the context.
+        room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        depth = min(self.config.speculation.num_speculative_tokens, room - 1)
+        if depth < 1:
+            return 0, 0
+        return depth, self.config.speculation.max_nodes
+
+    def _draft(self, sched: SchedulerOutput) -> dict[int, "Proposal"]:
+        from drafters.base import DraftRequest
+        picked = [(i, s.request) for i, s in enumerate(sched.seqs)
+                  if s.num_lookahead and not s.request.in_prefill]
+        if not picked:
+            return {}
+        views = [DraftRequest(r.seq_id, r.token_ids, r.params, r.generator, *self._spec_limits(r))
+                 for _, r in picked]
+        try:
+            props = self.drafter.propose(views)
+        except Exception:  # a drafter bug must not fail requests: decode plainly this step
+            log.exception("drafter %s failed; decoding %d requests plainly this step",
+                          self.drafter.name, len(views))
+            return {}
+        for (_, req), prop in zip(picked, props):
+            if prop.tree.tokens[0] != req.token_ids[-1] or prop.num_draft_nodes > self._spec_limits(req)[1]:
+                raise AssertionError(f"drafter {self.drafter.name} broke its contract for {req.request_id}")
+        return {i: p for (i, _), p in zip(picked, props)}
+
+    def _forward_batch(self, sched: SchedulerOutput, proposals: dict) -> ForwardBatch:
         seqs = []
-        for s in sched.seqs:
+        for i, s in enumerate(sched.seqs):
             req, start = s.request, s.request.num_computed_tokens
+            table = self.blocks.block_table(req.seq_id)
+            if i in proposals:
+                tree = proposals[i].tree       # root at slot `start`, node j at start + j
+                seqs.append(SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
+                                     mask=tree.ancestor_mask(), logits_indices=list(range(tree.num_nodes))))
+                continue
             end = start + s.num_new_tokens
-            seqs.append(SeqInput(req.token_ids[start:end], start, self.blocks.block_table(req.seq_id),
+            seqs.append(SeqInput(req.token_ids[start:end], start, table,
                                  logits_indices=None if end == req.num_tokens else []))
         return ForwardBatch(seqs)
 
-    def _postprocess(self, sched: SchedulerOutput, fwd: ForwardOutput) -> list[RequestOutput]:
+    # ---- accept, commit, emit -------------------------------------------------------------
+    def _postprocess(self, sched: SchedulerOutput, proposals: dict, fwd: ForwardOutput) -> list[RequestOutput]:
         outputs = []
         for i, s in enumerate(sched.seqs):
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
-            if req.num_computed_tokens < req.num_tokens:
-                continue                       # a prefill chunk that is not the last one
-            token = sample_token(fwd.seq_logits(i)[-1], req.params, req.prompt_token_ids,
-                                 req.output_token_ids, req.generator)
-            outputs.append(self._append_tokens(req, [token]))
+            if i in proposals:
+                tokens = self._accept_and_commit(req, proposals[i], fwd.seq_logits(i))
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+                if req.num_computed_tokens < req.num_tokens:   # a prefill chunk, not the last
+                    self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
+                    continue
+                tokens = [sample_token(fwd.seq_logits(i)[-1], req.params, req.prompt_token_ids,
+                                       req.output_token_ids, req.generator)]
+            out = self._append_tokens(req, tokens)
+            if i in proposals:
+                req.spec.emitted_tokens += len(out.delta_token_ids)
+            outputs.append(out)
+            if not req.finished:
+                self.blocks.truncate(req.seq_id, req.num_computed_tokens)   # drop rejected tree slots
+                self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
         return outputs
 
+    def _accept_and_commit(self, req: Request, prop, logits: torch.Tensor) -> list[int]:
+        """Exact acceptance over the verified tree; returns the tokens to emit."""
+        tree, p = prop.tree, req.params
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+
+        def node_logits(u: int) -> torch.Tensor:
+            # Penalties see every token up to node u: the output so far plus u's path below the root.
+            return apply_penalties(logits[u], p, prompt, output + tree.path_tokens(u)[1:])
+
+        if p.greedy:
+            result = accept_greedy(tree, lambda u: int(node_logits(u).argmax()))
+        else:
+            result = accept_tree(tree, lambda u: target_probs(node_logits(u)[None], p)[0],
+                                 prop.draft, req.generator)
+        self._commit_kv(req, result.accepted)
+        self._count(req, prop, result.accepted)
+        return [tree.tokens[j] for j in result.accepted] + [result.token]
+
+    def _commit_kv(self, req: Request, accepted: tuple[int, ...]) -> None:
+        """Accepted node j (verified at slot ctx + j) moves to slot ctx + depth; the rest is dropped."""
+        ctx, table, bs = req.num_computed_tokens, self.blocks.block_table(req.seq_id), self.blocks.block_size
+        moves = [(slot_of(table, ctx + j, bs), slot_of(table, ctx + d, bs))
+                 for d, j in enumerate(accepted, start=1) if j != d]
+        if moves:
+            self.target.kv.copy_slots([m[0] for m in moves], [m[1] for m in moves])
+        req.num_computed_tokens = ctx + 1 + len(accepted)   # the root and the accepted path
+
+    @staticmethod
+    def _count(req: Request, prop, accepted: tuple[int, ...]) -> None:
+        st = req.spec
+        st.verify_steps += 1
+        st.draft_tokens += prop.num_draft_nodes
+        st.accepted_tokens += len(accepted)
+        while len(st.accepted_per_depth) < prop.tree.max_depth:
+            st.accepted_per_depth.append(0)
+        for d in range(len(accepted)):
+            st.accepted_per_depth[d] += 1
+
+    def _release_draft(self, req: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.release(req.seq_id)
+
     def _append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
-        """Append sampled tokens one by one until one finishes the request; emit the delta."""
+        """Append tokens one by one until one finishes the request (a stop inside an accepted
+        path discards the rest); emit the delta."""
         added = []
         for t in tokens:
             req.token_ids.append(t)
@@ -147,6 +252,7 @@ class LLMEngine:
         return None
 
     def _finalize(self, req: Request, added: list[int] | None = None) -> RequestOutput:
+        self._release_draft(req)
         req.finish_time = time.perf_counter()
         req.detok.flush(req.output_token_ids)
         del self.requests[req.request_id]

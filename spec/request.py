@@ -55,6 +55,7 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0        # prefix-cache hit at first admission
         self.spec = SpecStats()
+        self.speculate = True                    # False: this request always decodes plainly
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -22,6 +22,20 @@ class KVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move K/V of physical slots src[i] -> dst[i] in every layer (tree commit).
+        The sources are gathered before any write, so overlapping moves are safe."""
+        if self.k.is_cuda:
+            from verifier.attention.triton_kernels import commit_kv
+            s = torch.tensor(src, device=self.k.device)
+            d = torch.tensor(dst, device=self.k.device)
+            commit_kv(self.k, self.v, s, d)
+            return
+        s, d = torch.tensor(src), torch.tensor(dst)
+        for pool in (self.k, self.v):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])   # [L, slots, KVH, D]
+            flat[:, d] = flat[:, s]
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int,
                         head_dim: int, dtype: torch.dtype) -> int:

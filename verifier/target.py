@@ -12,7 +12,7 @@ from verifier.config import ModelConfig
 from verifier.kv_cache import KVCache
 from verifier.loader import resolve_model_dir
 from verifier.model import LlamaForCausalLM
-from verifier.tokenizer import Tokenizer
+from verifier.tokenizer import NullTokenizer, Tokenizer
 from verifier.weights import load_safetensors
 
 
@@ -33,7 +33,9 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise ValueError(f"malformed {path}: {e}") from e
 
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
+def load_tokenizer(model_dir: Path) -> Tokenizer | NullTokenizer:
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return NullTokenizer()
     try:
         return Tokenizer(model_dir)
     except Exception as e:

@@ -34,6 +34,10 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self._template = None
 
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.encode(text, add_special_tokens)}
 
@@ -80,3 +84,21 @@ def _read_template(model_dir: Path, cfg: dict) -> str | None:
     if isinstance(tpl, list):   # named templates: take the default one
         tpl = next((t["template"] for t in tpl if t.get("name") == "default"), None)
     return tpl
+
+
+class NullTokenizer:
+    """For checkpoints without tokenizer files (tiny test models): token ids in, no text out."""
+    bos_token_id = eos_token_id = None
+    chat_template = None
+    vocab = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        raise ValueError("this model has no tokenizer files; pass prompts as token ids")
+
+    encode = __call__
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise ValueError("this model has no tokenizer files, so no chat template")

@@ -1,0 +1,81 @@
+"""The drafter contract, the hand-off types, and the registry.
+
+A drafter proposes, for each decoding request, one `TokenTree` whose root is the
+request's last token (chosen, not yet run through the target). The target verifies
+the whole tree in one forward pass; exact rejection sampling then decides what is
+kept, so a drafter can only change speed, never the output distribution.
+
+Rules every drafter keeps:
+- `propose` is called once per step with every speculating request; it must return one
+  proposal per request, in order, with at most `req.max_nodes` draft nodes and depth at
+  most `req.max_depth`.
+- A drafter that samples children must report the distribution it sampled them from
+  (`Proposal.draft`); a deterministic drafter (n-gram, top-k expansion) leaves it None,
+  and acceptance then treats each child as a point mass.
+- Drafter state (its own KV, hidden states) is keyed by `seq_id`; `release(seq_id)`
+  drops it (finish, cancel, preemption). After a preemption the request comes back
+  with the same seq_id and num_computed 0; the drafter must cope (recompute its state).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from spec.rejection import DraftDistributions
+from spec.sampling_params import SamplingParams
+from tree.token_tree import TokenTree
+
+
+@dataclass
+class DraftRequest:
+    """One request as a drafter sees it this step (built by the engine, read-only)."""
+    seq_id: int
+    token_ids: list[int]            # prompt + output; the last one is the tree root
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_depth: int                  # deepest draft node allowed (tokens left to emit - 1, γ)
+    max_nodes: int                  # draft nodes allowed (root excluded)
+
+
+@dataclass
+class Proposal:
+    tree: TokenTree
+    draft: DraftDistributions | None = None   # None: deterministic (point-mass) proposals
+
+    @property
+    def num_draft_nodes(self) -> int:
+        return self.tree.num_nodes - 1
+
+
+class Drafter(ABC):
+    name = "?"
+
+    @abstractmethod
+    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
+        """One proposal tree per request, in order."""
+
+    def release(self, seq_id: int) -> None:
+        """Forget a request's state (finish, cancel or preemption)."""
+
+
+_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+def register_drafter(kind: str):
+    def deco(factory):
+        _REGISTRY[kind] = factory
+        return factory
+    return deco
+
+
+def build_drafter(spec: str, target, speculation) -> Drafter:
+    """`spec` is `kind` or `kind:argument`: "ngram", "small:/path/to/model",
+    "tree:small:/path+ngram". The target supplies the tokenizer and device."""
+    import drafters  # noqa: F401  (registers the built-in drafters)
+    kind, _, arg = spec.partition(":")
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[kind](arg, target, speculation)

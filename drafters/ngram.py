@@ -1,0 +1,97 @@
+"""Prompt-lookup (n-gram) drafter: no weights.
+
+For the longest suffix of the request's tokens (max_n down to min_n) that occurred
+earlier in its prompt or output, propose what followed it. Several earlier occurrences
+with different continuations become branches of one tree (most recent first), merged
+as a trie. Proposals are deterministic, so acceptance treats them as point masses.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
+from tree.token_tree import TokenTree
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    min_n: int = 2           # shortest suffix worth matching (1 matches too eagerly)
+    max_n: int = 4           # longest suffix tried first
+    max_branches: int = 1    # distinct continuations kept (1 = a chain)
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        if self.max_branches < 1:
+            raise ValueError(f"max_branches must be >= 1, got {self.max_branches}")
+
+
+class _Index:
+    """Positions following every n-gram of one request, extended as tokens arrive."""
+
+    def __init__(self, cfg: NgramConfig):
+        self.cfg = cfg
+        self.seen = 0                                   # tokens indexed so far
+        self.follow: dict[tuple[int, ...], list[int]] = defaultdict(list)
+
+    def update(self, tokens: list[int]) -> None:
+        # Index position i (the token after an n-gram) once the n-gram ending at i-1 exists.
+        for i in range(max(self.seen, 1), len(tokens)):
+            for n in range(self.cfg.min_n, self.cfg.max_n + 1):
+                if i - n >= 0:
+                    self.follow[tuple(tokens[i - n:i])].append(i)
+        self.seen = max(self.seen, len(tokens))
+
+    def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
+        """Continuations of the longest matching suffix, most recent occurrence first."""
+        for n in range(min(self.cfg.max_n, len(tokens) - 1), self.cfg.min_n - 1, -1):
+            # Positions < len(tokens) only: the suffix's own occurrence indexes nothing yet.
+            starts = [p for p in self.follow.get(tuple(tokens[-n:]), ()) if p < len(tokens)]
+            paths, seen_first = [], set()
+            for p in reversed(starts):
+                cont = tokens[p:p + depth]
+                if cont and cont[0] not in seen_first:
+                    seen_first.add(cont[0])
+                    paths.append(cont)
+                if len(paths) == self.cfg.max_branches:
+                    break
+            if paths:
+                return paths
+        return []
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, config: NgramConfig = NgramConfig()):
+        self.config = config
+        self._index: dict[int, _Index] = {}
+
+    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
+        return [self._propose_one(r) for r in reqs]
+
+    def _propose_one(self, req: DraftRequest) -> Proposal:
+        root = req.token_ids[-1]
+        if req.max_depth < 1 or req.max_nodes < 1:
+            return Proposal(TokenTree.single(root))
+        index = self._index.setdefault(req.seq_id, _Index(self.config))
+        index.update(req.token_ids)
+        paths = index.continuations(req.token_ids, req.max_depth)
+        tree = TokenTree.from_paths(root, paths) if paths else TokenTree.single(root)
+        return Proposal(tree.truncated(req.max_nodes + 1))
+
+    def release(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+@register_drafter("ngram")
+def _build(arg: str, target, speculation) -> NgramDrafter:
+    """"ngram" or "ngram:MIN-MAX" (suffix lengths); branches follow speculation.topk."""
+    lo, hi = NgramConfig.min_n, NgramConfig.max_n
+    if arg:
+        try:
+            lo, hi = (int(x) for x in arg.split("-"))
+        except ValueError:
+            raise ValueError(f"ngram drafter takes 'ngram:MIN-MAX', got 'ngram:{arg}'") from None
+    return NgramDrafter(NgramConfig(min_n=lo, max_n=hi, max_branches=speculation.topk))

@@ -1,0 +1,51 @@
+"""Token-tree drafter: one verification tree from several proposals.
+
+`tree:small:PATH` expands the small model's top-k children per node (EAGLE-2-style
+dynamic tree); `tree:small:PATH+ngram` also merges the n-gram continuation into the same
+tree, deduplicating shared prefixes. Every part proposes deterministically, so the merged
+tree is verified with point-mass acceptance, which is exact for any such tree.
+"""
+from __future__ import annotations
+
+from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
+from drafters.ngram import NgramConfig, NgramDrafter
+from drafters.small import SmallModelDrafter
+from tree.builders import merge_trees
+
+
+class TokenTreeDrafter(Drafter):
+    name = "tree"
+
+    def __init__(self, parts: list[Drafter]):
+        if not parts:
+            raise ValueError("the tree drafter needs at least one part, e.g. 'tree:small:PATH+ngram'")
+        self.parts = parts
+
+    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
+        # Each part gets an equal share of the node budget; shared prefixes free up room.
+        sub = [DraftRequest(r.seq_id, r.token_ids, r.params, r.generator, r.max_depth,
+                            max(1, r.max_nodes // len(self.parts))) for r in reqs]
+        per_part = [part.propose(sub) for part in self.parts]
+        out = []
+        for i, r in enumerate(reqs):
+            merged = merge_trees([props[i].tree for props in per_part])
+            out.append(Proposal(merged.truncated(r.max_nodes + 1)))
+        return out
+
+    def release(self, seq_id: int) -> None:
+        for part in self.parts:
+            part.release(seq_id)
+
+
+@register_drafter("tree")
+def _build(arg: str, target, speculation) -> TokenTreeDrafter:
+    parts: list[Drafter] = []
+    for piece in filter(None, arg.split("+")):
+        kind, _, sub = piece.partition(":")
+        if kind == "small":
+            parts.append(SmallModelDrafter(sub, target, speculation, deterministic=True))
+        elif kind == "ngram":
+            parts.append(NgramDrafter(NgramConfig()))
+        else:
+            raise ValueError(f"unknown tree part {piece!r}: use small:PATH and/or ngram, joined by '+'")
+    return TokenTreeDrafter(parts)
