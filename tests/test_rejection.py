@@ -19,6 +19,7 @@ import spec.rejection as rejection
 from spec.rejection import (AcceptResult, DraftDistributions, accept_chain, accept_greedy,
                             accept_tree)
 from tree.token_tree import TokenTree
+from stats import chi_square_pvalue, total_variation
 
 V = 8            # vocabulary of the table model
 L = 3            # length of the emitted prefix whose distribution is compared
@@ -154,31 +155,6 @@ def extend_and_count(emitted: list[list[int]], p_tables: list[torch.Tensor],
             rows = p_tables[k][flat_index(out[need, :k])]
             out[need, k] = torch.multinomial(rows, 1, generator=g)[:, 0]
     return torch.bincount(flat_index(out), minlength=V ** L)
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit. Bins expected below 5 are pooled into one; an
-    observation in a bin of probability 0 (an impossible sequence) gives p = 0."""
-    counts, probs = counts.double(), probs.double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    exp = probs * counts.sum()
-    big = exp >= 5
-    obs_b, exp_b = counts[big], exp[big]
-    pooled_obs, pooled_exp = counts[~big].sum(), exp[~big].sum()
-    if pooled_exp >= 5:
-        obs_b, exp_b = torch.cat([obs_b, pooled_obs[None]]), torch.cat([exp_b, pooled_exp[None]])
-    elif pooled_exp > 0:      # too little to stand alone: fold it into the smallest bin
-        i = exp_b.argmin()
-        obs_b[i] += pooled_obs
-        exp_b[i] += pooled_exp
-    stat = ((obs_b - exp_b) ** 2 / exp_b).sum()
-    df = obs_b.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
-def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    return 0.5 * float((counts.double() / counts.sum() - probs.double()).abs().sum())
 
 
 # ----- the broken rules ------------------------------------------------------------------
