@@ -1,0 +1,151 @@
+"""Speculative decoding inside the engine: T=0 identity with plain decoding for every
+drafter on SmolLM2, stops and max_tokens inside accepted paths, seeds, and no leaked
+KV blocks after cancellations and preemptions."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import mtbench_prompts
+from spec import LLM, SamplingParams
+from spec.config import SpecConfig
+
+NEW = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+DRAFTERS = {
+    "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
+    "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
+    "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
+}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain):
+    return [plain.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(8)]
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    return [o.token_ids for o in plain.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_greedy_speculation_is_token_identical(name, prompts, reference):
+    """8 MT-bench prompts x 64 tokens, one at a time and as a batch of 8: the same tokens as
+    plain greedy decoding; the drafter is really used (tokens accepted)."""
+    drafter, spec = DRAFTERS[name]
+    llm = LLM(max_num_seqs=8, drafter=drafter, speculation=spec)
+    alone = [llm.generate(p, GREEDY)[0] for p in prompts]
+    batch = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in alone] == reference
+    assert [o.token_ids for o in batch] == reference
+    accepted = sum(o.stats.accepted_tokens for o in alone + batch)
+    steps = sum(o.stats.verify_steps for o in alone + batch)
+    print(f"{name}: {accepted} accepted in {steps} verify steps, "
+          f"mean accepted length {sum(o.stats.emitted_tokens for o in batch) / max(1, sum(o.stats.verify_steps for o in batch)):.2f}")
+    assert accepted > 0
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tiny_llama_dir):
+    """Tiny random Llama drafting for itself: acceptance is high, so paths are long."""
+    return LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=96, max_num_seqs=8,
+               drafter=f"small:{tiny_llama_dir}", speculation=SpecConfig(num_speculative_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def tiny_plain(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=96, max_num_seqs=8)
+
+
+def test_max_tokens_never_exceeded_inside_accepted_paths(tiny_spec, tiny_plain):
+    """For max_tokens 1..12 the output has exactly max_tokens tokens, equal to the plain prefix."""
+    p = list(range(100, 140))
+    full = tiny_plain.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    for n in range(1, 13):
+        out = tiny_spec.generate(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        assert out.token_ids == full[:n] and out.finish_reason == "length"
+
+
+def test_stop_string_and_stop_token_inside_accepted_paths(tiny_spec, tiny_plain):
+    """Stops that fall inside an accepted path end the request exactly where plain decoding does."""
+    p = list(range(200, 240))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = tiny_plain.generate(p, params)[0]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    with_stop = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                               stop_token_ids=[full.token_ids[30]])
+    a, b = tiny_plain.generate(p, with_stop)[0], tiny_spec.generate(p, with_stop)[0]
+    assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+    assert b.stats.accepted_tokens > 0 and b.finish_reason == "stop"
+
+
+def test_seeded_sampling_reproduces_under_speculation(tiny_spec):
+    """Same seed, same speculative configuration: the same sampled tokens."""
+    p = list(range(300, 330))
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=42, ignore_eos=True)
+    first = tiny_spec.generate(p, params)[0]
+    assert tiny_spec.generate(p, params)[0].token_ids == first.token_ids
+    assert first.stats.verify_steps > 0
+
+
+def test_stats_are_consistent(tiny_spec):
+    """mean_accepted_length = emitted / verify steps; per-depth acceptance never increases with depth."""
+    out = tiny_spec.generate(list(range(400, 440)), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
+    st = out.stats
+    assert st.mean_accepted_length == pytest.approx(st.emitted_tokens / st.verify_steps)
+    assert st.accepted_tokens == sum(st.accepted_per_depth)
+    assert all(a >= b for a, b in zip(st.accepted_per_depth, st.accepted_per_depth[1:]))
+    assert 1.0 <= st.mean_accepted_length <= 5.0
+
+
+@pytest.mark.parametrize("drafter", ["small", "ngram", "tree"])
+def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, drafter):
+    """100 speculative requests, random aborts and a pool small enough to preempt: integrity
+    after every step, and afterwards both the target's and the drafter's pools are whole."""
+    spec = {"small": f"small:{tiny_llama_dir}", "ngram": "ngram", "tree": f"tree:small:{tiny_llama_dir}+ngram"}[drafter]
+    llm = LLM(str(tiny_llama_dir), max_model_len=160, num_kv_blocks=48, block_size=8, max_num_seqs=8,
+              drafter=spec, speculation=SpecConfig(num_speculative_tokens=3, topk=2))
+    engine, rng = llm.engine, random.Random(7)
+    added, live, preempted = 0, set(), 0
+    while added < 100 or engine.has_unfinished:
+        if added < 100 and rng.random() < 0.6:
+            base = [rng.randrange(3, 400)] * 4 + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))]
+            engine.add_request(f"r{added}", base, SamplingParams(temperature=rng.choice([0, 0.8]), seed=added,
+                                                                 max_tokens=rng.randint(1, 50), ignore_eos=True))
+            live.add(f"r{added}")
+            added += 1
+        if live and rng.random() < 0.08:
+            engine.abort(rng.choice(sorted(live)))
+        preempted += sum(r.num_preemptions for r in engine.requests.values())
+        for out in engine.step():
+            if out.finished:
+                live.discard(out.request_id)
+        engine.check_integrity()
+    assert preempted > 0
+    assert engine.blocks.num_used_blocks == 0 and not engine.requests
+    for part in getattr(engine.drafter, "parts", [engine.drafter]):
+        if hasattr(part, "blocks"):
+            part.blocks.check_integrity()
+            assert part.blocks.num_used_blocks == 0 and not part.state
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir):
+    """A draft checkpoint whose vocabulary differs from the target's is a clear error."""
+    from conftest import make_tiny_model
+    other = make_tiny_model(tmp_path / "other", None)          # 256-token vocab, no tokenizer
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter=f"small:{other}")
+
+
+def test_unknown_drafter_is_refused(tiny_llama_dir):
+    """An unknown drafter kind names the known ones."""
+    with pytest.raises(ValueError, match="unknown drafter 'medusa'.*ngram.*small.*tree"):
+        LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter="medusa")
