@@ -50,8 +50,21 @@ class Proposal:
         return self.tree.num_nodes - 1
 
 
+@dataclass
+class PrefillChunk:
+    """A prompt chunk the target just ran for a request (the drafter may run it too)."""
+    seq_id: int
+    token_ids: list[int]            # the request's tokens; the chunk is token_ids[start:end]
+    start: int
+    end: int
+
+
 class Drafter(ABC):
     name = "?"
+
+    def prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Called after each target prefill step, so a drafter with its own KV keeps pace
+        with the target in the same chunks instead of catching up in one long forward."""
 
     @abstractmethod
     def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
+from drafters.base import DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
 from spec.block_manager import BlockManager, BlockManagerConfig
 from spec.rejection import DraftDistributions
 from spec.sampler import target_probs
@@ -27,6 +27,9 @@ from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel
+
+
+CATCH_UP_CHUNK = 512   # tokens per draft forward when catching up a long gap
 
 
 @dataclass
@@ -72,6 +75,22 @@ class SmallModelDrafter(Drafter):
         st.computed += keep
         st.drafted = []
 
+    def prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Run the target's prompt chunks through the draft model too (same chunking)."""
+        seqs = []
+        for c in chunks:
+            st = self.state.setdefault(c.seq_id, _SeqState())
+            if st.computed != c.start:        # out of step (e.g. a prefix-cache hit): catch up later
+                continue
+            if not self.blocks.has(c.seq_id):
+                self.blocks.allocate(c.seq_id, c.token_ids[:1])
+            self.blocks.ensure_slots(c.seq_id, c.end)
+            seqs.append(SeqInput(c.token_ids[c.start:c.end], c.start, self.blocks.block_table(c.seq_id),
+                                 logits_indices=[]))
+            st.computed = c.end
+        if seqs:
+            self.model.forward(ForwardBatch(seqs))
+
     def release(self, seq_id: int) -> None:
         self.state.pop(seq_id, None)
         if self.blocks.has(seq_id):
@@ -88,6 +107,15 @@ class SmallModelDrafter(Drafter):
         return self._chains(reqs, tables, first)
 
     def _catch_up(self, reqs, tables) -> torch.Tensor:
+        """Bring every request's draft KV up to its root; returns the roots' logits [B, V].
+        Long gaps (a prefix-cache hit, a restart after preemption) go in CATCH_UP_CHUNK pieces."""
+        for r, table in zip(reqs, tables):
+            st = self.state[r.seq_id]
+            while len(r.token_ids) - st.computed > CATCH_UP_CHUNK:
+                end = st.computed + CATCH_UP_CHUNK
+                self.model.forward(ForwardBatch([SeqInput(r.token_ids[st.computed:end], st.computed, table,
+                                                          logits_indices=[])]))
+                st.computed = end
         seqs = []
         for r, table in zip(reqs, tables):
             st = self.state[r.seq_id]

@@ -112,6 +112,7 @@ class LLMEngine:
             return outputs
         proposals = self._draft(sched)
         fwd = self.target.forward(self._forward_batch(sched, proposals))
+        self._drafter_prefill(sched, proposals)
         return outputs + self._postprocess(sched, proposals, fwd)
 
     # ---- draft ----------------------------------------------------------------------------
@@ -144,6 +145,20 @@ class LLMEngine:
             if prop.tree.tokens[0] != req.token_ids[-1] or prop.num_draft_nodes > self._spec_limits(req)[1]:
                 raise AssertionError(f"drafter {self.drafter.name} broke its contract for {req.request_id}")
         return {i: p for (i, _), p in zip(picked, props)}
+
+    def _drafter_prefill(self, sched: SchedulerOutput, proposals: dict) -> None:
+        if self.drafter is None:
+            return
+        from drafters.base import PrefillChunk
+        chunks = [PrefillChunk(s.request.seq_id, s.request.token_ids, s.request.num_computed_tokens,
+                               s.request.num_computed_tokens + s.num_new_tokens)
+                  for i, s in enumerate(sched.seqs)
+                  if i not in proposals and s.request.speculate and s.num_new_tokens > 1]
+        if chunks:
+            try:
+                self.drafter.prefill(chunks)
+            except Exception:   # the drafter catches up later from its own bookkeeping
+                log.exception("drafter %s failed to prefill", self.drafter.name)
 
     def _forward_batch(self, sched: SchedulerOutput, proposals: dict) -> ForwardBatch:
         seqs = []

@@ -149,3 +149,23 @@ def test_unknown_drafter_is_refused(tiny_llama_dir):
     """An unknown drafter kind names the known ones."""
     with pytest.raises(ValueError, match="unknown drafter 'medusa'.*ngram.*small.*tree"):
         LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter="medusa")
+
+
+def test_drafter_prefills_in_the_targets_chunks(tiny_llama_dir, tiny_plain):
+    """With a 16-token prefill budget, the small drafter's KV advances chunk by chunk with the
+    target's, and the output still equals plain greedy decoding."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=96, max_num_batched_tokens=16,
+              drafter=f"small:{tiny_llama_dir}", speculation=SpecConfig(num_speculative_tokens=3))
+    engine, prompt = llm.engine, list(range(500, 560))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    req = engine.add_request("chunked", prompt, params)
+    seen = []
+    while req.num_computed_tokens < len(prompt):
+        engine.step()
+        seen.append((req.num_computed_tokens, engine.drafter.state[req.seq_id].computed))
+    assert seen[:3] == [(16, 16), (32, 32), (48, 48)]
+    out = None
+    while engine.has_unfinished:
+        for o in engine.step():
+            out = o
+    assert out.token_ids == tiny_plain.generate(prompt, params)[0].token_ids

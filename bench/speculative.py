@@ -1,0 +1,122 @@
+"""Speculative-core figures: the verify-time curve of the target forward, and drafter speed
+against the plain engine (batch 1, greedy) on Spec-Bench tasks.
+
+    python -m bench.speculative --tasks summarization,rag --drafters ngram --limit 10 --repeats 3
+
+Speedups are ratios of runs in the same process, interleaved per repeat (plain, drafter,
+plain, drafter, ...), reported as medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.data import specbench_prompts
+from spec import LLM, SamplingParams
+from spec.config import SpecConfig
+from tree.token_tree import TokenTree
+from verifier.batch import ForwardBatch, SeqInput
+
+
+def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats: int = 15) -> dict[int, float]:
+    """Median ms of one target forward over a tree of n nodes after a ctx-token prefix
+    (a binary-ish tree: node i's parent is (i - 1) // 2)."""
+    engine = llm.engine
+    target, blocks, seq = engine.target, engine.blocks, 10**9
+    blocks.allocate(seq, list(range(10, 10 + ctx + max(sizes))))
+    table = blocks.block_table(seq)
+    try:
+        target.forward(ForwardBatch([SeqInput(list(range(10, 10 + ctx)), 0, table)]))
+        out = {}
+        for n in sizes:
+            tree = TokenTree(tokens=list(range(100, 100 + n)), parents=[-1] + [(i - 1) // 2 for i in range(1, n)])
+            batch = ForwardBatch([SeqInput(list(tree.tokens), ctx, table, positions=tree.positions(ctx),
+                                           mask=tree.ancestor_mask(), logits_indices=list(range(n)))])
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                target.forward(batch)
+                times.append(time.perf_counter() - t)
+            out[n] = statistics.median(times) * 1e3
+        return out
+    finally:
+        blocks.free(seq)
+
+
+def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = [llm.generate(p, params)[0] for p in prompts]
+    wall = time.perf_counter() - t
+    steps = sum(o.stats.verify_steps for o in outs)
+    depth = [sum(col) for col in zip(*[o.stats.accepted_per_depth for o in outs if o.stats.accepted_per_depth])]
+    return {"tps": sum(len(o.token_ids) for o in outs) / wall,
+            "tau": sum(o.stats.emitted_tokens for o in outs) / steps if steps else 1.0,
+            "per_depth": [round(d / steps, 3) for d in depth] if steps else [],
+            "draft_tokens_per_step": sum(o.stats.draft_tokens for o in outs) / steps if steps else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="summarization,rag")
+    ap.add_argument("--drafters", default="ngram")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-curve", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = SpecConfig(num_speculative_tokens=args.gamma, topk=args.topk)
+    plain = LLM(max_num_seqs=1)
+    drafters = {d: LLM(max_num_seqs=1, drafter=d, speculation=spec) for d in args.drafters.split(",")}
+    report = {"threads": torch.get_num_threads(), "gamma": args.gamma, "topk": args.topk, "tasks": {}}
+    if not args.no_curve:
+        report["verify_ms"] = verify_curve(plain)
+        print("verify forward (512-token prefix): " +
+              ", ".join(f"{n} nodes {ms:.1f} ms" for n, ms in report["verify_ms"].items()))
+    for task, texts in specbench_prompts(args.tasks.split(","), args.limit).items():
+        prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        runs = {"plain": [], **{d: [] for d in drafters}}
+        for _ in range(args.repeats):
+            runs["plain"].append(run_set(plain, prompts, args.new_tokens))
+            for d, llm in drafters.items():
+                runs[d].append(run_set(llm, prompts, args.new_tokens))
+        report["tasks"][task] = _summarise(runs)
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _summarise(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for name, rs in runs.items():
+        speedups = [r["tps"] / p["tps"] for r, p in zip(rs, runs["plain"])]
+        out[name] = {"tps": statistics.median(r["tps"] for r in rs), "speedup": statistics.median(speedups),
+                     "speedup_range": [min(speedups), max(speedups)], "tau": rs[-1]["tau"],
+                     "per_depth": rs[-1]["per_depth"], "draft_per_step": rs[-1]["draft_tokens_per_step"]}
+    return out
+
+
+def _print(report: dict) -> None:
+    print(f"threads {report['threads']}, gamma {report['gamma']}, topk {report['topk']}")
+    print("| task | drafter | tok/s | speedup (min-max) | tau | accepted per step by depth |")
+    print("|---|---|---|---|---|---|")
+    for task, rows in report["tasks"].items():
+        for name, r in rows.items():
+            lo, hi = r["speedup_range"]
+            print(f"| {task} | {name} | {r['tps']:.1f} | {r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}) | "
+                  f"{r['tau']:.2f} | {r['per_depth']} |")
+
+
+if __name__ == "__main__":
+    main()
