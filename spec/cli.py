@@ -18,6 +18,11 @@ def _chat_args(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--drafter", default=None, help="speculative drafter: ngram, small:PATH, tree:SPEC "
+                                                  "(default: plain decoding)")
+    p.add_argument("--gamma", type=int, default=4, help="speculation depth")
+    p.add_argument("--topk", type=int, default=1, help="children per draft node (1 = a chain)")
+    p.add_argument("--budget", type=int, default=None, help="draft nodes per step")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +41,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_chat(args) -> int:
     from spec import LLM, SamplingParams
+    from spec.config import SpecConfig
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
+    spec = SpecConfig(num_speculative_tokens=args.gamma, topk=args.topk, budget=args.budget)
     print("loading model...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, **({"num_threads": args.threads} if args.threads else {}))
+    llm = LLM(args.model, drafter=args.drafter, speculation=spec,
+              **({"num_threads": args.threads} if args.threads else {}))
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
         _turn(llm, history, args.prompt, params)
@@ -72,6 +80,8 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
     print()
     history.append({"role": "assistant", "content": out.text})
     n = len(out.token_ids)
+    spec = (f", mean accepted length {out.stats.mean_accepted_length:.2f}"
+            if out.stats.verify_steps else "")
     print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, "
-          f"time to first token {out.ttft * 1000:.0f} ms, finish: {out.finish_reason}]",
+          f"time to first token {out.ttft * 1000:.0f} ms{spec}, finish: {out.finish_reason}]",
           file=sys.stderr)
