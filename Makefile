@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make chat` (or `make chat PROMPT="..."`) and `make test`.
+# Two commands on a fresh machine: `make serve` (the OpenAI-compatible server on 127.0.0.1:8000)
+# and `make test`. `make chat` opens a terminal chat.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install chat test test-slow bench clean
+.PHONY: install serve chat test test-slow bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tercel serve $(SERVE_ARGS)
 
 chat: $(STAMP)
 	$(VENV)/bin/tercel chat $(if $(PROMPT),"$(PROMPT)",)

@@ -38,6 +38,7 @@ class DraftRequest:
     generator: torch.Generator | None
     max_depth: int                  # deepest draft node allowed (tokens left to emit - 1, γ)
     max_nodes: int                  # draft nodes allowed (root excluded)
+    topk: int = 1                   # children per expanded node (branches) this request allows
 
 
 @dataclass

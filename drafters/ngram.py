@@ -77,7 +77,7 @@ class NgramDrafter(Drafter):
             return Proposal(TokenTree.single(root))
         index = self._index.setdefault(req.seq_id, _Index(self.config))
         index.update(req.token_ids)
-        paths = index.continuations(req.token_ids, req.max_depth)
+        paths = index.continuations(req.token_ids, req.max_depth)[:req.topk]
         tree = TokenTree.from_paths(root, paths) if paths else TokenTree.single(root)
         return Proposal(tree.truncated(req.max_nodes + 1))
 

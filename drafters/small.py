@@ -102,9 +102,16 @@ class SmallModelDrafter(Drafter):
         for r in reqs:
             self._reuse_drafted(r)
         first = self._catch_up(reqs, tables)                       # [B, V] logits at the roots
-        if self.deterministic and self.spec.topk > 1:
-            return [self._tree(r, t, logits) for r, t, logits in zip(reqs, tables, first)]
-        return self._chains(reqs, tables, first)
+        trees = [i for i, r in enumerate(reqs) if self.deterministic and r.topk > 1]
+        chains = [i for i in range(len(reqs)) if i not in trees]
+        out: list[Proposal | None] = [None] * len(reqs)
+        for i in trees:
+            out[i] = self._tree(reqs[i], tables[i], first[i])
+        if chains:
+            for i, prop in zip(chains, self._chains([reqs[i] for i in chains], [tables[i] for i in chains],
+                                                    first[chains])):
+                out[i] = prop
+        return out
 
     def _catch_up(self, reqs, tables) -> torch.Tensor:
         """Bring every request's draft KV up to its root; returns the roots' logits [B, V].
@@ -153,7 +160,7 @@ class SmallModelDrafter(Drafter):
 
     def _tree(self, req: DraftRequest, table: list[int], root_logits: torch.Tensor) -> Proposal:
         base = len(req.token_ids)            # the root's KV is now cached at base - 1
-        cfg = DynamicTreeConfig(depth=req.max_depth, topk=self.spec.topk, budget=req.max_nodes)
+        cfg = DynamicTreeConfig(depth=req.max_depth, topk=req.topk, budget=req.max_nodes)
 
         def expand(paths: list[list[int]]) -> list[tuple[list[int], list[float]]]:
             if paths == [[]]:

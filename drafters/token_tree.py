@@ -24,7 +24,7 @@ class TokenTreeDrafter(Drafter):
     def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
         # Each part gets an equal share of the node budget; shared prefixes free up room.
         sub = [DraftRequest(r.seq_id, r.token_ids, r.params, r.generator, r.max_depth,
-                            max(1, r.max_nodes // len(self.parts))) for r in reqs]
+                            max(1, r.max_nodes // len(self.parts)), r.topk) for r in reqs]
         per_part = [part.propose(sub) for part in self.parts]
         out = []
         for i, r in enumerate(reqs):

@@ -1,4 +1,4 @@
-"""`tercel` command line: `tercel chat` now; serve, bench and train-drafter join later."""
+"""`tercel` command line: `tercel chat` and `tercel serve`; bench and train-drafter join later."""
 from __future__ import annotations
 
 import argparse
@@ -29,10 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tercel", description="Tercel: speculative-decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _chat_args(sub)
+    from serving.server import add_serve_args
+    add_serve_args(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "chat":
             return run_chat(args)
+        if args.command == "serve":
+            from serving.server import run_serve
+            return run_serve(args)
     except ValueError as e:
         print(f"tercel: error: {e}", file=sys.stderr)
         return 2
@@ -85,3 +90,7 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
     print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, "
           f"time to first token {out.ttft * 1000:.0f} ms{spec}, finish: {out.finish_reason}]",
           file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spec.adaptive import AdaptiveConfig
 from verifier.loader import DEFAULT_MODEL
 
 
@@ -22,6 +23,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
     speculation: "SpecConfig" = None      # None: SpecConfig() defaults
+    adaptive: AdaptiveConfig = AdaptiveConfig(enabled=False)  # turn speculation off when it does not pay
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):

@@ -12,8 +12,9 @@ import time
 
 import torch
 
+from spec.adaptive import AdaptiveController
 from spec.block_manager import BlockManager, BlockManagerConfig
-from spec.config import EngineConfig
+from spec.config import EngineConfig, SpecConfig
 from spec.detokenizer import IncrementalDetokenizer
 from spec.request import Request, RequestOutput, Status
 from spec.rejection import accept_greedy, accept_tree
@@ -49,6 +50,8 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
         self.drafter = None
+        self.adaptive = AdaptiveController(config.adaptive)
+        self._spec_on = False
         if config.drafter:
             from drafters.base import build_drafter
             self.drafter = build_drafter(config.drafter, self.target, config.speculation)
@@ -60,7 +63,10 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None, speculate: bool = True) -> Request:
+                    prompt_token_ids: list[int] | None = None, speculate: bool = True,
+                    speculation: SpecConfig | None = None) -> Request:
+        """`speculate=False` decodes this request plainly; `speculation` caps its tree
+        (depth, top-k, budget) below the engine's own SpecConfig."""
         """Validate and queue; ValueError (naming the problem) leaves no state behind."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -73,9 +79,20 @@ class LLMEngine:
                       prompt=prompt if isinstance(prompt, str) else None,
                       generator=make_generator(seed))
         req.speculate = speculate
+        req.speculation = self._cap_speculation(speculation)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:
+        if spec is None:
+            return None
+        top = self.config.speculation
+        for name, mine, cap in (("gamma", spec.num_speculative_tokens, top.num_speculative_tokens),
+                                ("topk", spec.topk, top.topk), ("budget", spec.max_nodes, top.max_nodes)):
+            if mine > cap:
+                raise ValueError(f"speculation {name} {mine} exceeds the server's limit {cap}")
+        return spec
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -105,6 +122,8 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        start = time.perf_counter()
+        self._spec_on = self.drafter is not None and self.adaptive.enabled(len(self.scheduler.running))
         sched = self.scheduler.schedule(lookahead=lambda req: self._spec_limits(req)[1])
         for req in sched.preempted:
             self._release_draft(req)
@@ -113,19 +132,32 @@ class LLMEngine:
         proposals = self._draft(sched)
         fwd = self.target.forward(self._forward_batch(sched, proposals))
         self._drafter_prefill(sched, proposals)
-        return outputs + self._postprocess(sched, proposals, fwd)
+        new = self._postprocess(sched, proposals, fwd)
+        self._observe(sched, new, proposals, time.perf_counter() - start)
+        return outputs + new
+
+    def _observe(self, sched: SchedulerOutput, new: list[RequestOutput], proposals: dict, seconds: float) -> None:
+        """Feed pure decode steps to the adaptive controller (prefill work would skew the rate)."""
+        if self.drafter is None or any(s.num_new_tokens > 1 for s in sched.seqs):
+            return
+        emitted = sum(len(o.delta_token_ids) for o in new)
+        self.adaptive.observe(bool(proposals), len(sched.seqs), emitted / len(sched.seqs), seconds)
 
     # ---- draft ----------------------------------------------------------------------------
-    def _spec_limits(self, req: Request) -> tuple[int, int]:
-        """(max draft depth, max draft nodes) for a decoding request this step; (0, 0) = plain."""
-        if self.drafter is None or not req.speculate:
-            return 0, 0
+    def _spec_limits(self, req: Request) -> tuple[int, int, int]:
+        """(max draft depth, max draft nodes, top-k) for a decoding request this step; depth 0 = plain."""
+        # Seeded sampling reproduces only along one speculation path, so adaptive switching
+        # (which depends on load and timing) leaves seeded sampled requests speculating.
+        pinned = req.params.seed is not None and not req.params.greedy
+        if self.drafter is None or not req.speculate or not (self._spec_on or pinned):
+            return 0, 0, 1
+        spec = req.speculation or self.config.speculation
         # A step emits at most depth + 1 tokens: never draft past max_tokens or the context.
         room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-        depth = min(self.config.speculation.num_speculative_tokens, room - 1)
+        depth = min(spec.num_speculative_tokens, room - 1)
         if depth < 1:
-            return 0, 0
-        return depth, self.config.speculation.max_nodes
+            return 0, 0, 1
+        return depth, spec.max_nodes, spec.topk
 
     def _draft(self, sched: SchedulerOutput) -> dict[int, "Proposal"]:
         from drafters.base import DraftRequest
@@ -190,7 +222,7 @@ class LLMEngine:
                 tokens = [sample_token(fwd.seq_logits(i)[-1], req.params, req.prompt_token_ids,
                                        req.output_token_ids, req.generator)]
             out = self._append_tokens(req, tokens)
-            if i in proposals:
+            if i in proposals and proposals[i].num_draft_nodes:
                 req.spec.emitted_tokens += len(out.delta_token_ids)
             outputs.append(out)
             if not req.finished:
@@ -227,6 +259,9 @@ class LLMEngine:
 
     @staticmethod
     def _count(req: Request, prop, accepted: tuple[int, ...]) -> None:
+        """Verify steps with at least one draft node (a bare root is a plain decode step)."""
+        if not prop.num_draft_nodes:
+            return
         st = req.spec
         st.verify_steps += 1
         st.draft_tokens += prop.num_draft_nodes

@@ -56,6 +56,7 @@ class Request:
         self.num_cached_prompt_tokens = 0        # prefix-cache hit at first admission
         self.spec = SpecStats()
         self.speculate = True                    # False: this request always decodes plainly
+        self.speculation = None                  # a per-request SpecConfig cap (None: the engine's)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,0 +1,66 @@
+"""Prometheus metrics (names as in DESIGN.md), on a registry of their own per server."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("tercel_requests_running", "requests holding KV blocks", registry=r)
+        self.waiting = Gauge("tercel_requests_waiting", "requests queued for admission", registry=r)
+        self.blocks_used = Gauge("tercel_kv_blocks_used", "KV blocks referenced by requests", registry=r)
+        self.blocks_free = Gauge("tercel_kv_blocks_free", "KV blocks free or evictable", registry=r)
+        self.prefix_queries = Counter("tercel_prefix_cache_queries", "prompt tokens looked up", registry=r)
+        self.prefix_hits = Counter("tercel_prefix_cache_hits", "prompt tokens served from the cache", registry=r)
+        self.ttft = Histogram("tercel_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tercel_inter_token_latency_seconds", "time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tercel_e2e_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tercel_prompt_tokens", "prompt tokens", registry=r)
+        self.generated_tokens = Counter("tercel_generated_tokens", "generated tokens", registry=r)
+        self.verify_steps = Counter("tercel_spec_verify_steps", "speculative verify steps", registry=r)
+        self.draft_tokens = Counter("tercel_spec_draft_tokens", "draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("tercel_spec_accepted_tokens", "draft tokens accepted", registry=r)
+        self.accepted_per_position = Counter("tercel_spec_accepted_per_position", "accepted draft tokens by depth",
+                                             ["position"], registry=r)
+        self.mean_accepted = Gauge("tercel_spec_mean_accepted_length",
+                                   "tokens per verify step over the last finished requests", registry=r)
+        self.spec_enabled = Gauge("tercel_spec_enabled", "1 while the engine speculates", registry=r)
+        self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
+        self._recent: list[tuple[int, int]] = []   # (emitted, verify steps) of recent finished requests
+        self._prefix_seen = (0, 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def engine_state(self, engine) -> None:
+        """Gauges and prefix counters, read on the engine thread after each step."""
+        s = engine.scheduler
+        self.running.set(len(s.running))
+        self.waiting.set(len(s.waiting))
+        self.blocks_used.set(engine.blocks.num_used_blocks)
+        self.blocks_free.set(engine.blocks.num_free_blocks)
+        q, h = engine.blocks.prefix_queries, engine.blocks.prefix_hits
+        self.prefix_queries.inc(q - self._prefix_seen[0])
+        self.prefix_hits.inc(h - self._prefix_seen[1])
+        self._prefix_seen = (q, h)
+        self.spec_enabled.set(1 if engine.drafter is not None and engine.adaptive.state else 0)
+
+    def finished(self, out, num_prompt_tokens: int) -> None:
+        st = out.stats
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generated_tokens.inc(len(out.token_ids))
+        if out.total_time is not None:
+            self.e2e.observe(out.total_time)
+        self.verify_steps.inc(st.verify_steps)
+        self.draft_tokens.inc(st.draft_tokens)
+        self.accepted_tokens.inc(st.accepted_tokens)
+        for depth, n in enumerate(st.accepted_per_depth, start=1):
+            if n:
+                self.accepted_per_position.labels(position=str(depth)).inc(n)
+        if st.verify_steps:
+            self._recent = (self._recent + [(st.emitted_tokens, st.verify_steps)])[-64:]
+            self.mean_accepted.set(sum(e for e, _ in self._recent) / sum(v for _, v in self._recent))

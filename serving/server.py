@@ -1,0 +1,108 @@
+"""`tercel serve`: load the model, start the engine thread, serve HTTP with uvicorn."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+log = logging.getLogger("tercel.serve")
+DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head ships
+
+
+def add_serve_args(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, .gguf file or HF directory")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram, small:PATH, tree:SPEC, or 'none'")
+    p.add_argument("--gamma", type=int, default=4, help="speculation depth")
+    p.add_argument("--topk", type=int, default=1, help="children per draft node")
+    p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
+    p.add_argument("--no-adaptive", action="store_true", help="always speculate, whatever the load")
+    p.add_argument("--spec-max-batch", type=int, default=8, help="running requests above which speculation is off")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks in the pool")
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="size the KV pool as this fraction of the device's memory (instead of --kv-blocks)")
+    p.add_argument("--api-key", default=os.environ.get("TERCEL_API_KEY"), help="require Bearer auth")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--profile", default=None, help="a tuned profile from `tercel bench grid` (JSON)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_config(args):
+    from spec.adaptive import AdaptiveConfig
+    from spec.config import EngineConfig, SpecConfig
+    drafter, spec = args.drafter, dict(num_speculative_tokens=args.gamma, topk=args.topk, budget=args.budget)
+    if args.profile:
+        drafter, spec = _read_profile(Path(args.profile), drafter, spec)
+    kv = {}
+    if args.kv_blocks:
+        kv["num_kv_blocks"] = args.kv_blocks
+    elif args.kv_memory_fraction:
+        if not 0 < args.kv_memory_fraction < 1:
+            raise ValueError(f"--kv-memory-fraction must be in (0, 1), got {args.kv_memory_fraction}")
+        kv["kv_cache_bytes"] = int(_device_memory() * args.kv_memory_fraction)
+    return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        drafter=None if drafter in (None, "", "none") else drafter,
+                        speculation=SpecConfig(**spec), num_threads=args.threads,
+                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch), **kv)
+
+
+def _read_profile(path: Path, drafter, spec):
+    try:
+        prof = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read profile {path}: {e}") from None
+    best = prof.get("default", prof)
+    spec = dict(num_speculative_tokens=best.get("gamma", spec["num_speculative_tokens"]),
+                topk=best.get("topk", spec["topk"]), budget=best.get("budget", spec["budget"]))
+    return best.get("drafter", drafter), spec
+
+
+def _device_memory() -> int:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from serving.app import ServerConfig, build_app
+    from serving.bridge import EngineBridge
+    from serving.metrics import Metrics
+    from spec.engine import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config(args)
+    log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
+    engine = LLMEngine(config)
+    bridge = EngineBridge(engine, Metrics(), max_queue=args.max_queue)
+    names = (args.model, Path(args.model).name)
+    app = build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
+
+    # SIGTERM: uvicorn stops accepting and waits up to --grace for open requests. sse-starlette
+    # would cut streams at once; let them finish instead (uvicorn cancels them after the grace).
+    from sse_starlette.sse import AppStatus
+    AppStatus.disable_automatic_graceful_drain()
+
+    @app.on_event("shutdown")
+    def _stop():
+        bridge.shutdown(1.0)   # connections are closed by now; abort anything left
+
+    # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully; the handler it
+    # restores first is this no-op, so a graceful stop exits with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    bridge.start()
+    log.info("serving on http://%s:%d", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=max(1, int(args.grace)))
+    return 0

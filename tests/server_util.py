@@ -1,0 +1,61 @@
+"""A live Tercel server on a loopback port, run by uvicorn in a background thread."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from serving.app import ServerConfig, build_app
+from serving.bridge import EngineBridge
+from serving.metrics import Metrics
+from spec.engine import LLMEngine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, config, model_name: str, api_key: str | None = None, max_queue: int = 256):
+        self.engine = LLMEngine(config)
+        self.bridge = EngineBridge(self.engine, Metrics(), max_queue=max_queue)
+        app = build_app(self.bridge, ServerConfig(model_names=(model_name,), api_key=api_key))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_name
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.bridge.start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+
+    def metric(self, name: str, headers: dict | None = None) -> float:
+        text = httpx.get(f"{self.url}/metrics", headers=headers or {}).text
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        """Until no request holds KV blocks (bounded; the engine frees within a step)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine.blocks.num_used_blocks == 0 and not self.engine.scheduler.running \
+                    and self.bridge.in_flight == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError("requests still hold KV blocks")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.bridge.shutdown(0)

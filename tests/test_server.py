@@ -1,0 +1,255 @@
+"""`tercel serve` over real HTTP on loopback: the official openai client, SSE format,
+bad input, auth, queue limits, cancellation, drafter faults and SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_util import LiveServer, free_port
+from spec.adaptive import AdaptiveConfig
+from spec.config import EngineConfig, SpecConfig
+
+ENGINE = dict(max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = LiveServer(EngineConfig(model=str(tiny_llama_dir), drafter="ngram", adaptive=AdaptiveConfig(), **ENGINE),
+                   model_name="tiny")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, content="Say something.", **kw):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_chat_non_streaming_with_usage(client):
+    """A chat completion has one choice, an assistant message, usage and the tercel extension."""
+    r = chat(client, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert set(r.model_extra["tercel"]) >= {"proposed", "accepted", "mean_accepted_length"}
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    """Streamed deltas (role first, content, finish, usage) add up to the non-streamed text at T=0."""
+    full = chat(client, max_tokens=16, temperature=0)
+    chunks = list(chat(client, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content and finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_string_and_token_ids(client, server):
+    """/v1/completions takes a string or token ids, streamed or not."""
+    tok = server.engine.tokenizer
+    a = client.completions.create(model="tiny", prompt="The weather today", max_tokens=8, temperature=0)
+    ids = tok("The weather today")["input_ids"]
+    b = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    s = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The weather today", max_tokens=8, temperature=0, stream=True))
+    assert a.object == "text_completion" and a.choices[0].text == b.choices[0].text == s
+    assert a.usage.prompt_tokens == len(ids)
+
+
+def test_n_choices_seed_and_stop(client):
+    """n=2 gives two choices; a seed reproduces sampled output; a stop string cuts the text."""
+    r = chat(client, max_tokens=10, temperature=1.0, n=2, seed=5)
+    assert [c.index for c in r.choices] == [0, 1]
+    again = chat(client, max_tokens=10, temperature=1.0, n=2, seed=5)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]
+    full = chat(client, max_tokens=20, temperature=0).choices[0].message.content
+    stop = full[6:9]
+    cut = chat(client, max_tokens=20, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[:full.index(stop)]
+
+
+def test_models_and_health(server):
+    """/v1/models lists the served model; /health is 200."""
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+BAD = [
+    (b"{not json", 400, None),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": "sometimes"}, 400,
+     "speculation"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"gamma": 99}}, 400, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, body, status, param):
+    """Malformed or out-of-range requests: the status, an OpenAI-style error body, no 422."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_speculation_field_off_auto_object(client):
+    """speculation "off" reports no verify steps; an object caps the tree; T=0 text is the same."""
+    off = chat(client, "repeat: a b c a b c a b c a b", max_tokens=24, temperature=0, extra_body={"speculation": "off"})
+    obj = chat(client, "repeat: a b c a b c a b c a b", max_tokens=24, temperature=0,
+               extra_body={"speculation": {"drafter": "ngram", "gamma": 2}})
+    assert off.model_extra["tercel"]["verify_steps"] == 0
+    assert off.choices[0].message.content == obj.choices[0].message.content
+
+
+def test_sixteen_concurrent_streams_then_pool_is_whole(server):
+    """16 concurrent streaming clients get the same text as sequential non-streaming requests;
+    afterwards /metrics shows no KV block in use."""
+    prompts = [f"Tell me about topic number {i}." for i in range(16)]
+    ref = [httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 20, "temperature": 0,
+        "speculation": "off"}, timeout=60).json()["choices"][0]["message"]["content"] for p in prompts]
+
+    async def one(ac, p):
+        stream = await ac.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                  max_tokens=20, temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    assert asyncio.run(main()) == ref
+    server.wait_idle()
+    assert server.metric("tercel_kv_blocks_used") == 0
+    assert server.metric("tercel_kv_blocks_free") == server.engine.blocks.num_total_blocks
+
+
+def test_client_disconnect_frees_blocks(server):
+    """Closing a stream mid-way cancels the request and frees its KV blocks."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 200,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        assert server.engine.blocks.num_used_blocks > 0
+    server.wait_idle()
+    assert server.metric("tercel_kv_blocks_used") == 0
+
+
+def test_drafter_error_falls_back_to_plain_decoding(server, client, monkeypatch):
+    """A drafter that raises is logged; the request completes with the plain-decoding output."""
+    ref = chat(client, "fallback please", max_tokens=12, temperature=0, extra_body={"speculation": "off"})
+
+    def boom(reqs):
+        raise RuntimeError("drafter exploded")
+
+    monkeypatch.setattr(server.engine.drafter, "propose", boom)
+    r = chat(client, "fallback please", max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].message.content
+
+
+def test_api_key_and_queue_limit(tiny_llama_dir):
+    """With --api-key: 401 without the key, /health open. With a full queue: 429 + Retry-After,
+    while the running requests complete."""
+    s = LiveServer(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=1),
+                   model_name="tiny", api_key="sekrit", max_queue=1)
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "ignore_eos": True}
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=body).status_code == 401
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=body,
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        auth = {"Authorization": "Bearer sekrit"}
+
+        async def fire():
+            async with httpx.AsyncClient(timeout=60) as ac:
+                return await asyncio.gather(*(ac.post(f"{s.url}/v1/chat/completions", json=body, headers=auth)
+                                              for _ in range(6)))
+
+        codes = [r.status_code for r in asyncio.run(fire())]
+        assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        r429 = next(r for r in asyncio.run(fire()) if r.status_code == 429)
+        assert r429.headers["retry-after"] == "1" and r429.json()["error"]["type"] == "rate_limit_error"
+        s.wait_idle()
+    finally:
+        s.close()
+
+
+def test_sigterm_finishes_in_flight_request_and_exits_0(tiny_llama_dir):
+    """`tercel serve` under SIGTERM stops accepting, lets the running request finish, exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spec.cli", "serve", "--model", str(tiny_llama_dir),
+                             "--port", str(port), "--max-model-len", "256", "--kv-blocks", "64", "--grace", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not come up"
+            time.sleep(0.2)
+        body = {"model": str(tiny_llama_dir), "messages": [{"role": "user", "content": "x"}], "max_tokens": 60,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_smollm2_greedy_through_the_api_equals_speculation_off(smollm2_dir):
+    """SmolLM2, 8 MT-bench prompts, T=0: the default (speculating, n-gram) equals speculation "off"."""
+    from conftest import mtbench_prompts
+    s = LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig()), model_name="smol")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=300)
+        for p in mtbench_prompts(8):
+            msgs = [{"role": "user", "content": p}]
+            spec = c.chat.completions.create(model="smol", messages=msgs, max_tokens=48, temperature=0)
+            off = c.chat.completions.create(model="smol", messages=msgs, max_tokens=48, temperature=0,
+                                            extra_body={"speculation": "off"})
+            assert spec.choices[0].message.content == off.choices[0].message.content
+            assert off.model_extra["tercel"]["verify_steps"] == 0
+        s.wait_idle()
+    finally:
+        s.close()
