@@ -100,7 +100,7 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
         sampling = {**req.sampling, "seed": None if seed is None else seed + choice}
         try:
             params = SamplingParams(max_tokens=max_tokens, **sampling)
-            engine._validate(ids, params)          # context length, token ids: before any stream starts
+            engine.validate(ids, params)          # context length, token ids: before any stream starts
         except ValueError as e:
             param = "max_tokens" if "max_tokens" in str(e) else "messages" if "prompt" in str(e) else None
             code = "context_length_exceeded" if "context length" in str(e) else None

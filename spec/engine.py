@@ -71,7 +71,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        self._validate(ids, params)
+        self.validate(ids, params)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, ids, params,
@@ -94,7 +94,8 @@ class LLMEngine:
                 raise ValueError(f"speculation {name} {mine} exceeds the server's limit {cap}")
         return spec
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this prompt and these params can never run here (read-only)."""
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.target.config.vocab_size
@@ -104,7 +105,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context length max_model_len={self.max_model_len}")
-        if self.blocks.blocks_needed(None, total) > self.blocks.num_total_blocks:
+        # Tree verification needs room for the draft nodes on top of the tokens themselves.
+        slots = total + (self.config.speculation.max_nodes if self.drafter is not None else 0)
+        if self.blocks.blocks_needed(None, slots) > self.blocks.num_total_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs more KV blocks than the "
                              f"pool has ({self.blocks.num_total_blocks} of {self.blocks.block_size})")
 
