@@ -224,13 +224,17 @@ class LLMEngine:
                     continue
                 tokens = [sample_token(fwd.seq_logits(i)[-1], req.params, req.prompt_token_ids,
                                        req.output_token_ids, req.generator)]
-            out = self._append_tokens(req, tokens)
+            added, reason = self._append_tokens(req, tokens)
             if i in proposals and proposals[i].num_draft_nodes:
-                req.spec.emitted_tokens += len(out.delta_token_ids)
-            outputs.append(out)
-            if not req.finished:
+                req.spec.emitted_tokens += len(added)
+            # Publish before a finish frees the blocks: the next turn of a chat reuses them.
+            self.blocks.publish(req.seq_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
+            if reason:
+                self.scheduler.finish(req, reason)
+                outputs.append(self._finalize(req, added))
+            else:
                 self.blocks.truncate(req.seq_id, req.num_computed_tokens)   # drop rejected tree slots
-                self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
+                outputs.append(self._output(req, added))
         return outputs
 
     def _accept_and_commit(self, req: Request, prop, logits: torch.Tensor) -> list[int]:
@@ -278,9 +282,9 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.release(req.seq_id)
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """Append tokens one by one until one finishes the request (a stop inside an accepted
-        path discards the rest); emit the delta."""
+        path discards the rest). Returns the tokens added and the finish reason, if any."""
         added = []
         for t in tokens:
             req.token_ids.append(t)
@@ -290,9 +294,8 @@ class LLMEngine:
             req.detok.add(req.output_token_ids)
             reason = self._finish_reason(req, t)
             if reason:
-                self.scheduler.finish(req, reason)
-                break
-        return self._finalize(req, added) if req.finished else self._output(req, added)
+                return added, reason
+        return added, None
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

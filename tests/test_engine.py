@@ -225,3 +225,13 @@ def test_stress_random_requests_cancellations_preemptions(tiny_llama_dir):
         engine.check_integrity()
     assert finished == 200 and preemptions > 0
     assert_pool_whole(llm)
+
+
+def test_prefix_of_a_finished_one_token_request_is_reused(tiny_llama_dir):
+    """A request that finishes in its first step (max_tokens=1) still publishes its full prompt
+    blocks, so the next request with the same prefix hits the cache."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64)
+    shared = prompts(1, seed=21, lo=70, hi=70)[0]
+    llm.generate(shared + [5], SamplingParams(temperature=0, max_tokens=1))
+    second = llm.generate(shared + [6, 7], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert second.num_cached_tokens == 64
