@@ -16,8 +16,10 @@ from tree.token_tree import TokenTree
 
 @dataclass(frozen=True)
 class NgramConfig:
-    min_n: int = 2           # shortest suffix worth matching (1 matches too eagerly)
-    max_n: int = 4           # longest suffix tried first
+    # Measured on Spec-Bench rag/summarization (γ=3): suffixes of 3-5 tokens accept 0.63-0.65
+    # of first drafts against 0.49-0.52 for 2-4, at the same speed or better.
+    min_n: int = 3           # shortest suffix worth matching (shorter ones match too eagerly)
+    max_n: int = 5           # longest suffix tried first
     max_branches: int = 1    # distinct continuations kept (1 = a chain)
 
     def __post_init__(self):
