@@ -77,7 +77,7 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             ids = tokenizer.apply_chat_template(req.prompts[0])
         except ValueError as e:
             raise bad("messages", str(e)) from None
-        return await _generate(request, req, [ids] * 1, chat=True)
+        return await _generate(request, req, [ids], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
