@@ -1,7 +1,6 @@
 """`tercel serve`: load the model, start the engine thread, serve HTTP with uvicorn."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os

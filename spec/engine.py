@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +17,7 @@ from spec.adaptive import AdaptiveController
 from spec.block_manager import BlockManager, BlockManagerConfig
 from spec.config import EngineConfig, SpecConfig
 from spec.detokenizer import IncrementalDetokenizer
-from spec.request import Request, RequestOutput, Status
+from spec.request import Request, RequestOutput
 from spec.rejection import accept_greedy, accept_tree
 from spec.sampler import apply_penalties, make_generator, sample_token, target_probs
 from spec.sampling_params import SamplingParams
@@ -24,6 +25,9 @@ from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.kv_cache import slot_of
 from verifier.target import TargetModel
+
+if TYPE_CHECKING:
+    from drafters.base import Proposal
 
 log = logging.getLogger("tercel.engine")
 

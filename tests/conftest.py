@@ -70,3 +70,23 @@ def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "ll
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     """Tiny random Llama with the SmolLM2 tokenizer: fast engine tests."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), smollm2_dir)
+
+
+def drive_random_requests(engine, rng, total: int, make_request, add_p: float, abort_p: float) -> tuple[int, int]:
+    """Add `total` requests at random steps (make_request(i) -> (prompt ids, params)), abort live
+    ones at random, check the block pool after every step. Returns (finished, preemptions seen)."""
+    added, finished, preemptions, live = 0, 0, 0, set()
+    while added < total or engine.has_unfinished:
+        while added < total and rng.random() < add_p:
+            engine.add_request(f"r{added}", *make_request(added))
+            live.add(f"r{added}")
+            added += 1
+        if live and rng.random() < abort_p:
+            engine.abort(rng.choice(sorted(live)))
+        preemptions += sum(r.num_preemptions for r in engine.requests.values())
+        for out in engine.step():
+            if out.finished:
+                live.discard(out.request_id)
+                finished += 1
+        engine.check_integrity()
+    return finished, preemptions

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from server_util import LiveServer, free_port
 from spec.adaptive import AdaptiveConfig
-from spec.config import EngineConfig, SpecConfig
+from spec.config import EngineConfig
 
 ENGINE = dict(max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
 

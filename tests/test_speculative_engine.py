@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import mtbench_prompts
+from conftest import drive_random_requests, mtbench_prompts
 from spec import LLM, SamplingParams
 from spec.config import SpecConfig
 
@@ -114,21 +114,13 @@ def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_lla
     llm = LLM(str(tiny_llama_dir), max_model_len=160, num_kv_blocks=48, block_size=8, max_num_seqs=8,
               drafter=spec, speculation=SpecConfig(num_speculative_tokens=3, topk=2))
     engine, rng = llm.engine, random.Random(7)
-    added, live, preempted = 0, set(), 0
-    while added < 100 or engine.has_unfinished:
-        if added < 100 and rng.random() < 0.6:
-            base = [rng.randrange(3, 400)] * 4 + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))]
-            engine.add_request(f"r{added}", base, SamplingParams(temperature=rng.choice([0, 0.8]), seed=added,
-                                                                 max_tokens=rng.randint(1, 50), ignore_eos=True))
-            live.add(f"r{added}")
-            added += 1
-        if live and rng.random() < 0.08:
-            engine.abort(rng.choice(sorted(live)))
-        preempted += sum(r.num_preemptions for r in engine.requests.values())
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.request_id)
-        engine.check_integrity()
+
+    def make(i):
+        base = [rng.randrange(3, 400)] * 4 + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))]
+        return base, SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 50),
+                                    ignore_eos=True)
+
+    _, preempted = drive_random_requests(engine, rng, 100, make, add_p=0.6, abort_p=0.08)
     assert preempted > 0
     assert engine.blocks.num_used_blocks == 0 and not engine.requests
     for part in getattr(engine.drafter, "parts", [engine.drafter]):
