@@ -60,8 +60,23 @@ class PrefillChunk:
     end: int
 
 
+@dataclass
+class TargetHidden:
+    """Target hidden states for positions the target just computed and kept (prefill chunk
+    rows, or a verified tree's root plus accepted path), for drafters that read features."""
+    seq_id: int
+    start: int                      # target position of the first row
+    hidden: torch.Tensor            # [n, sum of tapped widths]: `capture_layers` concatenated in order
+
+
 class Drafter(ABC):
     name = "?"
+    # Decoder layers whose input hidden states this drafter reads (EAGLE: three taps).
+    # Non-empty: the engine captures them in every target forward and calls `observe`.
+    capture_layers: tuple[int, ...] = ()
+
+    def observe(self, states: list[TargetHidden]) -> None:
+        """Target hidden states of newly kept positions, in position order per request."""
 
     def prefill(self, chunks: list[PrefillChunk]) -> None:
         """Called after each target prefill step, so a drafter with its own KV keeps pace

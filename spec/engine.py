@@ -139,7 +139,9 @@ class LLMEngine:
         proposals = self._draft(sched)
         fwd = self.target.forward(self._forward_batch(sched, proposals))
         self._drafter_prefill(sched, proposals)
-        new = self._postprocess(sched, proposals, fwd)
+        kept: list[tuple[int, int, range | list[int]]] = []
+        new = self._postprocess(sched, proposals, fwd, kept)
+        self._drafter_observe(fwd, kept)
         self._observe(sched, new, proposals, time.perf_counter() - start)
         return outputs + new
 
@@ -199,6 +201,22 @@ class LLMEngine:
             except Exception:   # the drafter catches up later from its own bookkeeping
                 log.exception("drafter %s failed to prefill", self.drafter.name)
 
+    def _drafter_observe(self, fwd: ForwardOutput, kept: list) -> None:
+        """Hand the tapped hidden states of kept positions to a feature-reading drafter."""
+        if self.drafter is None or not self.drafter.capture_layers:
+            return
+        from drafters.base import TargetHidden
+        kept = [(req, start, rows) for req, start, rows in kept if req.speculate and not req.finished]
+        if not kept:
+            return
+        hidden = torch.cat([fwd.hidden[layer] for layer in self.drafter.capture_layers], dim=-1)
+        index = torch.tensor([r for _, _, rows in kept for r in rows], device=hidden.device)
+        parts = hidden.index_select(0, index).split([len(rows) for _, _, rows in kept])
+        try:
+            self.drafter.observe([TargetHidden(req.seq_id, start, h) for (req, start, _), h in zip(kept, parts)])
+        except Exception:   # a drafter bug must not fail requests
+            log.exception("drafter %s failed to observe target states", self.drafter.name)
+
     def _forward_batch(self, sched: SchedulerOutput, proposals: dict) -> ForwardBatch:
         seqs = []
         for i, s in enumerate(sched.seqs):
@@ -212,16 +230,23 @@ class LLMEngine:
             end = start + s.num_new_tokens
             seqs.append(SeqInput(req.token_ids[start:end], start, table,
                                  logits_indices=None if end == req.num_tokens else []))
-        return ForwardBatch(seqs)
+        return ForwardBatch(seqs, capture_layers=self.drafter.capture_layers if self.drafter else ())
 
     # ---- accept, commit, emit -------------------------------------------------------------
-    def _postprocess(self, sched: SchedulerOutput, proposals: dict, fwd: ForwardOutput) -> list[RequestOutput]:
-        outputs = []
+    def _postprocess(self, sched: SchedulerOutput, proposals: dict, fwd: ForwardOutput,
+                     kept: list) -> list[RequestOutput]:
+        """Accept, commit and emit; appends (request, first position, forward rows) of every
+        position whose KV was kept to `kept`, for drafters that read target hidden states."""
+        outputs, row = [], 0
         for i, s in enumerate(sched.seqs):
-            req = s.request
+            req, start = s.request, s.request.num_computed_tokens
+            first = row          # this sequence's first row among the forward's new tokens
+            row += proposals[i].tree.num_nodes if i in proposals else s.num_new_tokens
             if i in proposals:
-                tokens = self._accept_and_commit(req, proposals[i], fwd.seq_logits(i))
+                tokens, accepted = self._accept_and_commit(req, proposals[i], fwd.seq_logits(i))
+                kept.append((req, start, [first] + [first + j for j in accepted]))
             else:
+                kept.append((req, start, range(first, row)))
                 req.num_computed_tokens += s.num_new_tokens
                 if req.num_computed_tokens < req.num_tokens:   # a prefill chunk, not the last
                     self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
@@ -241,8 +266,9 @@ class LLMEngine:
                 outputs.append(self._output(req, added))
         return outputs
 
-    def _accept_and_commit(self, req: Request, prop, logits: torch.Tensor) -> list[int]:
-        """Exact acceptance over the verified tree; returns the tokens to emit."""
+    def _accept_and_commit(self, req: Request, prop, logits: torch.Tensor) -> tuple[list[int], tuple[int, ...]]:
+        """Exact acceptance over the verified tree; returns the tokens to emit and the
+        accepted tree nodes."""
         tree, p = prop.tree, req.params
         prompt, output = req.prompt_token_ids, req.output_token_ids
 
@@ -257,7 +283,7 @@ class LLMEngine:
                                  prop.draft, req.generator)
         self._commit_kv(req, result.accepted)
         self._count(req, prop, result.accepted)
-        return [tree.tokens[j] for j in result.accepted] + [result.token]
+        return [tree.tokens[j] for j in result.accepted] + [result.token], result.accepted
 
     def _commit_kv(self, req: Request, accepted: tuple[int, ...]) -> None:
         """Accepted node j (verified at slot ctx + j) moves to slot ctx + depth; the rest is dropped."""

@@ -1,0 +1,186 @@
+"""The EAGLE-3 drafter: a trained head drafts a dynamic token tree from the target's features.
+
+Per request the drafter keeps the head's own KV cache (one entry per target position
+t, computed from the pair (target hidden at t, token t+1)) and the target hidden states
+it has not consumed yet. Each step:
+1. catch up: every new target position (prefill chunks, the last accepted path) becomes a
+   head KV entry; the last one (the pair ending in the tree root) gives the root's output;
+2. expand an EAGLE-2 dynamic tree (`tree.builders.dynamic_tree`): each round runs the head
+   on the chosen frontier nodes; a node at depth d sits at position root - 1 + d and
+   attends to the context entries plus its own ancestors. Draft-tree KV is temporary: the
+   accepted tokens re-enter next step from the target's real hidden states.
+Proposals are deterministic (top-k), so acceptance uses point masses: exact at any
+temperature. Prefix-cached positions never pass through the target, so the head simply
+has no entries for them (slightly lower acceptance, never a wrong output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden, register_drafter
+from drafters.eagle3.format import load_head
+from drafters.eagle3.head import Eagle3Head, attend
+from tree.builders import DynamicTreeConfig, dynamic_tree
+from tree.token_tree import TokenTree
+
+CATCH_UP_CHUNK = 512
+SHIPPED_HEADS = Path(__file__).parent / "heads"
+DEFAULT_HEAD = SHIPPED_HEADS / "smollm2-135m-instruct"
+
+
+@dataclass
+class _SeqState:
+    k: torch.Tensor                       # [capacity, kvh, D] head keys (rotated)
+    v: torch.Tensor
+    length: int = 0                       # head KV entries in use
+    next_pos: int = 0                     # target position of the next pair to consume
+    pending: list[TargetHidden] = field(default_factory=list)
+    root_out: torch.Tensor | None = None  # head output of the newest pair [H]
+    root_pos: int = -1                    # target position of that pair
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head):
+        self.head = head
+        self.capture_layers = tuple(head.cfg.aux_layer_ids)
+        self.state: dict[int, _SeqState] = {}
+
+    # ---- state --------------------------------------------------------------------------
+    def observe(self, states: list[TargetHidden]) -> None:
+        for s in states:
+            st = self.state.get(s.seq_id)
+            if st is None:
+                st = self.state[s.seq_id] = self._new_state(s.start)
+            st.pending.append(s)
+
+    def release(self, seq_id: int) -> None:
+        self.state.pop(seq_id, None)
+
+    def _new_state(self, start: int) -> _SeqState:
+        c, p = self.head.cfg, self.head.fc.weight
+        empty = p.new_empty(256, c.num_kv_heads, c.head_dim)
+        return _SeqState(empty, torch.empty_like(empty), next_pos=start)
+
+    # ---- propose ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
+        return [self._propose_one(r) for r in reqs]
+
+    def _propose_one(self, r: DraftRequest) -> Proposal:
+        st = self.state.get(r.seq_id)
+        root_tok = r.token_ids[-1]
+        if st is None:
+            return Proposal(TokenTree.chain(root_tok, []))
+        self._catch_up(st, r.token_ids)
+        if st.root_out is None or st.root_pos != len(r.token_ids) - 2:
+            return Proposal(TokenTree.chain(root_tok, []))   # the target has not caught up yet
+        cfg = DynamicTreeConfig(depth=r.max_depth, topk=r.topk, budget=r.max_nodes)
+        tree, _ = dynamic_tree(root_tok, _Expander(self.head, st, cfg.topk), cfg)
+        return Proposal(tree)
+
+    def _catch_up(self, st: _SeqState, token_ids: list[int]) -> None:
+        """Turn pending target states into head KV entries, CATCH_UP_CHUNK rows at a time."""
+        if not st.pending:
+            return
+        parts = []
+        for s in st.pending:
+            if s.start > st.next_pos:        # a gap (never expected): the head skips those positions
+                st.next_pos = s.start
+            skip = st.next_pos - s.start      # rows already consumed
+            if skip < len(s.hidden):
+                parts.append(s.hidden[skip:])
+                st.next_pos = s.start + len(s.hidden)
+        st.pending.clear()
+        if not parts:
+            return
+        aux = torch.cat(parts)
+        first = st.next_pos - len(aux)
+        for a in range(0, len(aux), CATCH_UP_CHUNK):
+            self._run_context(st, aux[a:a + CATCH_UP_CHUNK], first + a, token_ids)
+
+    def _run_context(self, st: _SeqState, aux: torch.Tensor, start: int, token_ids: list[int]) -> None:
+        head, m = self.head, len(aux)
+        dev = aux.device
+        positions = torch.arange(start, start + m, device=dev)
+        nxt = torch.tensor(token_ids[start + 1:start + 1 + m], device=dev)   # token t+1 for pair t
+        q, k, v, res = head.project(head.embed(nxt), head.fuse(aux.to(head.fc.weight.dtype)), positions)
+        _ensure_capacity(st, st.length + m)
+        st.k[st.length:st.length + m] = k
+        st.v[st.length:st.length + m] = v
+        total = st.length + m
+        mask = torch.ones(m, total, dtype=torch.bool, device=dev)
+        mask[:, st.length:] = torch.tril(torch.ones(m, m, dtype=torch.bool, device=dev))
+        out = head.finish(res, attend(q, st.k[:total], st.v[:total], mask))
+        st.length = total
+        st.root_out, st.root_pos = out[-1], start + m - 1
+
+
+class _Expander:
+    """`dynamic_tree`'s expand callback for one request: runs the head on frontier paths."""
+
+    def __init__(self, head: Eagle3Head, st: _SeqState, topk: int):
+        self.head, self.st, self.topk = head, st, topk
+        self.nodes: dict[tuple[int, ...], int] = {}        # path -> row in the temp KV
+        self.outs: dict[tuple[int, ...], torch.Tensor] = {(): st.root_out}
+        c = head.cfg
+        self.k = st.k.new_empty(0, c.num_kv_heads, c.head_dim)
+        self.v = self.k
+
+    def __call__(self, paths: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        keys = [tuple(p) for p in paths]
+        new = [p for p in keys if p and p not in self.nodes]
+        if new:
+            self._run(new)
+        rows = torch.stack([self.outs[p] for p in keys])
+        logp = self.head.draft_logits(rows).float().log_softmax(-1)
+        vals, idx = logp.topk(min(self.topk, logp.shape[-1]), dim=-1)
+        ids = idx + self.head.d2t[idx]
+        return [(i.tolist(), v.tolist()) for i, v in zip(ids, vals)]
+
+    def _run(self, paths: list[tuple[int, ...]]) -> None:
+        head, st = self.head, self.st
+        dev = st.k.device
+        parents = torch.stack([self.outs[p[:-1]] for p in paths])
+        toks = torch.tensor([p[-1] for p in paths], device=dev)
+        positions = torch.tensor([st.root_pos + len(p) for p in paths], device=dev)
+        q, k, v, res = head.project(head.embed(toks), parents, positions)
+        n_tmp, n = len(self.k), len(paths)
+        mask = torch.zeros(n, st.length + n_tmp + n, dtype=torch.bool, device=dev)
+        mask[:, :st.length] = True
+        for i, p in enumerate(paths):
+            for d in range(1, len(p)):
+                mask[i, st.length + self.nodes[p[:d]]] = True
+            mask[i, st.length + n_tmp + i] = True
+        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
+        keys = torch.cat([st.k[:st.length], self.k])
+        vals = torch.cat([st.v[:st.length], self.v])
+        out = head.finish(res, attend(q, keys, vals, mask))
+        for i, p in enumerate(paths):
+            self.nodes[p] = n_tmp + i
+            self.outs[p] = out[i]
+
+
+def _ensure_capacity(st: _SeqState, need: int) -> None:
+    if need <= len(st.k):
+        return
+    cap = max(need, 2 * len(st.k))
+    for name in ("k", "v"):
+        old = getattr(st, name)
+        grown = old.new_empty(cap, *old.shape[1:])
+        grown[:st.length] = old[:st.length]
+        setattr(st, name, grown)
+
+
+@register_drafter("eagle3")
+def _build(arg: str, target, speculation) -> Eagle3Drafter:
+    path = Path(arg) if arg else DEFAULT_HEAD
+    if not arg and not (path / "config.json").is_file():
+        raise ValueError(f"no default EAGLE-3 head shipped at {path}; pass eagle3:PATH")
+    head = load_head(path, target.config, device=target.device, dtype=target.dtype)
+    head.use_target_embedding(target.net.model.embed_tokens)
+    return Eagle3Drafter(head)

@@ -1,0 +1,135 @@
+"""Read and write EAGLE-3 heads in the public layouts (config.json + safetensors).
+
+Tensor names: EAGLE / SpecForge put the decoder layer under `midlayer.`, speculators
+under `layers.0.`; everything else (`fc`, `norm`, `lm_head`, `d2t`, `t2d`, optional
+`embed_tokens`) is shared. Loading checks every tensor against the shapes the *target*
+implies, so a head trained for another model is refused with the offending tensor named.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.head import Eagle3Head
+from verifier.config import ModelConfig
+
+LAYER_PREFIX = {"eagle": "midlayer.", "speculators": "layers.0."}
+
+
+class HeadMismatchError(ValueError):
+    """The head does not fit the target (or is malformed); the message names the tensor."""
+
+
+def detect_style(config: dict) -> str:
+    return "speculators" if ("speculators_config" in config or "transformer_layer_config" in config) else "eagle"
+
+
+def load_head(path: str | Path, target: ModelConfig | None = None,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    """Load a head directory (or its config.json's folder) in either layout."""
+    root = Path(path)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"EAGLE-3 head not found: {cfg_path} does not exist")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise HeadMismatchError(f"malformed {cfg_path}: {e}") from None
+    cfg = Eagle3Config.from_dict(raw, target.num_layers if target else None)
+    tensors = _read_tensors(root)
+    if target is not None:
+        _check_config(cfg, target)
+    head = Eagle3Head(cfg, with_embedding="embed_tokens.weight" in tensors)
+    _fill(head, tensors, root)
+    head.storage_dtype = _storage_dtype(tensors)
+    head = head.to(device=device, dtype=dtype)   # buffers d2t/t2d keep their integer/bool types
+    head.init_rotary(device, dtype)
+    return head.eval()
+
+
+def save_head(head: Eagle3Head, path: str | Path, style: str = "eagle",
+              dtype: torch.dtype | None = None, verifier: str | None = None) -> Path:
+    """Write config.json and model.safetensors; `dtype` None keeps the dtype the head was loaded
+    from (fp32 for a fresh head), so load -> save is bit-identical."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or getattr(head, "storage_dtype", torch.float32)
+    prefix = LAYER_PREFIX[style]
+    out = {}
+    for name, t in head.state_dict().items():
+        key = prefix + name[len("midlayer."):] if name.startswith("midlayer.") else name
+        out[key] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+    (root / "config.json").write_text(json.dumps(head.cfg.to_dict(style, verifier), indent=2) + "\n")
+    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        bins = sorted(root.glob("pytorch_model*.bin"))
+        if not bins:
+            raise FileNotFoundError(f"no *.safetensors (or pytorch_model.bin) in EAGLE-3 head {root}")
+        out = {}
+        for b in bins:
+            out.update(torch.load(b, map_location="cpu", weights_only=True))
+        return {_canonical(k): v for k, v in out.items()}
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                out[_canonical(k)] = st.get_tensor(k)
+    return out
+
+
+def _canonical(name: str) -> str:
+    """Both layouts (and a stray `model.` prefix) map to this module's names."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def _check_config(cfg: Eagle3Config, target: ModelConfig) -> None:
+    if cfg.vocab_size != target.vocab_size:
+        raise HeadMismatchError(f"head vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size} "
+                                f"(tensor t2d / embed_tokens.weight)")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise HeadMismatchError(f"tensor fc.weight expects target hidden size {cfg.target_hidden_size}, "
+                                f"the target has {target.hidden_size}")
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise HeadMismatchError(f"head taps layers {list(cfg.aux_layer_ids)}; the target has "
+                                f"{target.num_layers} layers")
+
+
+def _fill(head: Eagle3Head, tensors: dict[str, torch.Tensor], root: Path) -> None:
+    expected = head.state_dict()
+    optional = {"d2t", "t2d"}
+    for name, dst in expected.items():
+        if name not in tensors:
+            if name in optional:
+                continue
+            raise HeadMismatchError(f"EAGLE-3 head {root} lacks tensor {name!r}")
+        src = tensors[name]
+        if tuple(src.shape) != tuple(dst.shape):
+            raise HeadMismatchError(f"tensor {name!r} of head {root} has shape {tuple(src.shape)}; "
+                                    f"this target needs {tuple(dst.shape)}")
+        dst.copy_(src.to(dst.dtype))
+    if "d2t" not in tensors:        # full vocabulary: draft id = target id
+        head.t2d.fill_(True)
+    elif "t2d" not in tensors:
+        head.t2d[head.draft_to_target] = True
+    unknown = sorted(set(tensors) - set(expected) - {n for n in tensors if "rotary_emb" in n})
+    if unknown:
+        raise HeadMismatchError(f"EAGLE-3 head {root} has unexpected tensors: {', '.join(unknown[:5])}")
+
+
+def _storage_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    return tensors["fc.weight"].dtype if "fc.weight" in tensors else torch.float32
