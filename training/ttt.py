@@ -63,30 +63,38 @@ def ttt_forward(head: Eagle3Head, batch: Batch, target_lm_draft: torch.Tensor,
     pos = torch.arange(T, device=hid.device)
     causal = pos[None, :] <= pos[:, None]                                   # [T, T] key <= query
     key_ok = causal[None] & batch.valid[:, None, :]                         # [B, T, T]
+    # Steps >= 1 only matter where a later label is counted: from index `crop` on (prompts are
+    # long and carry no loss), which saves their share of six of the seven steps.
+    any_counted = countable.any(0).nonzero()
+    crop = max(0, int(any_counted[0]) - steps) if len(any_counted) else 0
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-    total = hid.new_zeros(())
+    total = hid.sum() * 0.0        # stays in the graph when a batch has nothing to count
     step_loss, step_acc, counted = [], [], []
     for s in range(steps):
-        tokens = shift(batch.input_ids, 1 + s)
-        emb = head.embed(tokens)
-        q, k, v, res = head.project(emb.reshape(B * T, -1), hid.reshape(B * T, -1), (pos + s).repeat(B))
-        q = q.view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)       # [B, nh, T, D]
-        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)    # [B, kvh, T, D]
-        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        c = 0 if s == 0 else crop                                           # first query index
+        if s == 1:
+            hid = hid[:, crop:]
+        n_q = T - c
+        emb = head.embed(shift(batch.input_ids, 1 + s)[:, c:])
+        q, k, v, res = head.project(emb.reshape(B * n_q, -1), hid.reshape(B * n_q, -1),
+                                    (pos[c:] + s).repeat(B))
+        q = q.view(B, n_q, cfg.num_heads, cfg.head_dim).transpose(1, 2)     # [B, nh, n_q, D]
+        k = k.view(B, n_q, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, kvh, n_q, D]
+        v = v.view(B, n_q, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         keys.append((k, v))
-        attn = _ttt_attention(q, keys, key_ok, cfg.head_dim ** -0.5)        # [B, nh, T, D]
-        out = head.finish(res, attn.transpose(1, 2).reshape(B * T, -1)).view(B, T, -1)
-        logits = head.draft_logits(out.reshape(B * T, -1)).view(B, T, -1)
-        mask = shift(countable, 1 + s, False)
+        attn = _ttt_attention(q, keys, key_ok[:, c:], cfg.head_dim ** -0.5)
+        out = head.finish(res, attn.transpose(1, 2).reshape(B * n_q, -1)).view(B, n_q, -1)
+        logits = head.draft_logits(out.reshape(B * n_q, -1)).view(B, n_q, -1)
+        mask = shift(countable, 1 + s, False)[:, c:]
         n = int(mask.sum())
         if n:
-            ce = -(shift(target_p, 1 + s) * logits.log_softmax(-1)).sum(-1)
+            ce = -(shift(target_p, 1 + s)[:, c:] * logits.log_softmax(-1)).sum(-1)
             loss_s = ce[mask].mean()
             total = total + decay ** s * loss_s
-            acc = (logits.argmax(-1) == shift(target_top, 1 + s))[mask].float().mean()
-            step_loss.append(float(loss_s))
+            acc = (logits.argmax(-1) == shift(target_top, 1 + s)[:, c:])[mask].float().mean()
+            step_loss.append(float(loss_s.detach()))
             step_acc.append(float(acc))
         else:
             step_loss.append(float("nan"))
@@ -97,12 +105,14 @@ def ttt_forward(head: Eagle3Head, batch: Batch, target_lm_draft: torch.Tensor,
 
 
 def _ttt_attention(q, keys, key_ok, scale):
-    """q [B, nh, T, D]; keys[0] is the causal context, keys[1:] the chain's own steps (diagonal)."""
+    """q [B, nh, n_q, D]; keys[0]: step-0 keys over all T indices (the causal context);
+    keys[1:]: the chain's own earlier steps, indexed like q (one diagonal key each);
+    key_ok [B, n_q, T]."""
     k0, v0 = keys[0]
-    scores = [(q @ k0.transpose(-1, -2)) * scale]                           # [B, nh, T, T]
+    scores = [(q @ k0.transpose(-1, -2)) * scale]                           # [B, nh, n_q, T]
     scores[0] = scores[0].masked_fill(~key_ok[:, None], float("-inf"))
     for k, _ in keys[1:]:
-        scores.append(((q * k).sum(-1) * scale)[..., None])                 # [B, nh, T, 1]
+        scores.append(((q * k).sum(-1) * scale)[..., None])                 # [B, nh, n_q, 1]
     w = torch.cat(scores, dim=-1).softmax(-1)
     T = k0.shape[2]
     out = w[..., :T] @ v0

@@ -66,7 +66,7 @@ class Eagle3Head(nn.Module):
         # Heads usually borrow the target's embedding (`use_target_embedding`); a checkpoint
         # that carries its own `embed_tokens` gets a module of its own.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if with_embedding else None
-        self._target_embed: nn.Embedding | None = None
+        self._borrowed: tuple[nn.Embedding, ...] = ()     # a tuple: not a registered submodule
         self.rotary: RotaryEmbedding | None = None
 
     # ---- set-up ----------------------------------------------------------------------
@@ -75,7 +75,7 @@ class Eagle3Head(nn.Module):
             if tuple(embed.weight.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
                 raise ValueError(f"target embedding {tuple(embed.weight.shape)} does not fit the head "
                                  f"(vocab {self.cfg.vocab_size}, hidden {self.cfg.hidden_size})")
-            self._target_embed = embed
+            self._borrowed = (embed,)
 
     def init_rotary(self, device=None, dtype=torch.float32) -> None:
         c = self.cfg
@@ -94,7 +94,7 @@ class Eagle3Head(nn.Module):
 
     # ---- the pieces of one draft step --------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._target_embed
+        table = self.embed_tokens if self.embed_tokens is not None else next(iter(self._borrowed), None)
         if table is None:
             raise RuntimeError("EAGLE-3 head has no embedding: call use_target_embedding(target embed)")
         return table(ids)

@@ -1,0 +1,164 @@
+"""`train-drafter`: data reading and masks, draft vocabulary, tiny end-to-end runs of both
+kinds (the result loads and drafts), resume, self-distillation, bad input."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import SHARED_DATA
+from spec import LLM, SamplingParams
+from training.cli import main as train_main
+from training.config import TrainConfig
+from training.data import DataError, load_conversations, parse_line, tokenize_conversation
+from training.loop import plan_batches
+from training.vocab import select_draft_vocab
+from verifier.tokenizer import Tokenizer
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+CONV = {"id": "a", "source": "s", "conversations": [
+    {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
+    {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}]}
+SHAREGPT = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]}
+
+
+def test_both_schemas_and_bad_lines_reported_with_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [CONV, SHAREGPT, "{not json", {"conversations": []},
+                                              {"conversations": [{"role": "robot", "content": "x"}]}, ""])
+    convs, report = load_conversations([str(path)])
+    assert [c.messages[-1]["content"] for c in convs] == ["It is 6.", "Hello!"]
+    assert convs[1].messages[0] == {"role": "user", "content": "Hi there"}
+    assert len(report.skipped) == 3
+    assert report.skipped[0].startswith(f"{path}:3: not valid JSON")
+    assert f"{path}:4:" in report.skipped[1] and "assistant" in report.skipped[1]
+    assert "unknown role 'robot'" in report.skipped[2]
+
+
+def test_missing_or_empty_data_is_an_error(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_conversations([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(DataError, match="no usable conversations"):
+        load_conversations([str(write_jsonl(tmp_path / "bad.jsonl", ["[]", "{}"]))])
+    with pytest.raises(ValueError, match="no non-empty assistant"):
+        parse_line(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}))
+
+
+def test_loss_mask_covers_exactly_the_assistant_replies(smollm2_dir, tmp_path):
+    tok = Tokenizer(smollm2_dir)
+    convs, _ = load_conversations([str(write_jsonl(tmp_path / "d.jsonl", [CONV]))])
+    ex = tokenize_conversation(tok, convs[0], max_len=1024)
+    assert list(ex.input_ids) == tok.apply_chat_template(list(convs[0].messages), add_generation_prompt=False,
+                                                         tokenize=True, return_dict=False)
+    spans, cur = [], []
+    for t, m in zip(ex.input_ids, ex.loss_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    if cur:
+        spans.append(tok.decode(cur))
+    assert [s.strip() for s in spans] == ["It is 4.<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_draft_vocabulary_is_the_most_frequent_reply_tokens():
+    from training.data import TokenizedExample
+    exs = [TokenizedExample("a", (5, 7, 7, 9, 9, 9, 3), (0, 1, 1, 1, 1, 1, 0))]
+    ids, covered = select_draft_vocab(exs, 2, vocab_size=16)
+    assert ids.tolist() == [7, 9] and covered == 1.0
+    ids, covered = select_draft_vocab(exs, 3, vocab_size=16, always=(2, 2))
+    assert ids.tolist() == [2, 7, 9]
+    with pytest.raises(ValueError, match="draft-vocab"):
+        select_draft_vocab(exs, 0, vocab_size=16)
+
+
+def test_batches_respect_the_token_budget_and_cover_everything():
+    lengths = [5, 50, 7, 33, 12, 64, 9, 40]
+    batches = plan_batches(lengths, 100, seed=0, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    assert all(max(lengths[i] for i in b) * len(b) <= 100 for b in batches)
+    assert plan_batches(lengths, 100, 0, 1) != batches or len(batches) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    rows = [json.loads(line) for line in (SHARED_DATA / "train" / "gsm8k_train.jsonl").open()][:12]
+    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    return write_jsonl(path, rows + ["{broken"])
+
+
+def _args(tiny_llama_dir, data, out, *extra):
+    return ["--target", str(tiny_llama_dir), "--data", str(data), "--output", str(out),
+            "--batch-tokens", "1024", "--checkpoint-every", "2", "--max-len", "200", *extra]
+
+
+def test_eagle3_end_to_end_then_resume(tiny_llama_dir, tiny_data, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tercel.training")
+    out = tmp_path / "head"
+    # Full vocabulary: a random tiny target's argmax is rarely a frequent reply token.
+    common = _args(tiny_llama_dir, tiny_data, out, "--draft-vocab", "49152", "--ttt-steps", "3",
+                   "--feature-cache", str(tmp_path / "feats"))
+    assert train_main(common + ["--max-tokens", "1200"]) == 0
+    first = json.loads((out / "training_summary.json").read_text())
+    assert first["steps"] >= 1 and 0 < first["tokens_seen"] <= 1200 + 1024
+    assert first["data"]["skipped_lines"] == 1
+    assert (tmp_path / "feats" / "meta.json").is_file()
+    # Resume: continues from the saved step (features come from the cache) into a second epoch.
+    assert train_main(common + ["--resume", "--epochs", "2"]) == 0
+    second = json.loads((out / "training_summary.json").read_text())
+    assert second["steps"] > first["steps"]
+    resumed = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert resumed and f"step {first['steps']}," in resumed[0]
+    assert second["tokens_seen"] > first["tokens_seen"]     # counted on from the checkpoint
+    # The head loads and drafts in the engine.
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"eagle3:{out}")
+    o = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert len(o.token_ids) == 12 and o.stats.draft_tokens > 0
+
+
+def test_small_end_to_end(tiny_llama_dir, tiny_data, tmp_path):
+    out = tmp_path / "small"
+    assert train_main(_args(tiny_llama_dir, tiny_data, out, "--kind", "small", "--small-layers", "1",
+                            "--max-tokens", "600")) == 0
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["kind"] == "small" and summary["steps"] >= 1
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"small:{out}")
+    o = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert len(o.token_ids) == 10 and o.stats.draft_tokens > 0
+
+
+def test_regenerate_writes_the_targets_own_replies(tiny_llama_dir, tiny_data, tmp_path):
+    from training.regenerate import regenerate
+    convs, _ = load_conversations([str(tiny_data)])
+    llm = LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=128)
+    path = tmp_path / "regen.jsonl"
+    regenerate(convs[:3], str(tiny_llama_dir), str(path), max_new_tokens=8, llm=llm)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [c.id for c in convs[:3]] or sorted(r["id"] for r in rows) == \
+        sorted(c.id for c in convs[:3])
+    for r in rows:
+        conv = next(c for c in convs if c.id == r["id"])
+        assert r["conversations"][0] == conv.messages[0]
+        reply = r["conversations"][-1]
+        assert reply["role"] == "assistant" and reply["content"] != conv.messages[1]["content"]
+        prompt = llm.apply_chat_template([conv.messages[0]])
+        ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0].text
+        assert reply["content"] == ref
+    # Already-done ids are skipped on a second run.
+    assert regenerate(convs[:3], str(tiny_llama_dir), str(path), max_new_tokens=8, llm=llm) == []
+
+
+def test_bad_command_lines(tmp_path, capsys):
+    assert train_main(["--data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ttt_steps|ttt-steps"):
+        TrainConfig(kind="eagle3", data=("x",), output="o", ttt_steps=0)
+    with pytest.raises(ValueError, match="--kind"):
+        TrainConfig(kind="medusa", data=("x",), output="o")

@@ -1,0 +1,48 @@
+"""Held-out evaluation of a trained drafter with the real engine and tree verifier.
+
+Greedy decoding of held-out prompts (first user turns) with speculation; reports the
+mean accepted length per verify step (tokens emitted per target forward, the bonus
+token included) and the acceptance at each tree depth.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    prompts: int
+    new_tokens: int
+    verify_steps: int
+    mean_accepted_length: float
+    accepted_per_depth: tuple[float, ...]   # share of verify steps that accepted >= d+1 drafts
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate_drafter(target: str, drafter: str, conversations, num_prompts: int, new_tokens: int,
+                     speculation=None, llm=None) -> EvalResult:
+    from spec.llm import LLM
+    from spec.sampling_params import SamplingParams
+    llm = llm or LLM(target, drafter=drafter, **({"speculation": speculation} if speculation else {}))
+    prompts = []
+    for conv in conversations:
+        turns = []
+        for m in conv.messages:
+            if m["role"] == "assistant":
+                break
+            turns.append(dict(m))
+        if turns:
+            prompts.append(turns)
+        if len(prompts) == num_prompts:
+            break
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    outs = [llm.chat(p, params)[0] for p in prompts]       # batch 1, as the figures are quoted
+    steps = sum(o.stats.verify_steps for o in outs)
+    emitted = sum(o.stats.emitted_tokens for o in outs)
+    depth = max((len(o.stats.accepted_per_depth) for o in outs), default=0)
+    per_depth = tuple(sum(o.stats.accepted_per_depth[d] for o in outs if d < len(o.stats.accepted_per_depth))
+                      / max(1, steps) for d in range(depth))
+    return EvalResult(len(outs), sum(len(o.token_ids) for o in outs), steps,
+                      emitted / max(1, steps), per_depth)
