@@ -91,13 +91,24 @@ class Drafter(ABC):
 
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
+_DEFAULT_SPECULATION: dict = {}     # kind -> the SpecConfig a drafter runs with unless told otherwise
 
 
-def register_drafter(kind: str):
+def register_drafter(kind: str, default_speculation=None):
     def deco(factory):
         _REGISTRY[kind] = factory
+        if default_speculation is not None:
+            _DEFAULT_SPECULATION[kind] = default_speculation
         return factory
     return deco
+
+
+def default_speculation(spec: str | None):
+    """The tree shape a drafter kind is tuned for (e.g. EAGLE-3's dynamic tree), else SpecConfig()."""
+    import drafters  # noqa: F401  (registers the built-in drafters)
+    from spec.config import SpecConfig
+    kind = (spec or "").partition(":")[0]
+    return _DEFAULT_SPECULATION.get(kind, SpecConfig())
 
 
 def build_drafter(spec: str, target, speculation) -> Drafter:

@@ -2,8 +2,9 @@
 
 `tree:small:PATH` expands the small model's top-k children per node (EAGLE-2-style
 dynamic tree); `tree:small:PATH+ngram` also merges the n-gram continuation into the same
-tree, deduplicating shared prefixes. Every part proposes deterministically, so the merged
-tree is verified with point-mass acceptance, which is exact for any such tree.
+tree, deduplicating shared prefixes; `tree:eagle3+ngram` does the same with the EAGLE-3
+head (`eagle3:PATH` for another head). Every part proposes deterministically, so the
+merged tree is verified with point-mass acceptance, which is exact for any such tree.
 """
 from __future__ import annotations
 
@@ -19,7 +20,20 @@ class TokenTreeDrafter(Drafter):
     def __init__(self, parts: list[Drafter]):
         if not parts:
             raise ValueError("the tree drafter needs at least one part, e.g. 'tree:small:PATH+ngram'")
+        readers = [p for p in parts if p.capture_layers]
+        if len(readers) > 1:
+            raise ValueError("at most one part of a tree drafter may read target hidden states")
         self.parts = parts
+        self.capture_layers = readers[0].capture_layers if readers else ()
+
+    def prefill(self, chunks) -> None:
+        for part in self.parts:
+            part.prefill(chunks)
+
+    def observe(self, states) -> None:
+        for part in self.parts:
+            if part.capture_layers:
+                part.observe(states)
 
     def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
         # Each part gets an equal share of the node budget; shared prefixes free up room.
@@ -44,8 +58,12 @@ def _build(arg: str, target, speculation) -> TokenTreeDrafter:
         kind, _, sub = piece.partition(":")
         if kind == "small":
             parts.append(SmallModelDrafter(sub, target, speculation, deterministic=True))
+        elif kind == "eagle3":
+            from drafters.eagle3.drafter import _build as build_eagle3
+            parts.append(build_eagle3(sub, target, speculation))
         elif kind == "ngram":
             parts.append(NgramDrafter(NgramConfig()))
         else:
-            raise ValueError(f"unknown tree part {piece!r}: use small:PATH and/or ngram, joined by '+'")
+            raise ValueError(f"unknown tree part {piece!r}: use small:PATH, eagle3[:PATH] and/or ngram, "
+                             "joined by '+'")
     return TokenTreeDrafter(parts)

@@ -8,15 +8,16 @@ import signal
 from pathlib import Path
 
 log = logging.getLogger("tercel.serve")
-DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head ships
+DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets its figures (issue 4)
 
 
 def add_serve_args(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, .gguf file or HF directory")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram, small:PATH, tree:SPEC, or 'none'")
-    p.add_argument("--gamma", type=int, default=4, help="speculation depth")
-    p.add_argument("--topk", type=int, default=1, help="children per draft node")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram (default), eagle3:PATH, small:PATH, "
+                                                             "tree:SPEC, or 'none'")
+    p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
+    p.add_argument("--topk", type=int, default=None, help="children per draft node")
     p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
     p.add_argument("--no-adaptive", action="store_true", help="always speculate, whatever the load")
     p.add_argument("--spec-max-batch", type=int, default=8, help="running requests above which speculation is off")
@@ -37,10 +38,13 @@ def add_serve_args(sub) -> None:
 
 def engine_config(args):
     from spec.adaptive import AdaptiveConfig
-    from spec.config import EngineConfig, SpecConfig
-    drafter, spec = args.drafter, dict(num_speculative_tokens=args.gamma, topk=args.topk, budget=args.budget)
+    from spec.config import EngineConfig
+    from spec.cli import speculation_from_args
+    drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
     if args.profile:
-        drafter, spec = _read_profile(Path(args.profile), drafter, spec)
+        drafter, gamma, topk, budget = _read_profile(Path(args.profile), drafter, gamma, topk, budget)
+    drafter = None if drafter in (None, "", "none") else drafter
+    spec = speculation_from_args(drafter, gamma, topk, budget)
     kv = {}
     if args.kv_blocks:
         kv["num_kv_blocks"] = args.kv_blocks
@@ -49,20 +53,18 @@ def engine_config(args):
             raise ValueError(f"--kv-memory-fraction must be in (0, 1), got {args.kv_memory_fraction}")
         kv["kv_cache_bytes"] = int(_device_memory() * args.kv_memory_fraction)
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        drafter=None if drafter in (None, "", "none") else drafter,
-                        speculation=SpecConfig(**spec), num_threads=args.threads,
+                        drafter=drafter, speculation=spec, num_threads=args.threads,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch), **kv)
 
 
-def _read_profile(path: Path, drafter, spec):
+def _read_profile(path: Path, drafter, gamma, topk, budget):
     try:
         prof = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read profile {path}: {e}") from None
     best = prof.get("default", prof)
-    spec = dict(num_speculative_tokens=best.get("gamma", spec["num_speculative_tokens"]),
-                topk=best.get("topk", spec["topk"]), budget=best.get("budget", spec["budget"]))
-    return best.get("drafter", drafter), spec
+    return (best.get("drafter", drafter), best.get("gamma", gamma), best.get("topk", topk),
+            best.get("budget", budget))
 
 
 def _device_memory() -> int:

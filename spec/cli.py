@@ -18,10 +18,10 @@ def _chat_args(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--drafter", default=None, help="speculative drafter: ngram, small:PATH, tree:SPEC "
-                                                  "(default: plain decoding)")
-    p.add_argument("--gamma", type=int, default=4, help="speculation depth")
-    p.add_argument("--topk", type=int, default=1, help="children per draft node (1 = a chain)")
+    p.add_argument("--drafter", default=None, help="speculative drafter: eagle3:PATH, ngram, small:PATH, "
+                                                  "tree:SPEC (default: plain decoding)")
+    p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
+    p.add_argument("--topk", type=int, default=None, help="children per draft node (1 = a chain)")
     p.add_argument("--budget", type=int, default=None, help="draft nodes per step")
 
 
@@ -46,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_chat(args) -> int:
     from spec import LLM, SamplingParams
-    from spec.config import SpecConfig
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    spec = SpecConfig(num_speculative_tokens=args.gamma, topk=args.topk, budget=args.budget)
+    drafter = None if args.drafter in (None, "", "none") else args.drafter
+    spec = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
     print("loading model...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, drafter=args.drafter, speculation=spec,
+    llm = LLM(args.model, drafter=drafter, speculation=spec,
               **({"num_threads": args.threads} if args.threads else {}))
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
@@ -68,6 +68,21 @@ def run_chat(args) -> int:
             history = history[:1] if args.system else []
         elif line:
             _turn(llm, history, line, params)
+
+
+def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | None, budget: int | None):
+    """None when no tree option is given (the drafter's tuned default); else that default
+    with the given fields replaced."""
+    if gamma is None and topk is None and budget is None:
+        return None
+    from dataclasses import replace
+
+    from drafters.base import default_speculation
+    base = default_speculation(drafter)
+    given = {k: v for k, v in (("num_speculative_tokens", gamma), ("topk", topk)) if v is not None}
+    if budget is not None or given:
+        given["budget"] = budget      # a budget tuned for the default shape does not carry over
+    return replace(base, **given)
 
 
 def _turn(llm, history: list[dict], user: str, params) -> None:

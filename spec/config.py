@@ -22,7 +22,7 @@ class EngineConfig:
     device: str | None = None             # None: cuda if available, else cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
-    speculation: "SpecConfig" = None      # None: SpecConfig() defaults
+    speculation: "SpecConfig" = None      # None: the drafter's own default tree (SpecConfig() for most)
     adaptive: AdaptiveConfig = AdaptiveConfig(enabled=False)  # turn speculation off when it does not pay
 
     def __post_init__(self):
@@ -33,9 +33,7 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        if self.speculation is None:
-            object.__setattr__(self, "speculation", SpecConfig())
-        elif not isinstance(self.speculation, SpecConfig):
+        if self.speculation is not None and not isinstance(self.speculation, SpecConfig):
             raise ValueError(f"speculation must be a SpecConfig, got {type(self.speculation).__name__}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,21 @@ if TYPE_CHECKING:
     from drafters.base import Proposal
 
 log = logging.getLogger("tercel.engine")
+
+
+@dataclass
+class StepTiming:
+    """Wall time of speculative steps, split into their phases (benchmarks read it)."""
+    steps: int = 0
+    draft_seconds: float = 0.0      # schedule + drafter.propose
+    verify_seconds: float = 0.0     # the target forward over prefill chunks and trees
+    accept_seconds: float = 0.0     # acceptance, KV commit, emit, drafter bookkeeping
+
+    def add(self, draft: float, verify: float, accept: float) -> None:
+        self.steps += 1
+        self.draft_seconds += draft
+        self.verify_seconds += verify
+        self.accept_seconds += accept
 
 
 class LLMEngine:
@@ -56,9 +72,12 @@ class LLMEngine:
         self.drafter = None
         self.adaptive = AdaptiveController(config.adaptive)
         self._spec_on = False
+        self.timing = StepTiming()
+        self.spec_config = config.speculation or SpecConfig()
         if config.drafter:
-            from drafters.base import build_drafter
-            self.drafter = build_drafter(config.drafter, self.target, config.speculation)
+            from drafters.base import build_drafter, default_speculation
+            self.spec_config = config.speculation or default_speculation(config.drafter)
+            self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -91,7 +110,7 @@ class LLMEngine:
     def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:
         if spec is None:
             return None
-        top = self.config.speculation
+        top = self.spec_config
         for name, mine, cap in (("gamma", spec.num_speculative_tokens, top.num_speculative_tokens),
                                 ("topk", spec.topk, top.topk), ("budget", spec.max_nodes, top.max_nodes)):
             if mine > cap:
@@ -110,7 +129,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the context length max_model_len={self.max_model_len}")
         # Tree verification needs room for the draft nodes on top of the tokens themselves.
-        slots = total + (self.config.speculation.max_nodes if self.drafter is not None else 0)
+        slots = total + (self.spec_config.max_nodes if self.drafter is not None else 0)
         if self.blocks.blocks_needed(None, slots) > self.blocks.num_total_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs more KV blocks than the "
                              f"pool has ({self.blocks.num_total_blocks} of {self.blocks.block_size})")
@@ -137,12 +156,17 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         proposals = self._draft(sched)
+        drafted = time.perf_counter()
         fwd = self.target.forward(self._forward_batch(sched, proposals))
+        verified = time.perf_counter()
         self._drafter_prefill(sched, proposals)
         kept: list[tuple[int, int, range | list[int]]] = []
         new = self._postprocess(sched, proposals, fwd, kept)
         self._drafter_observe(fwd, kept)
-        self._observe(sched, new, proposals, time.perf_counter() - start)
+        end = time.perf_counter()
+        if proposals:
+            self.timing.add(drafted - start, verified - drafted, end - verified)
+        self._observe(sched, new, proposals, end - start)
         return outputs + new
 
     def _observe(self, sched: SchedulerOutput, new: list[RequestOutput], proposals: dict, seconds: float) -> None:
@@ -160,7 +184,7 @@ class LLMEngine:
         pinned = req.params.seed is not None and not req.params.greedy
         if self.drafter is None or not req.speculate or not (self._spec_on or pinned):
             return 0, 0, 1
-        spec = req.speculation or self.config.speculation
+        spec = req.speculation or self.spec_config
         # A step emits at most depth + 1 tokens: never draft past max_tokens or the context.
         room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         depth = min(spec.num_speculative_tokens, room - 1)

@@ -66,6 +66,28 @@ def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "ll
     return out
 
 
+def make_random_eagle_head(target_dir: Path, out: Path, draft_vocab: int = 512, seed: int = 0) -> Path:
+    """A random-weight EAGLE-3 head for the checkpoint in target_dir, saved in the EAGLE layout."""
+    import torch
+
+    from drafters.eagle3 import Eagle3Config, Eagle3Head, save_head
+    from verifier.target import load_config
+    cfg = load_config(target_dir)
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    head.set_vocab_map(torch.sort(torch.randperm(cfg.vocab_size)[:draft_vocab]).values)
+    save_head(head, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_head(tmp_path_factory, tiny_llama_dir) -> Path:
+    return make_random_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny_eagle"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     """Tiny random Llama with the SmolLM2 tokenizer: fast engine tests."""

@@ -23,10 +23,9 @@ def random_head(target_cfg, draft_vocab: int = 512, seed: int = 0) -> Eagle3Head
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(target_cfg, draft_vocab))
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             p.normal_(0, 0.2) if p.dim() == 2 else p.uniform_(0.5, 1.5)
-    ids = torch.sort(torch.randperm(target_cfg.vocab_size)[:draft_vocab]).values
-    head.set_vocab_map(ids)
+    head.set_vocab_map(torch.sort(torch.randperm(target_cfg.vocab_size)[:draft_vocab]).values)
     head.init_rotary()
     return head
 
@@ -37,10 +36,8 @@ def tiny_target(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_target):
-    path = tmp_path_factory.mktemp("eagle_head")
-    save_head(random_head(tiny_target.config), path)
-    return path
+def head_dir(tiny_eagle_head):
+    return tiny_eagle_head
 
 
 @pytest.mark.parametrize("style", ["eagle", "speculators"])
@@ -175,3 +172,9 @@ def test_greedy_output_identical_with_random_head(tiny_llama_dir, head_dir, topk
     assert sum(o.stats.draft_tokens for o in batch) > 0
     assert llm.engine.blocks.num_used_blocks == 0
     assert llm.engine.drafter.state == {}
+
+
+
+def test_missing_default_head_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="eagle3:PATH"):
+        LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter="eagle3")

@@ -17,6 +17,7 @@ DRAFTERS = {
     "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
     "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
     "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
+    "eagle3": ("eagle3:{smol_head}", None),   # a random SmolLM2-shaped head, default dynamic tree
 }
 
 
@@ -35,12 +36,18 @@ def reference(plain, prompts):
     return [o.token_ids for o in plain.generate(prompts, GREEDY)]
 
 
+@pytest.fixture(scope="module")
+def smol_head(tmp_path_factory, smollm2_dir):
+    from conftest import make_random_eagle_head
+    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle"), draft_vocab=4096)
+
+
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_greedy_speculation_is_token_identical(name, prompts, reference):
+def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_head):
     """8 MT-bench prompts x 64 tokens, one at a time and as a batch of 8: the same tokens as
     plain greedy decoding; the drafter is really used (tokens accepted)."""
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter, speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(smol_head=smol_head), speculation=spec)
     alone = [llm.generate(p, GREEDY)[0] for p in prompts]
     batch = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in alone] == reference
@@ -49,7 +56,8 @@ def test_greedy_speculation_is_token_identical(name, prompts, reference):
     steps = sum(o.stats.verify_steps for o in alone + batch)
     print(f"{name}: {accepted} accepted in {steps} verify steps, "
           f"mean accepted length {sum(o.stats.emitted_tokens for o in batch) / max(1, sum(o.stats.verify_steps for o in batch)):.2f}")
-    assert accepted > 0
+    # The random EAGLE head is only here for identity: it proposes, but rarely hits.
+    assert accepted > 0 or (name == "eagle3" and sum(o.stats.draft_tokens for o in batch) > 0)
     assert llm.engine.blocks.num_used_blocks == 0
 
 
@@ -106,11 +114,12 @@ def test_stats_are_consistent(tiny_spec):
     assert 1.0 <= st.mean_accepted_length <= 5.0
 
 
-@pytest.mark.parametrize("drafter", ["small", "ngram", "tree"])
-def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, drafter):
+@pytest.mark.parametrize("drafter", ["small", "ngram", "tree", "eagle3"])
+def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, tiny_eagle_head, drafter):
     """100 speculative requests, random aborts and a pool small enough to preempt: integrity
     after every step, and afterwards both the target's and the drafter's pools are whole."""
-    spec = {"small": f"small:{tiny_llama_dir}", "ngram": "ngram", "tree": f"tree:small:{tiny_llama_dir}+ngram"}[drafter]
+    spec = {"small": f"small:{tiny_llama_dir}", "ngram": "ngram", "tree": f"tree:small:{tiny_llama_dir}+ngram",
+            "eagle3": f"eagle3:{tiny_eagle_head}"}[drafter]
     llm = LLM(str(tiny_llama_dir), max_model_len=160, num_kv_blocks=48, block_size=8, max_num_seqs=8,
               drafter=spec, speculation=SpecConfig(num_speculative_tokens=3, topk=2))
     engine, rng = llm.engine, random.Random(7)
@@ -126,7 +135,8 @@ def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_lla
     for part in getattr(engine.drafter, "parts", [engine.drafter]):
         if hasattr(part, "blocks"):
             part.blocks.check_integrity()
-            assert part.blocks.num_used_blocks == 0 and not part.state
+            assert part.blocks.num_used_blocks == 0
+        assert not getattr(part, "state", {}), "drafter state of finished requests must be released"
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import spec.rejection as rejection
-from conftest import make_tiny_model
+from conftest import make_random_eagle_head, make_tiny_model
 from spec import LLM, SamplingParams
 from spec.config import SpecConfig
 from spec.sampler import target_probs
@@ -35,6 +35,13 @@ def other_draft_dir(tmp_path_factory):
     and residual sampling happen often."""
     return make_tiny_model(tmp_path_factory.mktemp("v32draft"), None, vocab_size=V, hidden_size=32,
                            intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, seed=4)
+
+
+@pytest.fixture(scope="module")
+def eagle_head_dir(tmp_path_factory, tiny_vocab_dir):
+    """A random EAGLE-3 head whose draft vocabulary is half the target's: the top-k tree
+    proposes tokens the target rarely wants, and some it wants cannot be proposed."""
+    return make_random_eagle_head(tiny_vocab_dir, tmp_path_factory.mktemp("v32eagle"), draft_vocab=16, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +97,18 @@ CASES = {
     "other-model-chain-sampled": ("small:{other}", SpecConfig(num_speculative_tokens=2), 300),
     "small-tree-topk": ("tree:small:{dir}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 2000),
     "tree-small+ngram": ("tree:small:{dir}+ngram", SpecConfig(num_speculative_tokens=2, topk=2, budget=6), 2000),
+    "eagle3-tree": ("eagle3:{eagle}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 300),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_first_three_tokens_match_target_distribution(tiny_vocab_dir, other_draft_dir, prompt, exact_joint, case):
+def test_first_three_tokens_match_target_distribution(tiny_vocab_dir, other_draft_dir, eagle_head_dir, prompt,
+                                                      exact_joint, case):
     """10,000 samples of the first three tokens: chi-square p > 0.001 against the exact law.
     The small drafter is the target checkpoint itself (proposals mostly accepted) or a
     different random model (frequent rejections and residual sampling)."""
     drafter, spec, min_accepted = CASES[case]
-    drafter = drafter.format(dir=tiny_vocab_dir, other=other_draft_dir) if drafter else None
+    drafter = drafter.format(dir=tiny_vocab_dir, other=other_draft_dir, eagle=eagle_head_dir) if drafter else None
     counts, stats = sample_counts(tiny_vocab_dir, prompt, drafter, spec)
     p = chi_square_pvalue(counts, exact_joint)
     print(f"{case}: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "

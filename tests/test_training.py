@@ -6,7 +6,6 @@ import json
 import logging
 
 import pytest
-import torch
 
 from conftest import SHARED_DATA
 from spec import LLM, SamplingParams

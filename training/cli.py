@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     fields["data"] = tuple(fields["data"])
     try:
         cfg = TrainConfig(**fields)
-        summary = train(cfg)
+        summary = train(cfg, command=shlex.join(["train-drafter", *(sys.argv[1:] if argv is None else argv)]))
     except (ValueError, FileNotFoundError) as e:
         print(f"train-drafter: error: {e}", file=sys.stderr)
         return 2
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, command: str | None = None) -> dict:
+    """Run one training job; `command` (the command line) goes into the model card."""
     import torch
 
     from training.data import load_conversations, tokenize_conversation
@@ -107,6 +109,8 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.eval_data:
         summary["heldout"] = _evaluate(cfg, drafter)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from training.card import write_card
+    write_card(out, summary, command=command)
     return summary
 
 

@@ -176,11 +176,18 @@ def _ensure_capacity(st: _SeqState, need: int) -> None:
         setattr(st, name, grown)
 
 
-@register_drafter("eagle3")
+def _default_tree():
+    from spec.config import SpecConfig
+    t = DynamicTreeConfig()          # tuned for the CPU verify-cost curve (tree/builders.py)
+    return SpecConfig(num_speculative_tokens=t.depth, topk=t.topk, budget=t.budget)
+
+
+@register_drafter("eagle3", default_speculation=_default_tree())
 def _build(arg: str, target, speculation) -> Eagle3Drafter:
     path = Path(arg) if arg else DEFAULT_HEAD
     if not arg and not (path / "config.json").is_file():
-        raise ValueError(f"no default EAGLE-3 head shipped at {path}; pass eagle3:PATH")
+        raise ValueError(f"no default EAGLE-3 head is shipped yet ({path}); pass eagle3:PATH "
+                         "(train one with `train-drafter --kind eagle3`)")
     head = load_head(path, target.config, device=target.device, dtype=target.dtype)
     head.use_target_embedding(target.net.model.embed_tokens)
     return Eagle3Drafter(head)
