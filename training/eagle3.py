@@ -117,8 +117,9 @@ def _new_head(hc: Eagle3Config, target, draft_ids: torch.Tensor, from_target: bo
 def _init_from_target(head: Eagle3Head, target, draft_ids: torch.Tensor) -> None:
     """Start close to 'the target's last layer applied to its high tap': fc passes the third
     tap through, the layer copies the target's last decoder layer (its q/k/v read the hidden
-    half of the 2H input), and the LM head is the target's rows of the draft vocabulary.
-    With a CPU-sized training budget this converges far faster than a random start."""
+    half of the 2H input), and the LM head is the target's rows of the draft vocabulary, so
+    training starts in the target's own feature space (not compared against a random start
+    here; `--no-init-from-target` gives the random one)."""
     hc, net = head.cfg, target.net
     last = net.model.layers[-1]
     H = hc.hidden_size
