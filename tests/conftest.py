@@ -68,19 +68,25 @@ def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "ll
 
 def make_random_eagle_head(target_dir: Path, out: Path, draft_vocab: int = 512, seed: int = 0) -> Path:
     """A random-weight EAGLE-3 head for the checkpoint in target_dir, saved in the EAGLE layout."""
+    from drafters.eagle3 import save_head
+    from verifier.target import load_config
+    save_head(random_eagle_head(load_config(target_dir), draft_vocab, seed), out)
+    return out
+
+
+def random_eagle_head(target_cfg, draft_vocab: int = 512, seed: int = 0):
+    """A random-weight EAGLE-3 head (in memory) shaped for a target config."""
     import torch
 
-    from drafters.eagle3 import Eagle3Config, Eagle3Head, save_head
-    from verifier.target import load_config
-    cfg = load_config(target_dir)
+    from drafters.eagle3 import Eagle3Config, Eagle3Head
     torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab))
+    head = Eagle3Head(Eagle3Config.for_target(target_cfg, draft_vocab))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.2) if p.dim() == 2 else p.uniform_(0.5, 1.5)
-    head.set_vocab_map(torch.sort(torch.randperm(cfg.vocab_size)[:draft_vocab]).values)
-    save_head(head, out)
-    return out
+    head.set_vocab_map(torch.sort(torch.randperm(target_cfg.vocab_size)[:draft_vocab]).values)
+    head.init_rotary()
+    return head
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import make_tiny_model
-from drafters.eagle3 import Eagle3Config, Eagle3Head, HeadMismatchError, load_head, save_head
+from conftest import make_tiny_model, random_eagle_head
+from drafters.eagle3 import HeadMismatchError, load_head, save_head
 from drafters.eagle3.drafter import Eagle3Drafter
 from drafters.base import DraftRequest, TargetHidden
 from spec import LLM, SamplingParams
@@ -19,15 +19,7 @@ from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel
 
 
-def random_head(target_cfg, draft_vocab: int = 512, seed: int = 0) -> Eagle3Head:
-    torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(target_cfg, draft_vocab))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2) if p.dim() == 2 else p.uniform_(0.5, 1.5)
-    head.set_vocab_map(torch.sort(torch.randperm(target_cfg.vocab_size)[:draft_vocab]).values)
-    head.init_rotary()
-    return head
+random_head = random_eagle_head
 
 
 @pytest.fixture(scope="module")
