@@ -111,11 +111,17 @@ def default_speculation(spec: str | None):
     return _DEFAULT_SPECULATION.get(kind, SpecConfig())
 
 
+def check_drafter(spec: str) -> None:
+    """ValueError unless `spec`'s kind is registered (nothing is loaded)."""
+    import drafters  # noqa: F401  (registers the built-in drafters)
+    kind = spec.partition(":")[0]
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_REGISTRY))}")
+
+
 def build_drafter(spec: str, target, speculation) -> Drafter:
     """`spec` is `kind` or `kind:argument`: "ngram", "small:/path/to/model",
     "tree:small:/path+ngram". The target supplies the tokenizer and device."""
-    import drafters  # noqa: F401  (registers the built-in drafters)
+    check_drafter(spec)
     kind, _, arg = spec.partition(":")
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[kind](arg, target, speculation)

@@ -1,7 +1,6 @@
 """`tercel serve`: load the model, start the engine thread, serve HTTP with uvicorn."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -41,10 +40,13 @@ def engine_config(args):
     from spec.config import EngineConfig
     from spec.cli import speculation_from_args
     drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
-    if args.profile:
-        drafter, gamma, topk, budget = _read_profile(Path(args.profile), drafter, gamma, topk, budget)
     drafter = None if drafter in (None, "", "none") else drafter
     spec = speculation_from_args(drafter, gamma, topk, budget)
+    if args.profile:       # the profile's drafter and tree; explicit tree flags still apply
+        from spec.profile import load_profile
+        choice = load_profile(args.profile)
+        drafter = choice.drafter
+        spec = speculation_from_args(drafter, gamma, topk, budget) or choice.speculation
     kv = {}
     if args.kv_blocks:
         kv["num_kv_blocks"] = args.kv_blocks
@@ -55,16 +57,6 @@ def engine_config(args):
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch), **kv)
-
-
-def _read_profile(path: Path, drafter, gamma, topk, budget):
-    try:
-        prof = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read profile {path}: {e}") from None
-    best = prof.get("default", prof)
-    return (best.get("drafter", drafter), best.get("gamma", gamma), best.get("topk", topk),
-            best.get("budget", budget))
 
 
 def _device_memory() -> int:

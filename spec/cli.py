@@ -1,4 +1,5 @@
-"""`tercel` command line: `tercel chat` and `tercel serve`; bench and train-drafter join later."""
+"""`tercel` command line: `tercel chat`, `tercel serve` and `tercel bench` (train-drafter is
+its own console script)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     _chat_args(sub)
     from serving.server import add_serve_args
     add_serve_args(sub)
+    from bench.cli import add_bench_args
+    add_bench_args(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "chat":
@@ -38,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from serving.server import run_serve
             return run_serve(args)
+        if args.command == "bench":
+            from bench.cli import run_bench
+            return run_bench(args)
     except ValueError as e:
         print(f"tercel: error: {e}", file=sys.stderr)
         return 2

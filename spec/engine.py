@@ -7,6 +7,7 @@ commit (move accepted KV into place, publish full blocks to the prefix cache) ->
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -78,6 +79,12 @@ class LLMEngine:
             from drafters.base import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
+        # Everything loaded so far lives as long as the engine: move it out of the cyclic
+        # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
+        # as n-gram indexing of a long prompt) walks every object of the process each time:
+        # measured 15 ms per step in a 500k-object process, against 0.3 ms frozen.
+        gc.collect()
+        gc.freeze()
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

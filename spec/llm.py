@@ -15,7 +15,12 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, profile: str | None = None,
+                 profile_task: str | None = None, **kwargs):
+        """`profile`: a `tercel bench grid --profile-out` file choosing the drafter and tree
+        (its default choice, or `profile_task`'s); it excludes `drafter` and `speculation`."""
+        if profile is not None:
+            kwargs = {**kwargs, **_profile_options(profile, profile_task, kwargs)}
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
         if unknown:
@@ -70,3 +75,12 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in ids]
+
+
+def _profile_options(path: str, task: str | None, given: dict) -> dict:
+    from spec.profile import load_profile
+    clash = sorted({"drafter", "speculation"} & set(given))
+    if clash:
+        raise ValueError(f"pass either profile or {' and '.join(clash)}, not both")
+    choice = load_profile(path, task)
+    return {"drafter": choice.drafter, "speculation": choice.speculation}

@@ -70,7 +70,7 @@ def parse_line(line: str) -> tuple[str | None, str | None, list[dict]]:
     turns = obj.get("conversations", obj.get("messages"))
     if not isinstance(turns, list):
         raise ValueError("missing 'conversations' list")
-    messages = [_message(t, i) for i, t in enumerate(turns)]
+    messages = [parse_message(t, i) for i, t in enumerate(turns)]
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
         raise ValueError("conversation has no non-empty assistant turn")
     if not any(m["role"] == "user" for m in messages):
@@ -78,7 +78,8 @@ def parse_line(line: str) -> tuple[str | None, str | None, list[dict]]:
     return obj.get("id"), obj.get("source"), messages
 
 
-def _message(turn, i: int) -> dict:
+def parse_message(turn, i: int) -> dict:
+    """One turn as {"role", "content"}; both schemas. ValueError names the turn."""
     if not isinstance(turn, dict):
         raise ValueError(f"turn {i} is not an object")
     if "role" in turn:

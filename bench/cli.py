@@ -1,0 +1,88 @@
+"""`tercel bench accept | grid | speed | serve`.
+
+    tercel bench accept --drafter ngram --gamma 1:6 --tasks rag,summarization --limit 10
+    tercel bench grid --drafter ngram,eagle3:HEAD --gamma 2:6 --topk 1,2 --budget 4:8 \\
+        --temperature 0,0.7 --repeats 3 --hf --json grid.json --plot charts/ --profile-out profile.json
+    tercel bench speed --drafter ngram --limit 10 --max-tokens 128 --repeats 3
+    tercel bench serve --url http://127.0.0.1:8000 --concurrency 1,4,16
+
+Every run prints markdown tables on stdout; --json keeps a machine-readable report that is
+rewritten after each finished run, so an interrupted benchmark continues with --resume.
+Bad input (unknown drafter or task, empty dataset, impossible ranges, unreachable server)
+exits with code 2 and a message.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+COMMANDS = ("accept", "grid", "speed", "serve")
+
+
+def add_bench_args(sub) -> None:
+    p = sub.add_parser("bench", help="measure acceptance, grid-search trees, compare speeds, load a server",
+                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=COMMANDS)
+    p.add_argument("--model", default=None, help="alias, .gguf or HF directory (default: smollm2-135m-instruct)")
+    p.add_argument("--dataset", action="append", default=None,
+                   help="specbench, mtbench or a JSONL file; repeatable (default: specbench)")
+    p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
+    p.add_argument("--limit", type=int, default=10, help="prompts per task (default 10)")
+    p.add_argument("--both-turns", action="store_true", help="MT-bench style: also the second turn")
+    p.add_argument("--drafter", default="ngram", help="comma-separated drafters (default: ngram)")
+    p.add_argument("--gamma", default=None, help="speculation depths, e.g. 4, 1:8, 2,4,6 (default: drafter's)")
+    p.add_argument("--topk", default=None, help="tree widths, e.g. 1:3")
+    p.add_argument("--budget", default=None, help="draft nodes per step, e.g. 4:16:4")
+    p.add_argument("--temperature", default="0", help="comma-separated temperatures (default 0)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--repeats", type=int, default=None, help="runs of each cell (default: 1 accept, 3 otherwise)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf", action="store_true", help="grid: also measure HF transformers generate")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", default=None, help="write the report here (updated as runs finish)")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
+    p.add_argument("--profile-out", default=None, help="grid: write the fastest configuration per task")
+    p.add_argument("--resume", action="store_true", help="continue the run whose --json report is given")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server to load")
+    p.add_argument("--concurrency", default="1,4,16", help="serve: concurrency levels")
+    p.add_argument("--requests", type=int, default=None, help="serve: requests per level")
+    p.add_argument("--api-key", default=None, help="serve: Bearer key of the server")
+
+
+def run_bench(args) -> int:
+    """ValueError propagates to `tercel`'s handler (message, exit code 2)."""
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    try:
+        if args.what == "serve":
+            from bench.cli_serve import run_serve_bench_cli
+            return run_serve_bench_cli(args)
+        from bench.cli_engine import run_engine_bench
+        return run_engine_bench(args)
+    except KeyboardInterrupt:
+        kept = f"; finished runs are in {args.json}: rerun with --resume" if args.json else ""
+        print(f"\ntercel bench: interrupted{kept}", file=sys.stderr)
+        return 130
+
+
+def split_names(text: str | None) -> list[str] | None:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+def write_plots(kind: str, rows, out_dir: str | None) -> None:
+    if not out_dir:
+        return
+    if kind == "serve":
+        from bench.serve_load import plot_latency
+        paths = plot_latency(rows, Path(out_dir))
+    else:
+        from bench.plots import plot_grid
+        paths = plot_grid(rows, out_dir)
+    for path in paths:
+        print(f"wrote {path}", file=sys.stderr)

@@ -1,0 +1,197 @@
+"""`tercel bench accept | grid | speed`: datasets, ranges, acceptance statistics, a tiny grid
+end to end (JSON, profile, PNGs), interruption and --resume, bad input (exit code 2)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.suite
+from bench.data import SPECBENCH_TASKS, load_datasets
+from bench.grid import Cell, build_cells, parse_range
+from bench.stats import acceptance
+from bench.summary import best_per_task, summarise
+from spec import LLM, SamplingParams
+from spec.cli import main as tercel
+from spec.profile import load_profile
+
+TINY_GRID = ["--tasks", "qa,rag", "--limit", "1", "--max-tokens", "16", "--ignore-eos", "--repeats", "1"]
+
+
+# ---- datasets -------------------------------------------------------------------------------
+def test_specbench_has_six_tasks_in_file_order():
+    data = load_datasets(["specbench"], limit=10)
+    assert tuple(data.tasks()) == SPECBENCH_TASKS
+    assert all(len(ps) == 10 for ps in data.by_task().values()) and not data.skipped
+    assert load_datasets(["specbench"], limit=3).prompts == load_datasets(["specbench"], limit=3).prompts
+
+
+def test_mtbench_second_turn_follows_the_models_answer():
+    p = load_datasets(["mtbench"], tasks=["coding"], limit=1, both_turns=True).prompts[0]
+    assert p.task == "coding" and len(p.turns) == 2
+    msgs = p.messages(["my first answer"])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[1]["content"] == "my first answer" and msgs[2]["content"] == p.turns[1]
+    assert len(load_datasets(["mtbench"], limit=1).prompts[0].turns) == 1
+
+
+def test_jsonl_prompts_conversations_and_malformed_lines(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join([
+        json.dumps({"prompt": "Tell me a joke.", "task": "fun"}),
+        "{not json",
+        json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}),
+        json.dumps({"conversations": [{"from": "gpt", "value": "no user first"}]}),
+        json.dumps({"prompt": ""}),
+    ]) + "\n")
+    data = load_datasets([str(f)])
+    assert [(p.task, p.turns) for p in data.prompts] == [("fun", ("Tell me a joke.",)), ("mine", ("Hi",))]
+    assert data.prompts[1].system == "Be brief."
+    assert [s.split(":")[1] for s in data.skipped] == ["2", "4", "5"]      # file:line of each bad line
+
+
+def test_dataset_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown task.*nope"):
+        load_datasets(["specbench"], tasks=["nope"])
+    with pytest.raises(ValueError, match="not found"):
+        load_datasets([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "bad.jsonl").write_text("{}\n[1]\n")
+    with pytest.raises(ValueError, match="no usable prompts.*2 malformed"):
+        load_datasets([str(tmp_path / "bad.jsonl")])
+
+
+# ---- ranges, cells, statistics ------------------------------------------------------------------
+def test_ranges_and_cells():
+    assert parse_range("1:4", "gamma") == [1, 2, 3, 4] and parse_range("2:8:3", "gamma") == [2, 5, 8]
+    assert parse_range("4,2,4", "gamma") == [2, 4] and parse_range(None, "gamma") is None
+    for bad in ("0:3", "x", "5:2", "1:2:0"):
+        with pytest.raises(ValueError, match="--gamma"):
+            parse_range(bad, "gamma")
+    cells = build_cells(["ngram"], [2, 4], [1, 2], [3, 4], [0.0])
+    shapes = [(c.drafter, c.gamma, c.topk, c.budget) for c in cells]
+    # plain first; a chain ignores budgets; budget 3 < γ 4 is left out
+    assert shapes == [(None, None, None, None), ("ngram", 2, 1, None), ("ngram", 2, 2, 3), ("ngram", 2, 2, 4),
+                      ("ngram", 4, 1, None), ("ngram", 4, 2, 4)]
+    with pytest.raises(ValueError, match="below every --gamma"):
+        build_cells(["ngram"], [4, 5], [2], [2, 3], [0.0])
+
+
+def test_acceptance_statistics_match_a_hand_computed_example():
+    # 10 verify steps; 6 accepted depth 1, 3 of those depth 2, 1 depth 3: emitted 10 + 6 + 3 + 1.
+    acc = acceptance(10, 20, [6, 3, 1])
+    assert acc.tau == 2.0
+    assert acc.cumulative == pytest.approx((0.6, 0.3, 0.1))
+    assert acc.conditional == pytest.approx((0.6, 0.5, 1 / 3))
+    assert acceptance(4, 4, [0, 0]).conditional == (0.0, None)      # depth 2 never reachable
+    assert acceptance(0, 0, []).tau is None
+
+
+def _result(task, cell, repeat, tok_s, **kw):
+    return {"key": f"{task}|{cell.key}|r{repeat}", "task": task, "repeat": repeat, "cell_key": cell.key,
+            "cell": cell.__dict__, "tok_s": tok_s, "tokens": 10, "ttft_ms": 1.0, "verify_steps": kw.get("steps", 0),
+            "emitted": kw.get("emitted", 0), "accepted_per_depth": kw.get("depth", []),
+            "draft_ms_per_step": None, "verify_ms_per_step": None}
+
+
+def test_speedups_pair_runs_of_the_same_repeat_and_pick_the_best():
+    plain, ng = Cell(None), Cell("ngram", 2, 1)
+    results = [_result("a", plain, 0, 10.0), _result("a", ng, 0, 15.0, steps=2, emitted=5, depth=[2, 1]),
+               _result("a", plain, 1, 20.0), _result("a", ng, 1, 22.0, steps=2, emitted=4, depth=[1, 1]),
+               _result("b", plain, 0, 10.0), _result("b", ng, 0, 8.0)]
+    rows = {(r["task"], r["cell"]["drafter"]): r for r in summarise(results)}
+    a = rows[("a", "ngram")]
+    assert a["speedup"] == pytest.approx((1.5 + 1.1) / 2) and a["speedup_range"] == pytest.approx([1.1, 1.5])
+    assert a["tau"] == pytest.approx(9 / 4) and a["alpha_cumulative"] == pytest.approx([0.75, 0.5])
+    best = best_per_task(list(rows.values()))
+    assert best["a"]["drafter"] == "ngram" and best["b"]["drafter"] is None
+
+
+# ---- end to end on the tiny model -------------------------------------------------------------
+def test_tiny_grid_end_to_end(tmp_path, tiny_llama_dir, tiny_eagle_head, capsys):
+    out, prof, plots = tmp_path / "grid.json", tmp_path / "profile.json", tmp_path / "charts"
+    # A random EAGLE-3 head drafts every step (a random model's output rarely repeats n-grams).
+    rc = tercel(["bench", "grid", "--model", str(tiny_llama_dir), *TINY_GRID, "--drafter", f"ngram,eagle3:{tiny_eagle_head}",
+                 "--gamma", "2:3", "--topk", "1,2",
+                 "--budget", "3", "--temperature", "0,0.8", "--json", str(out), "--profile-out", str(prof),
+                 "--plot", str(plots)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    # per temperature: plain + 2 drafters × (γ2 k1, γ2 k2 n3, γ3 k1, γ3 k2 n3) -> 9 cells × 2 temperatures × 2 tasks
+    assert len(report["results"]) == 36 and len(report["summary"]["rows"]) == 36
+    assert all(r["tokens"] > 0 and r["tok_s"] > 0 for r in report["results"])
+    eagle_rows = [r for r in report["summary"]["rows"] if (r["cell"]["drafter"] or "").startswith("eagle3")]
+    assert all(r["speedup"] is not None for r in report["summary"]["rows"])
+    assert all(r["tau"] is not None and r["tau"] >= 1 and len(r["alpha_cumulative"]) >= 1 for r in eagle_rows)
+    table = capsys.readouterr().out
+    assert "Fastest configuration per task" in table and "| qa |" in table and "| rag |" in table
+    choice = load_profile(prof)
+    assert set(json.loads(prof.read_text())["tasks"]) == {"qa", "rag"}
+    llm = LLM(model=str(tiny_llama_dir), profile=str(prof), profile_task="qa", max_model_len=256, num_kv_blocks=64)
+    assert (llm.engine.drafter is None) == (load_profile(prof, "qa").drafter is None)
+    assert llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+    assert choice.drafter is None or choice.speculation.num_speculative_tokens in (2, 3)
+    from matplotlib.image import imread
+    for name in ("tau_speedup_vs_gamma.png", "acceptance_per_depth.png"):
+        img = imread(plots / name)
+        assert img.ndim == 3 and img.shape[0] > 100
+
+
+def test_accept_reports_per_depth_acceptance(tiny_llama_dir, capsys):
+    rc = tercel(["bench", "accept", "--model", str(tiny_llama_dir), *TINY_GRID, "--gamma", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "α cumulative" in out and "| ngram | γ3 k1 |" in out and "a_d" in out
+
+
+def test_speed_compares_with_hf_generate_and_prompt_lookup(tmp_path, tiny_llama_dir, capsys):
+    out = tmp_path / "speed.json"
+    rc = tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--json", str(out)])
+    assert rc == 0
+    names = {r["cell"]["engine"] for r in json.loads(out.read_text())["results"]}
+    assert names == {"tercel", "hf-generate", "hf-prompt-lookup"}
+    text = capsys.readouterr().out
+    assert "hf-generate" in text and "hf-prompt-lookup" in text and "TTFT" in text
+
+
+def test_interrupted_run_keeps_results_and_resumes(tmp_path, tiny_llama_dir, monkeypatch):
+    out = tmp_path / "grid.json"
+    args = ["bench", "grid", "--model", str(tiny_llama_dir), *TINY_GRID, "--gamma", "2,3", "--json", str(out)]
+    real, calls = bench.suite.run_unit, []
+
+    def interrupted(*a, **kw):
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench.suite, "run_unit", interrupted)
+    assert tercel(args) == 130
+    assert len(json.loads(out.read_text())["results"]) == 4          # what finished is kept
+    monkeypatch.setattr(bench.suite, "run_unit", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert tercel(args + ["--resume"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert len(calls) == 6 and len(results) == 6 and len({r["key"] for r in results}) == 6
+    # A resume with other settings is refused rather than mixed in.
+    assert tercel(args[:-4] + ["--max-tokens", "7", "--json", str(out), "--resume"]) == 2
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["grid", "--drafter", "nope"], "unknown drafter"),
+    (["grid", "--tasks", "nope"], "unknown task"),
+    (["grid", "--gamma", "0:2"], "--gamma values must be >= 1"),
+    (["grid", "--gamma", "4", "--topk", "2", "--budget", "2"], "below every --gamma"),
+    (["grid", "--topk", "2"], "need --gamma"),
+    (["grid", "--resume"], "--resume needs --json"),
+    (["grid", "--limit", "0"], "--limit must be >= 1"),
+    (["grid", "--temperature", "hot"], "--temperature"),
+    (["serve", "--url", "http://127.0.0.1:9"], "cannot connect"),
+])
+def test_bad_input_exits_2_with_a_message(bad, message, tiny_llama_dir, capsys):
+    assert tercel(["bench", *bad, "--model", str(tiny_llama_dir), "--max-tokens", "4"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_empty_dataset_exits_2(tmp_path, tiny_llama_dir, capsys):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert tercel(["bench", "grid", "--model", str(tiny_llama_dir), "--dataset", str(tmp_path / "empty.jsonl")]) == 2
+    assert "no usable prompts" in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""`tercel bench serve`'s load generator (bench/serve_load.py) against a live tiny server on
+loopback, plus its pure parts: percentiles, config checks, stream parsing, table and plots."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from bench.serve_load import (LoadConfig, ServerUnreachable, check_server, markdown_table, percentiles,
+                              plot_latency, request_body, run_serve_bench, stream_request)
+from server_util import LiveServer, free_port
+from spec.config import EngineConfig
+
+ENGINE = dict(drafter="ngram", max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
+PROMPTS = [[{"role": "user", "content": "Count from one to ten."}],
+           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+           [{"role": "user", "content": "Repeat: the cat sat on the mat, the cat sat on the mat."}]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    s = LiveServer(EngineConfig(model=str(tiny_llama_dir), **ENGINE), model_name="tiny")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def results(server):
+    """Both modes at concurrency 1 and 2, 4 requests each, measured once for several tests."""
+    cfg = LoadConfig(url=server.url, concurrency=(1, 2), max_tokens=8, requests_per_level=4)
+    return run_serve_bench(cfg, PROMPTS)
+
+
+def test_levels_measured_in_order_without_errors(server, results):
+    """Four levels, c-major and mode-minor; every request succeeds within max_tokens; percentiles
+    are ordered; the KV pool is whole once the bench ends."""
+    assert [r["key"] for r in results] == ["serve/on/c1", "serve/off/c1", "serve/on/c2", "serve/off/c2"]
+    for r in results:
+        assert r["requests"] == 4 and r["errors"] == 0 and r["error_examples"] == []
+        assert 0 < r["output_tokens"] <= r["requests"] * 8
+        assert r["throughput_tok_s"] > 0 and r["duration_s"] > 0 and r["requests_per_s"] > 0
+        for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            p = r[metric]
+            if p["p50"] is not None:
+                assert p["p50"] <= p["p90"] <= p["p99"]
+        assert r["ttft_ms"]["p50"] is not None and r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"]
+    assert all(r["mean_accepted_length"] is None for r in results if r["mode"] == "off")
+    server.wait_idle()
+    assert server.engine.blocks.num_used_blocks == 0
+
+
+def test_done_levels_are_skipped_and_each_level_reported(server):
+    """Keys in `done` are not measured; on_result sees each measured level once, as it ends."""
+    seen = []
+    cfg = LoadConfig(url=server.url, concurrency=(1, 2), max_tokens=4, requests_per_level=2, warmup=0)
+    out = run_serve_bench(cfg, PROMPTS, done={"serve/on/c1", "serve/off/c2"}, on_result=seen.append)
+    assert [r["key"] for r in out] == ["serve/off/c1", "serve/on/c2"] and seen == out
+    everything = {"serve/on/c1", "serve/off/c1", "serve/on/c2", "serve/off/c2"}
+    assert run_serve_bench(cfg, PROMPTS, done=everything, on_result=seen.append) == [] and len(seen) == 2
+
+
+def test_check_server(server):
+    """The served ids come back; a port nobody listens on raises ServerUnreachable naming the URL."""
+    assert check_server(server.url) == ["tiny"] and check_server(server.url + "/v1/") == ["tiny"]
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerUnreachable, match=url):
+        check_server(url, timeout=2.0)
+    with pytest.raises(ServerUnreachable, match=url):
+        run_serve_bench(LoadConfig(url=url, concurrency=(1,), modes=("off",)), PROMPTS)
+
+
+def test_api_key(tiny_llama_dir):
+    """Against a keyed server, a missing or wrong key is a 401 ServerUnreachable; the right one works."""
+    keyed = LiveServer(EngineConfig(model=str(tiny_llama_dir), **ENGINE), model_name="tiny", api_key="sekrit")
+    try:
+        for key in (None, "wrong"):
+            with pytest.raises(ServerUnreachable, match="401"):
+                check_server(keyed.url, api_key=key)
+        cfg = LoadConfig(url=keyed.url, api_key="sekrit", concurrency=(2,), modes=("on",), max_tokens=4,
+                         requests_per_level=2, warmup=0)
+        (r,) = run_serve_bench(cfg, PROMPTS)
+        assert r["errors"] == 0 and r["output_tokens"] > 0
+    finally:
+        keyed.close()
+
+
+def test_errors_are_counted_not_raised(server):
+    """An unknown model gives one 404 per request, counted, with one de-duplicated example."""
+    cfg = LoadConfig(url=server.url, concurrency=(2,), modes=("off",), max_tokens=4, requests_per_level=3,
+                     model="no-such-model")
+    (r,) = run_serve_bench(cfg, PROMPTS)
+    assert r["errors"] == r["requests"] == 3 and r["output_tokens"] == 0
+    assert len(r["error_examples"]) == 1 and r["error_examples"][0].startswith("404:")
+    assert "no-such-model" in r["error_examples"][0]
+    assert r["ttft_ms"] == {"p50": None, "p90": None, "p99": None, "mean": None}
+    server.wait_idle()
+
+
+def _fake_stream(lines: list[str], status: int = 200):
+    """An AsyncClient whose chat endpoint answers `lines` as an SSE body."""
+    def handler(request):
+        return httpx.Response(status, content="\n\n".join(lines).encode(),
+                              headers={"content-type": "text/event-stream"})
+    return httpx.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(handler))
+
+
+def _record(lines, status=200):
+    async def go():
+        async with _fake_stream(lines, status) as client:
+            return await stream_request(client, {"model": "m"})
+    return asyncio.run(go())
+
+
+def test_stream_parsing_without_a_server():
+    """Content chunks are timed (the role chunk is not), usage and the tercel extension are read;
+    a missing [DONE], an error event or bad JSON make the request an error."""
+    role = 'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}'
+    text = 'data: {"choices": [{"index": 0, "delta": {"content": "ab"}}]}'
+    finish = 'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}'
+    usage = ('data: {"choices": [], "usage": {"completion_tokens": 3}, '
+             '"tercel": {"mean_accepted_length": 2.5}}')
+    rec = _record([role, ": ping", text, text, finish, usage, "data: [DONE]"])
+    assert rec.ok and len(rec.content_times) == 2 and rec.completion_tokens == 3
+    assert rec.accepted_length == 2.5 and len(rec.gaps) == 1 and rec.tpot is not None and rec.tpot >= 0
+    assert "[DONE]" in _record([role, text, finish, usage]).error
+    assert "boom" in _record([role, 'data: {"error": {"message": "boom"}}']).error
+    assert "bad JSON" in _record([role, "data: {nope", "data: [DONE]"]).error
+    assert _record(['{"error": {"message": "queue full"}}'], status=429).error == "429: queue full"
+
+
+def test_table_and_plots(results, tmp_path):
+    """The table has a row per level and the on/off ratio; both PNGs load as images."""
+    import matplotlib.image
+
+    table = markdown_table(results)
+    assert table.count("\n") == 2 + len(results) and "| on |" in table and "| off |" in table
+    assert table.count("x |") == 2          # one on/off ratio per concurrency
+    paths = plot_latency(results, tmp_path / "plots")
+    assert [p.name for p in paths] == ["serve_latency.png", "serve_throughput.png"]
+    for p in paths:
+        assert matplotlib.image.imread(p).size > 0
+
+
+def test_percentiles_and_config_checks():
+    """Linear interpolation, None for no data; bad configs are refused naming the field."""
+    assert percentiles([1, 2, 3, 4])["p50"] == 2.5 and percentiles([1, 2, 3, 4], qs=(0, 100)) == {"p0": 1, "p100": 4}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    for bad, field in ((dict(concurrency=(0,)), "concurrency"), (dict(concurrency=()), "concurrency"),
+                       (dict(modes=("maybe",)), "modes"), (dict(modes=()), "modes"),
+                       (dict(max_tokens=0), "max_tokens"), (dict(requests_per_level=0), "requests_per_level")):
+        with pytest.raises(ValueError, match=field):
+            LoadConfig(url="http://x", **bad)
+    cfg = LoadConfig(url="http://x:1/v1/", concurrency=[2, 8])
+    assert cfg.concurrency == (2, 8) and cfg.root == "http://x:1" and cfg.requests_for(8, 3) == 16
+    assert request_body(cfg, "m", PROMPTS[0], "off")["speculation"] == "off"
+    assert request_body(cfg, "m", PROMPTS[0], "on")["speculation"] == "auto"
