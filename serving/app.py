@@ -107,7 +107,16 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             raise APIError(400, str(e), param=param, code=code) from None
         return params
 
+    def _check_drafter(req: ParsedRequest) -> None:
+        """A request may name the server's drafter (its kind or full spec), or 'none'."""
+        mine = engine.config.drafter
+        if req.drafter is not None and req.drafter not in (mine, (mine or "").partition(":")[0]):
+            raise APIError(400, f"this server drafts with {mine or 'no drafter'!r}; 'speculation.drafter' "
+                                f"can name that drafter or 'none', not {req.drafter!r}",
+                           param="speculation.drafter", code="unsupported_drafter")
+
     async def _generate(request: Request, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
+        _check_drafter(req)
         jobs = [(p, i * req.n + c) for i, p in enumerate(prompt_ids) for c in range(req.n)]
         params = [_params(req, ids, idx) for ids, idx in jobs]
         streams: list[RequestStream] = []

@@ -45,6 +45,7 @@ class ParsedRequest:
     speculate: bool
     speculation: SpecConfig | None
     model: str
+    drafter: str | None = None     # speculation.drafter as asked; the app checks it is the server's
 
 
 # ---- field readers ------------------------------------------------------------------------
@@ -94,12 +95,12 @@ def _sampling(body: dict) -> dict:
     )
 
 
-def _speculation(body: dict) -> tuple[bool, SpecConfig | None]:
+def _speculation(body: dict) -> tuple[bool, SpecConfig | None, str | None]:
     v = body.get("speculation", "auto")
     if v in ("auto", None):
-        return True, None
+        return True, None, None
     if v == "off":
-        return False, None
+        return False, None, None
     if not isinstance(v, dict):
         raise bad("speculation", "'speculation' must be \"off\", \"auto\" or an object "
                                  "{\"drafter\", \"gamma\", \"topk\", \"budget\"}")
@@ -113,9 +114,12 @@ def _speculation(body: dict) -> tuple[bool, SpecConfig | None]:
         spec = SpecConfig(num_speculative_tokens=v.get("gamma", 4), topk=v.get("topk", 1), budget=v.get("budget"))
     except ValueError as e:
         raise bad("speculation", str(e)) from None
-    if "drafter" in v and not isinstance(v["drafter"], str):
+    drafter = v.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
         raise bad("speculation.drafter", "'speculation.drafter' must be a string")
-    return True, spec
+    if drafter in ("none", "off"):
+        return False, None, None
+    return True, spec, drafter
 
 
 def _common(body, prompts) -> ParsedRequest:
@@ -127,9 +131,9 @@ def _common(body, prompts) -> ParsedRequest:
     opts = _get(body, "stream_options", dict, {})
     include_usage = bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False
     _get(body, "user", str, None)
-    speculate, speculation = _speculation(body)
+    speculate, speculation, drafter = _speculation(body)
     return ParsedRequest(prompts, None, max_tokens, _sampling(body), n, stream, include_usage, speculate,
-                         speculation, body["model"])
+                         speculation, body["model"], drafter)
 
 
 def _require_model(body) -> None:

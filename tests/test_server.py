@@ -104,6 +104,8 @@ BAD = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": "sometimes"}, 400,
      "speculation"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"gamma": 99}}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"drafter": "small:/x"}}, 400,
+     "speculation.drafter"),
 ]
 
 
@@ -126,8 +128,10 @@ def test_speculation_field_off_auto_object(client):
     off = chat(client, "repeat: a b c a b c a b c a b", max_tokens=24, temperature=0, extra_body={"speculation": "off"})
     obj = chat(client, "repeat: a b c a b c a b c a b", max_tokens=24, temperature=0,
                extra_body={"speculation": {"drafter": "ngram", "gamma": 2}})
-    assert off.model_extra["tercel"]["verify_steps"] == 0
-    assert off.choices[0].message.content == obj.choices[0].message.content
+    none = chat(client, "repeat: a b c a b c a b c a b", max_tokens=24, temperature=0,
+                extra_body={"speculation": {"drafter": "none"}})
+    assert off.model_extra["tercel"]["verify_steps"] == 0 == none.model_extra["tercel"]["verify_steps"]
+    assert off.choices[0].message.content == obj.choices[0].message.content == none.choices[0].message.content
 
 
 def test_sixteen_concurrent_streams_then_pool_is_whole(server):
