@@ -47,6 +47,7 @@ def _gamma_chart(plt, rows: list[dict], path: Path) -> Path:
             if r["cell"]["temperature"] == t:
                 # A drafter's default tree has no γ on the command line: plot it at γ = 0.
                 series[_series_label(r["cell"])][r["cell"]["gamma"] or 0].append(r)
+        ticks = sorted({g for by_gamma in series.values() for g in by_gamma})
         for label, by_gamma in series.items():
             gammas = sorted(by_gamma)
             for row, metric in ((0, "tau"), (1, "speedup")):
@@ -57,6 +58,7 @@ def _gamma_chart(plt, rows: list[dict], path: Path) -> Path:
         axes[1][col].set_ylabel("speedup over plain")
         axes[1][col].axhline(1.0, color="grey", lw=0.8, ls="--")
         for row in (0, 1):
+            axes[row][col].set_xticks(ticks)
             axes[row][col].set_xlabel("γ (speculation depth; 0 = the drafter's default tree)")
             axes[row][col].legend(fontsize=7)
     return save_figure(fig, path)
@@ -73,6 +75,7 @@ def _depth_chart(plt, rows: list[dict], path: Path) -> Path:
         depth = max(len(a) for a in alphas)
         ys = [_mean(a[d] for a in alphas if d < len(a)) for d in range(depth)]
         ax.plot(range(1, depth + 1), ys, marker="o", label=label)
+    ax.set_xticks(range(1, 1 + max((len(a) for alphas in configs.values() for a in alphas), default=1)))
     ax.set_xlabel("draft depth d")
     ax.set_ylabel("cumulative acceptance α_d (share of verify steps)")
     ax.set_ylim(0, 1)
