@@ -139,6 +139,8 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             finals = await asyncio.gather(*(_last(s) for s in streams))
         except ValueError as e:
             raise bad(None, str(e)) from None
+        except RuntimeError as e:      # engine failure or shutdown: an OpenAI-shaped 503, not a bare 500
+            raise APIError(503, str(e), type_="server_error", code="engine_unavailable") from None
         finally:
             for s in streams:
                 s.cancel()

@@ -206,7 +206,10 @@ class EngineBridge:
             self.metrics.errors.labels(reason="engine_error").inc()
             self._add_in_flight(-1)
         self._streams.clear()
-        self.engine.step()   # drain the abort outputs; the pool is whole again
+        try:
+            self.engine.step()   # drain the abort outputs; the pool is whole again
+        except Exception:        # the thread must survive to serve the next requests
+            log.exception("engine step failed again while aborting the failed requests")
 
     @staticmethod
     def _log(out: RequestOutput, stream: RequestStream) -> None:

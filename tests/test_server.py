@@ -182,6 +182,26 @@ def test_drafter_error_falls_back_to_plain_decoding(server, client, monkeypatch)
     assert r.choices[0].message.content == ref.choices[0].message.content
 
 
+def test_engine_failure_is_an_openai_error_and_the_server_recovers(server, client, monkeypatch):
+    """A failing engine step: the request gets a 503 in OpenAI's error shape (not a bare 500),
+    even when the drain step after it fails too; the next request is served, the pool whole."""
+    real_step, calls = server.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) <= 2:                 # the step and the drain after the abort both fail
+            raise RuntimeError("simulated kernel fault")
+        return real_step()
+
+    monkeypatch.setattr(server.engine, "step", failing_step)
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
+    assert r.status_code == 503 and "simulated kernel fault" in r.json()["error"]["message"]
+    assert chat(client, max_tokens=4, temperature=0).choices[0].finish_reason in ("stop", "length")
+    server.wait_idle()
+    assert server.engine.blocks.num_used_blocks == 0
+
+
 def test_api_key_and_queue_limit(tiny_llama_dir):
     """With --api-key: 401 without the key, /health open. With a full queue: 429 + Retry-After,
     while the running requests complete."""
