@@ -10,7 +10,7 @@ from bench.journal import Journal
 
 
 def run_serve_bench_cli(args) -> int:
-    from bench.serve_load import LoadConfig, check_server, markdown_table, run_serve_bench
+    from bench.serve_load import LoadConfig, markdown_table, run_serve_bench
     temps = parse_floats(args.temperature, "temperature")
     cfg = LoadConfig(url=args.url.rstrip("/"), concurrency=tuple(parse_range(args.concurrency, "concurrency")),
                      max_tokens=args.max_tokens, temperature=temps[0], requests_per_level=args.requests,
@@ -18,8 +18,7 @@ def run_serve_bench_cli(args) -> int:
     data = load_datasets(args.dataset or ["mtbench"], split_names(args.tasks), args.limit)
     for line in data.skipped:
         print(f"skipped {line}", file=sys.stderr)
-    models = check_server(cfg.url, cfg.api_key)
-    print(f"bench serve: {cfg.url} serves {', '.join(models)}; levels {list(cfg.concurrency)}, "
+    print(f"bench serve: {cfg.url}, levels {list(cfg.concurrency)}, "
           f"speculation on and off, {len(data.prompts)} prompt(s)", file=sys.stderr)
     journal = Journal(args.json, "serve", {"url": cfg.url, "max_tokens": cfg.max_tokens,
                                            "temperature": cfg.temperature, "model": cfg.model,

@@ -46,10 +46,6 @@ class Cell:
             return None
         return SpecConfig(num_speculative_tokens=self.gamma, topk=self.topk or 1, budget=self.budget)
 
-    def choice(self) -> dict:
-        """This cell as a profile choice (spec.profile)."""
-        return {"drafter": self.drafter, "gamma": self.gamma, "topk": self.topk, "budget": self.budget}
-
 
 def parse_range(text: str | None, name: str, minimum: int = 1) -> list[int] | None:
     """`4`, `1:8` (inclusive), `2:8:2` (with a step) or `1,2,4`; ValueError names the flag."""

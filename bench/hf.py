@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from bench.runner import Turn
 
 
@@ -31,11 +33,9 @@ class HFModel:
     """One loaded HF model shared by the two baselines."""
 
     def __init__(self, model: str):
-        import torch
         from transformers import AutoModelForCausalLM
 
         from verifier.loader import resolve_model_dir
-        self.torch = torch
         path = resolve_model_dir(model)
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         self.eos = self.model.generation_config.eos_token_id
@@ -50,7 +50,6 @@ class HFGenerator:
         self.max_tokens, self.ignore_eos, self.lookup_tokens = max_tokens, ignore_eos, lookup_tokens
 
     def generate(self, prompt_ids: list[int], temperature: float, seed: int) -> Turn:
-        torch = self.hf.torch
         torch.manual_seed(seed)
         ids = torch.tensor([prompt_ids])
         streamer = _FirstToken()

@@ -11,7 +11,7 @@ class Journal:
     def __init__(self, path: str | None, command: str, settings: dict, resume: bool):
         self.path = Path(path) if path else None
         # Round-tripped so tuples compare equal to the lists a resumed report holds.
-        self.command, self.settings = command, json.loads(json.dumps(settings, default=_plain))
+        self.command, self.settings = command, json.loads(json.dumps(settings))
         self.results: list[dict] = []
         self.summary: dict = {}
         if resume:
@@ -33,7 +33,7 @@ class Journal:
         body = {"command": self.command, "settings": self.settings, "results": self.results,
                 "summary": self.summary}
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(body, indent=1, default=_plain) + "\n")
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
         os.replace(tmp, self.path)
 
     def _load(self) -> None:
@@ -55,9 +55,3 @@ class Journal:
             raise ValueError(f"--resume: {self.path} was measured with different {', '.join(changed)}; "
                              "rerun without --resume or use the same settings")
         self.results = list(results)
-
-
-def _plain(obj):
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")

@@ -1,6 +1,7 @@
 """Markdown tables for `tercel bench accept | grid | speed` (printed on stdout)."""
 from __future__ import annotations
 
+from bench.grid import Cell
 from bench.stats import DEFINITIONS
 
 
@@ -19,10 +20,8 @@ def _alphas(values) -> str:
 
 
 def _label(row: dict) -> tuple[str, str, str, str]:
-    c = row["cell"]
-    from bench.grid import Cell
-    cell = Cell(**c)
-    return row["task"], f"{c['temperature']:g}", cell.name, cell.tree
+    cell = Cell(**row["cell"])
+    return row["task"], f"{cell.temperature:g}", cell.name, cell.tree
 
 
 def accept_table(rows: list[dict]) -> str:

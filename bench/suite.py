@@ -13,6 +13,7 @@ from bench.data import BenchPrompt
 from bench.grid import HF_LOOKUP, TERCEL, Cell
 from bench.journal import Journal
 from bench.runner import RunSettings, TercelGenerator, run_unit
+from spec.llm import chat_token_ids
 
 
 def unit_key(task: str, cell: Cell, repeat: int) -> str:
@@ -39,8 +40,7 @@ class Generators:
         self._hf = None
 
     def template(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        return chat_token_ids(self.tokenizer, messages)
 
     def open(self, cell: Cell):
         if cell.engine == TERCEL:

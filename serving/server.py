@@ -40,13 +40,13 @@ def engine_config(args):
     from spec.config import EngineConfig
     from spec.cli import speculation_from_args
     drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
-    drafter = None if drafter in (None, "", "none") else drafter
-    spec = speculation_from_args(drafter, gamma, topk, budget)
+    profiled = None
     if args.profile:       # the profile's drafter and tree; explicit tree flags still apply
         from spec.profile import load_profile
         choice = load_profile(args.profile)
-        drafter = choice.drafter
-        spec = speculation_from_args(drafter, gamma, topk, budget) or choice.speculation
+        drafter, profiled = choice.drafter, choice.speculation
+    drafter = None if drafter in (None, "", "none") else drafter
+    spec = speculation_from_args(drafter, gamma, topk, budget) or profiled
     kv = {}
     if args.kv_blocks:
         kv["num_kv_blocks"] = args.kv_blocks

@@ -50,8 +50,7 @@ class LLM:
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
                     or not isinstance(m.get("content"), str):
                 raise ValueError(f"bad message {m!r}: need role system/user/assistant and string content")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False))
+        return chat_token_ids(self.tokenizer, messages)
 
     def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params) -> list[RequestOutput]:
         params = params or SamplingParams()
@@ -75,6 +74,12 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in ids]
+
+
+def chat_token_ids(tokenizer, messages: list[Message]) -> list[int]:
+    """The model's chat template over `messages`, the assistant turn opened, as token ids."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
 
 
 def _profile_options(path: str, task: str | None, given: dict) -> dict:
