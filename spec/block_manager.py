@@ -35,7 +35,7 @@ Lifecycle of one sequence:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -126,7 +126,7 @@ class BlockManager:
     def __init__(self, config: BlockManagerConfig) -> None:
         self.config = config
         self._blocks = [_Block(i) for i in range(config.num_blocks)]
-        self._free: deque[int] = deque(range(config.num_blocks))  # taken from the left
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(config.num_blocks))  # oldest first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cache: dict[int, int] = {}  # chain hash -> block id
         self._seqs: dict[int, _Seq] = {}
@@ -203,7 +203,8 @@ class BlockManager:
         # Claim hits before taking fresh blocks, so an eviction cannot take a block this
         # prompt is about to reuse.
         table = [self._acquire(b) for b in plan.hit_blocks]
-        table += [self._take_fresh_block() for _ in range(plan.num_fresh)]
+        for _ in range(plan.num_fresh):
+            table.append(self._take_fresh_block(after=table[-1] if table else None))
         self._seqs[seq_id] = _Seq(table, list(plan.hit_hashes))
         self.prefix_queries += plan.num_queried_tokens
         self.prefix_hits += plan.num_cached_tokens
@@ -214,7 +215,8 @@ class BlockManager:
         seq = self._seq(seq_id)
         need = self.blocks_needed(seq_id, num_tokens)
         self._require_free(need, f"grow seq {seq_id} to {num_tokens} tokens")
-        seq.block_table.extend(self._take_fresh_block() for _ in range(need))
+        for _ in range(need):
+            seq.block_table.append(self._take_fresh_block(after=seq.block_table[-1] if seq.block_table else None))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Release trailing blocks not needed to hold num_tokens tokens.
@@ -389,10 +391,19 @@ class BlockManager:
         block.ref_count += 1
         return block_id
 
-    def _take_fresh_block(self) -> int:
-        """A block for new KV: the free list first, else evict the least recently freed."""
-        if self._free:
-            block_id = self._free.popleft()
+    def _take_fresh_block(self, after: int | None = None) -> int:
+        """A block for new KV: the free list first, else evict the least recently freed.
+
+        From the free list, block `after + 1` when it is there: a sequence's blocks then
+        form one physical run that attention reads as a view, not a gather (a tree step's
+        temporary block comes back to the same place after truncate). Cached blocks are
+        never evicted out of LRU order for this.
+        """
+        if after is not None and after + 1 in self._free:
+            del self._free[after + 1]
+            block_id = after + 1
+        elif self._free:
+            block_id, _ = self._free.popitem(last=False)
         else:
             block_id, _ = self._evictable.popitem(last=False)
             self._unpublish(self._blocks[block_id])
@@ -408,7 +419,7 @@ class BlockManager:
         if block.hash is not None:
             self._evictable[block_id] = None  # appended last: most recently freed
         else:
-            self._free.append(block_id)
+            self._free[block_id] = None
 
     def _register(self, block_id: int, parent: int | None, tokens: tuple[int, ...]) -> int:
         """Publish one full block; return its chain hash. An existing entry is kept."""

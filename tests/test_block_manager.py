@@ -296,7 +296,7 @@ def test_bad_calls_raise():
     "corrupt, message",
     [
         (lambda bm: setattr(bm._blocks[bm.block_table(1)[0]], "ref_count", 2), "held by"),
-        (lambda bm: bm._free.append(bm.block_table(1)[0]), "exactly one state"),
+        (lambda bm: bm._free.setdefault(bm.block_table(1)[0]), "exactly one state"),
         (lambda bm: bm.block_table(1).append(bm.block_table(1)[0]), "duplicate"),
         (lambda bm: bm._cache.__setitem__(123, bm.block_table(1)[1]), "mismatch"),
     ],
@@ -493,3 +493,19 @@ def test_randomized_stress(seed, block_size, num_blocks, enable_prefix_cache):
         assert bm.prefix_hits == sim.counts["cached_tokens"] and bm.prefix_queries >= bm.prefix_hits
     else:
         assert bm.prefix_queries == bm.prefix_hits == 0
+
+
+def test_a_growing_sequence_takes_the_block_after_its_last_when_free():
+    """Runs of physical blocks let attention read a sequence as a view (no gather)."""
+    bm = make(16)
+    bm.allocate(1, list(range(6)))                 # blocks 0, 1
+    bm.allocate(2, [100, 101, 102])                # block 2
+    bm.free(2)                                     # 2 goes to the back of the free list
+    bm.ensure_slots(1, 9)
+    assert bm.block_table(1) == [0, 1, 2]          # not 3, the oldest free block
+    bm.ensure_slots(1, 13)
+    bm.truncate(1, 12)                             # a tree step's temporary block comes back...
+    bm.allocate(3, [7])                            # ...and another sequence takes the oldest free
+    bm.ensure_slots(1, 13)
+    assert bm.block_table(1) == [0, 1, 2, 3] and bm.block_table(3) == [4]
+    bm.check_integrity()

@@ -5,6 +5,12 @@ is wasted; the rest (decode steps, token trees) are padded into one batched call
 Per layer: scatter the new K/V into their slots, gather each sequence's whole blocks
 [B, Nblk] (12 KB contiguous copies rather than 768-byte slots: about 3x faster here),
 and run SDPA under a [B, 1, Qmax, Nblk * block_size] boolean mask.
+
+A group of one sequence whose blocks are exactly one contiguous physical range, in any
+order, skips the gather: SDPA reads the range as a view, and the mask's columns are
+permuted into physical order (attention does not depend on key order; RoPE is already
+in K). The block manager hands out runs, so this is the usual batch-1 case. Measured at
+an 800-token context, 2 threads: the gathers were about 8 ms of a 40 ms decode step.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from verifier.kv_cache import slots_for
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
-# Sequences with more new tokens than this attend alone (padding them would waste work).
+# Sequences with more new tokens than this attend alone (padding them would waste work),
+# and so does a single short one.
 SOLO_QUERY_LEN = 32
 
 
@@ -32,6 +39,8 @@ class _Group:
     kv_blocks: torch.Tensor        # [B, Nblk] physical blocks (padded with block 0, masked out)
     mask: torch.Tensor             # [B, 1, Qmax, Nblk * block_size] bool
     valid: torch.Tensor | None     # [n] flat indices of real (non-padding) rows in B*Qmax; None: no padding
+    kv_first: int | None = None    # B == 1 and the blocks are kv_first .. kv_first + Nblk - 1 in
+                                   # some order: read that range as a view; mask is in physical order
 
 
 @dataclass
@@ -48,6 +57,28 @@ def new_token_mask(seq: SeqInput) -> torch.Tensor:
     return torch.cat([prefix, new.to(torch.bool).cpu()], dim=1)
 
 
+def contiguous_range_start(blocks: list[int]) -> int | None:
+    """The first block when `blocks` are exactly one contiguous range in some order, else None."""
+    lo = min(blocks)
+    if max(blocks) - lo + 1 == len(blocks) and len(set(blocks)) == len(blocks):
+        return lo
+    return None
+
+
+def _single(g: _Group, seq: SeqInput, block_size: int, device) -> _Group:
+    """Finish a one-sequence group (mask still on the CPU): use the view path when it can."""
+    nblk = g.kv_blocks.shape[1]
+    first = contiguous_range_start(seq.block_table[:nblk])
+    mask = g.mask
+    if first is not None:
+        order = [b - first for b in seq.block_table[:nblk]]     # logical block i sits at order[i]
+        if order != sorted(order):
+            physical = torch.empty_like(mask).view(*mask.shape[:3], nblk, block_size)
+            physical[:, :, :, order] = mask.view(*mask.shape[:3], nblk, block_size)
+            mask = physical.view_as(mask)
+    return _Group(g.q_rows, g.kv_blocks.to(device), mask.to(device), g.valid, first)
+
+
 @register_backend("torch")
 class TorchBackend(AttentionBackend):
     name = "torch"
@@ -60,6 +91,8 @@ class TorchBackend(AttentionBackend):
             t += seq.num_new
         solo = [i for i, s in enumerate(batch.seqs) if s.num_new > SOLO_QUERY_LEN]
         padded = [i for i, s in enumerate(batch.seqs) if s.num_new <= SOLO_QUERY_LEN]
+        if len(padded) == 1:                 # nothing to pad against: attend alone
+            solo, padded = sorted(solo + padded), []
         groups = [self._solo_group(batch.seqs[i], starts[i], block_size, device) for i in solo]
         if padded:
             groups.append(self._padded_group([batch.seqs[i] for i in padded],
@@ -72,7 +105,7 @@ class TorchBackend(AttentionBackend):
         kv = torch.tensor(seq.block_table[:nblk], device=device)
         mask = torch.zeros(1, 1, seq.num_new, nblk * block_size, dtype=torch.bool)
         mask[0, 0, :, :seq.kv_len] = new_token_mask(seq)
-        return _Group(slice(start, start + seq.num_new), kv[None], mask.to(device), None)
+        return _single(_Group(slice(start, start + seq.num_new), kv[None], mask, None), seq, block_size, device)
 
     @staticmethod
     def _padded_group(seqs: list[SeqInput], starts: list[int], block_size: int, device) -> _Group:
@@ -120,9 +153,14 @@ class TorchBackend(AttentionBackend):
             qg = torch.index_select(q, 0, g.q_rows.view(-1)).view(b, -1, h, d)  # [B, Qmax, H, D]
         # [B * Nblk, bs, KVH, D] -> [B, KVH, Nblk * bs, D]; index_select is ~5x faster than
         # advanced indexing with a 2-D index here.
-        blocks = g.kv_blocks.view(-1)
-        kg = torch.index_select(k_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
-        vg = torch.index_select(v_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+        if g.kv_first is not None:
+            span = slice(g.kv_first, g.kv_first + g.kv_blocks.shape[1])
+            kg = k_cache[span].view(1, -1, kvh, d).transpose(1, 2)     # [1, KVH, Nblk * bs, D], a view
+            vg = v_cache[span].view(1, -1, kvh, d).transpose(1, 2)
+        else:
+            blocks = g.kv_blocks.view(-1)
+            kg = torch.index_select(k_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+            vg = torch.index_select(v_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
                                            scale=scale, enable_gqa=True)  # [B, H, Qmax, D]
         o = o.transpose(1, 2)                              # [B, Qmax, H, D]
