@@ -203,8 +203,10 @@ class BlockManager:
         # Claim hits before taking fresh blocks, so an eviction cannot take a block this
         # prompt is about to reuse.
         table = [self._acquire(b) for b in plan.hit_blocks]
+        hashes = list(plan.hit_hashes)
         for _ in range(plan.num_fresh):
-            table.append(self._take_fresh_block(after=table[-1] if table else None))
+            last_hash = hashes[-1] if hashes and len(hashes) == len(table) else None
+            table.append(self._take_fresh_block(after=table[-1] if table else None, after_hash=last_hash))
         self._seqs[seq_id] = _Seq(table, list(plan.hit_hashes))
         self.prefix_queries += plan.num_queried_tokens
         self.prefix_hits += plan.num_cached_tokens
@@ -216,7 +218,10 @@ class BlockManager:
         need = self.blocks_needed(seq_id, num_tokens)
         self._require_free(need, f"grow seq {seq_id} to {num_tokens} tokens")
         for _ in range(need):
-            seq.block_table.append(self._take_fresh_block(after=seq.block_table[-1] if seq.block_table else None))
+            table = seq.block_table
+            frozen = seq.block_hashes and len(seq.block_hashes) == len(table)
+            table.append(self._take_fresh_block(after=table[-1] if table else None,
+                                                after_hash=seq.block_hashes[-1] if frozen else None))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Release trailing blocks not needed to hold num_tokens tokens.
@@ -391,17 +396,26 @@ class BlockManager:
         block.ref_count += 1
         return block_id
 
-    def _take_fresh_block(self, after: int | None = None) -> int:
+    def _take_fresh_block(self, after: int | None = None, after_hash: int | None = None) -> int:
         """A block for new KV: the free list first, else evict the least recently freed.
 
-        From the free list, block `after + 1` when it is there: a sequence's blocks then
-        form one physical run that attention reads as a view, not a gather (a tree step's
-        temporary block comes back to the same place after truncate). Cached blocks are
-        never evicted out of LRU order for this.
+        Block `after + 1` (after: the sequence's last block) is preferred, so that a
+        sequence's blocks form one physical run that attention reads as a view, not a
+        gather: taken when free (a tree step's temporary block comes back to the same
+        place after truncate), or when cached but unused as a continuation of the same
+        prefix (its parent hash is `after_hash`, the hash of block `after`), the copy of
+        a continuation this sequence is about to recompute or diverge from. Other cached
+        blocks are only ever evicted in LRU order.
         """
-        if after is not None and after + 1 in self._free:
-            del self._free[after + 1]
-            block_id = after + 1
+        want = None if after is None else after + 1
+        if want in self._free:
+            del self._free[want]
+            block_id = want
+        elif (want in self._evictable and after_hash is not None
+              and self._blocks[want].parent_hash == after_hash):
+            del self._evictable[want]
+            self._unpublish(self._blocks[want])
+            block_id = want
         elif self._free:
             block_id, _ = self._free.popitem(last=False)
         else:

@@ -509,3 +509,20 @@ def test_a_growing_sequence_takes_the_block_after_its_last_when_free():
     bm.ensure_slots(1, 13)
     assert bm.block_table(1) == [0, 1, 2, 3] and bm.block_table(3) == [4]
     bm.check_integrity()
+
+
+def test_a_prefix_hit_grows_into_its_stale_continuation_and_evicts_nothing_else_out_of_order():
+    bm = make(6)
+    admit(bm, 1, list(range(12)))                  # blocks 0, 1, 2
+    admit(bm, 2, list(range(100, 104)))            # block 3
+    admit(bm, 3, list(range(200, 204)))            # block 4
+    admit(bm, 4, list(range(300, 304)))            # block 5
+    for seq in (4, 3, 2, 1):
+        bm.free(seq)                               # LRU: 5, 4, 3, 2, 1, 0
+    bm.allocate(5, list(range(8)) + [50, 51, 52])  # hits 0, 1, then diverges
+    assert bm.block_table(5) == [0, 1, 2]          # block 2 continued block 1: taken before LRU head 5
+    bm.allocate(6, list(range(100, 104)) + [7, 7])  # hits 3; block 4 is cached but starts another prompt
+    assert bm.block_table(6) == [3, 5]             # so the LRU head goes, and block 4 stays cached
+    bm.free(5)
+    assert bm.allocate(7, list(range(200, 204)) + [9]) == 4   # a prefix hit on block 4
+    bm.check_integrity()

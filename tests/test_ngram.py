@@ -1,0 +1,41 @@
+"""The n-gram drafter's proposals: the longest matching suffix wins, weak matches draft one token."""
+import pytest
+
+from drafters.base import DraftRequest
+from drafters.ngram import NgramConfig, NgramDrafter
+from spec import SamplingParams
+
+
+def propose(drafter: NgramDrafter, tokens: list[int], depth: int = 4, topk: int = 1, seq_id: int = 0) -> list[list[int]]:
+    req = DraftRequest(seq_id, tokens, SamplingParams(temperature=0), None, max_depth=depth,
+                       max_nodes=depth * topk, topk=topk)
+    tree = drafter.propose([req])[0].tree
+    assert tree.tokens[0] == tokens[-1]
+    return [tree.tokens[i] for i in range(1, len(tree.tokens))]
+
+
+def test_a_long_match_drafts_to_full_depth_from_its_most_recent_occurrence():
+    d = NgramDrafter()
+    #               5  6  7  8  9 ...           ... 5  6  7 -> 8 9 1 2
+    tokens = [1, 2, 5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7]
+    assert propose(d, tokens) == [8, 9, 1, 2]
+
+
+def test_a_weak_match_drafts_one_token():
+    d = NgramDrafter(NgramConfig(min_n=1, max_n=5, weak_n=1))
+    tokens = [4, 9, 9, 9, 3, 8, 4]                  # only the unigram [4] recurs
+    assert propose(d, tokens) == [9]
+    strong = NgramDrafter(NgramConfig(min_n=1, max_n=5, weak_n=0))
+    assert propose(strong, tokens) == [9, 9, 9, 3]
+
+
+def test_min_n_above_weak_n_ignores_short_matches():
+    d = NgramDrafter(NgramConfig(min_n=3, max_n=5))
+    assert propose(d, [4, 9, 9, 9, 3, 8, 4]) == []
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="weak_n"):
+        NgramConfig(weak_n=-1)
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        NgramConfig(min_n=4, max_n=2)
