@@ -401,18 +401,19 @@ class BlockManager:
 
         Block `after + 1` (after: the sequence's last block) is preferred, so that a
         sequence's blocks form one physical run that attention reads as a view, not a
-        gather: taken when free (a tree step's temporary block comes back to the same
-        place after truncate), or when cached but unused as a continuation of the same
-        prefix (its parent hash is `after_hash`, the hash of block `after`), the copy of
-        a continuation this sequence is about to recompute or diverge from. Other cached
-        blocks are only ever evicted in LRU order.
+        gather. It is taken when free (a tree step's temporary block comes back to the
+        same place after truncate), or when cached and unused but worth nothing to the
+        cache: a continuation of this sequence's own prefix (parent hash `after_hash`),
+        which it is about to recompute or diverge from, or an orphan whose parent block
+        was evicted, which no lookup can reach. A prompt that shares a system prompt with
+        an earlier one thus replaces that one's diverged blocks in order. Any other cached
+        block is only evicted in LRU order.
         """
         want = None if after is None else after + 1
         if want in self._free:
             del self._free[want]
             block_id = want
-        elif (want in self._evictable and after_hash is not None
-              and self._blocks[want].parent_hash == after_hash):
+        elif want in self._evictable and self._worthless(self._blocks[want], after_hash):
             del self._evictable[want]
             self._unpublish(self._blocks[want])
             block_id = want
@@ -423,6 +424,11 @@ class BlockManager:
             self._unpublish(self._blocks[block_id])
         self._blocks[block_id].ref_count = 1
         return block_id
+
+    def _worthless(self, block: _Block, after_hash: int | None) -> bool:
+        """A cached block the prefix cache loses nothing by: see _take_fresh_block."""
+        parent = block.parent_hash
+        return parent is not None and (parent == after_hash or parent not in self._cache)
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; at zero the block goes to the LRU list or the free list."""

@@ -526,3 +526,16 @@ def test_a_prefix_hit_grows_into_its_stale_continuation_and_evicts_nothing_else_
     bm.free(5)
     assert bm.allocate(7, list(range(200, 204)) + [9]) == 4   # a prefix hit on block 4
     bm.check_integrity()
+
+
+def test_a_prompt_diverging_inside_a_block_replaces_the_orphaned_rest_in_order():
+    bm = make(6)
+    admit(bm, 1, list(range(12)))                  # blocks 0, 1, 2
+    admit(bm, 2, list(range(100, 108)))            # blocks 3, 4
+    bm.free(2)
+    bm.free(1)                                     # LRU: 4, 3, 2, 1, 0; block 5 free
+    bm.allocate(3, list(range(6)) + [60] * 6)      # hits 0; diverges inside block 1
+    # block 1 continues block 0; block 2 hangs off block 1's old hash, now gone: an orphan
+    assert bm.block_table(3) == [0, 1, 2]
+    assert bm.allocate(4, list(range(100, 108)) + [5]) == 8    # seq 2's blocks are still cached
+    bm.check_integrity()
