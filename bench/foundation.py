@@ -52,9 +52,9 @@ def engine_tps(llm: LLM, prompts: list[list[int]], new_tokens: int, batched: boo
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def ttft_pair(llm: LLM, session: int) -> tuple[float, float]:
-    """TTFT of two requests sharing a ~500-token system prompt (fresh prompt each session)."""
-    system = f"Session {session}. " + SYSTEM_WORDS * 7
+def ttft_pair(llm: LLM, session: int) -> tuple[float, float, int]:
+    """TTFT of two requests sharing a system prompt of at least 500 tokens (fresh each session)."""
+    system = f"Session {session}. " + SYSTEM_WORDS * 10    # about 545 tokens (7 copies were 398)
     params = SamplingParams(temperature=0, max_tokens=1)
     conv = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
     first = llm.chat(conv("Where is my parcel 1234?"), params)[0]
