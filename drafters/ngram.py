@@ -58,13 +58,12 @@ class _Index:
     def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
         """Continuations of the longest matching suffix, most recent occurrence first."""
         for n in range(min(self.cfg.max_n, len(tokens) - 1), self.cfg.min_n - 1, -1):
-            if n <= self.cfg.weak_n:
-                depth = min(depth, 1)
+            n_depth = min(depth, 1) if n <= self.cfg.weak_n else depth
             # Positions < len(tokens) only: the suffix's own occurrence indexes nothing yet.
             starts = [p for p in self.follow.get(tuple(tokens[-n:]), ()) if p < len(tokens)]
             paths, seen_first = [], set()
             for p in reversed(starts):
-                cont = tokens[p:p + depth]
+                cont = tokens[p:p + n_depth]
                 if cont and cont[0] not in seen_first:
                     seen_first.add(cont[0])
                     paths.append(cont)

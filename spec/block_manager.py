@@ -202,12 +202,10 @@ class BlockManager:
         self._require_free(plan.num_fresh + plan.num_evictable_hits, f"admit seq {seq_id}")
         # Claim hits before taking fresh blocks, so an eviction cannot take a block this
         # prompt is about to reuse.
-        table = [self._acquire(b) for b in plan.hit_blocks]
-        hashes = list(plan.hit_hashes)
+        seq = _Seq([self._acquire(b) for b in plan.hit_blocks], list(plan.hit_hashes))
         for _ in range(plan.num_fresh):
-            last_hash = hashes[-1] if hashes and len(hashes) == len(table) else None
-            table.append(self._take_fresh_block(after=table[-1] if table else None, after_hash=last_hash))
-        self._seqs[seq_id] = _Seq(table, list(plan.hit_hashes))
+            self._grow(seq)
+        self._seqs[seq_id] = seq
         self.prefix_queries += plan.num_queried_tokens
         self.prefix_hits += plan.num_cached_tokens
         return plan.num_cached_tokens
@@ -218,10 +216,7 @@ class BlockManager:
         need = self.blocks_needed(seq_id, num_tokens)
         self._require_free(need, f"grow seq {seq_id} to {num_tokens} tokens")
         for _ in range(need):
-            table = seq.block_table
-            frozen = seq.block_hashes and len(seq.block_hashes) == len(table)
-            table.append(self._take_fresh_block(after=table[-1] if table else None,
-                                                after_hash=seq.block_hashes[-1] if frozen else None))
+            self._grow(seq)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Release trailing blocks not needed to hold num_tokens tokens.
@@ -395,6 +390,12 @@ class BlockManager:
             del self._evictable[block_id]
         block.ref_count += 1
         return block_id
+
+    def _grow(self, seq: _Seq) -> None:
+        """Append one fresh block to the seq's table, preferring the one after its last."""
+        table, hashes = seq.block_table, seq.block_hashes
+        last_hash = hashes[-1] if hashes and len(hashes) == len(table) else None   # last block frozen
+        table.append(self._take_fresh_block(table[-1] if table else None, last_hash))
 
     def _take_fresh_block(self, after: int | None = None, after_hash: int | None = None) -> int:
         """A block for new KV: the free list first, else evict the least recently freed.

@@ -38,6 +38,9 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+_ONEDNN = onednn_available()     # asked once: forward runs per layer per token
+
+
 class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
@@ -45,7 +48,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dim() != 2 or self._needs_autograd(x):
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32 and onednn_available():
+        if x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32 and _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), self.bias,
                                                       "none", [], "")
         return cpu_linear(x, self.weight, self.bias)

@@ -92,7 +92,7 @@ class TorchBackend(AttentionBackend):
         solo = [i for i, s in enumerate(batch.seqs) if s.num_new > SOLO_QUERY_LEN]
         padded = [i for i, s in enumerate(batch.seqs) if s.num_new <= SOLO_QUERY_LEN]
         if len(padded) == 1:                 # nothing to pad against: attend alone
-            solo, padded = sorted(solo + padded), []
+            solo, padded = solo + padded, []
         groups = [self._solo_group(batch.seqs[i], starts[i], block_size, device) for i in solo]
         if padded:
             groups.append(self._padded_group([batch.seqs[i] for i in padded],
