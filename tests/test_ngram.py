@@ -1,4 +1,5 @@
-"""The n-gram drafter's proposals: the longest matching suffix wins, weak matches draft one token."""
+"""The n-gram drafter's proposals: the longest matching suffix wins, weak matches draft their most
+frequent follower, and with nothing matched the context's most frequent token is guessed."""
 import pytest
 
 from drafters.base import DraftRequest
@@ -29,6 +30,19 @@ def test_a_weak_match_drafts_one_token():
     assert propose(strong, tokens) == [9, 9, 9, 3]
 
 
+def test_a_weak_match_drafts_its_most_frequent_follower():
+    d = NgramDrafter()
+    tokens = [4, 9, 2, 4, 9, 5, 4, 7, 6, 4]          # [4] was followed by 9, 9, 7
+    assert propose(d, tokens) == [9]
+    assert propose(NgramDrafter(NgramConfig(max_branches=2)), tokens, topk=2) == [9, 7]
+
+
+def test_no_match_guesses_the_most_frequent_token():
+    tokens = [3, 8, 8, 5, 8, 6]                      # 6 never occurred before
+    assert propose(NgramDrafter(), tokens) == [8]
+    assert propose(NgramDrafter(NgramConfig(min_n=1)), tokens) == []
+
+
 def test_min_n_above_weak_n_ignores_short_matches():
     d = NgramDrafter(NgramConfig(min_n=3, max_n=5))
     assert propose(d, [4, 9, 9, 9, 3, 8, 4]) == []
@@ -39,3 +53,5 @@ def test_config_is_checked():
         NgramConfig(weak_n=-1)
     with pytest.raises(ValueError, match="min_n <= max_n"):
         NgramConfig(min_n=4, max_n=2)
+    with pytest.raises(ValueError, match="max_n >= 1"):
+        NgramConfig(min_n=0, max_n=0)

@@ -1,6 +1,7 @@
 """The torch attention backend against a dense reference built token by token from the
 block table: for gathered (scattered) blocks, and for the view path a lone sequence takes
-when its blocks are one contiguous physical range, in order or permuted."""
+when its blocks are one contiguous physical range, in order or permuted; 2- and 3-query
+steps take the matmul path instead of SDPA (the 3-node tree branches, so its mask matters)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,8 @@ def block_table(layout: str, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("layout", ["in order", "permuted", "descending", "scattered"])
-@pytest.mark.parametrize("ctx,new,tree", [(29, 1, False), (22, 7, True), (0, 37, False), (5, 33, False)])
+@pytest.mark.parametrize("ctx,new,tree", [(29, 1, False), (25, 2, True), (18, 3, True), (22, 7, True),
+                                          (0, 37, False), (5, 33, False)])
 def test_matches_dense_reference(layout, ctx, new, tree):
     table = block_table(layout, -(-(ctx + new) // BS))
     out, want, group = run(table, ctx, new, tree)
