@@ -1,12 +1,15 @@
 """Adaptive speculation: speculate only while it pays.
 
-Each step the engine asks `enabled(batch_size)`; after the step it reports what happened
-with `observe(...)`. Speculation is off when the batch is larger than `max_batch` (a
-big batch already fills the matmuls), or when the measured speculative rate (tokens per
-second per request: emitted tokens per verify step over the step time) falls below the
-measured plain rate. While off for low acceptance, one step in `probe_every` speculates
-anyway, so a drafter that starts to pay again (a new prompt, a repetitive passage) is
-noticed and speculation comes back on.
+Each step the engine asks `enabled(batch_size)`; after a pure decode step it reports what
+happened with `observe(...)`. Speculation is off when the batch is larger than
+`max_batch` (a big batch already fills the matmuls), or when the measured speculative
+rate falls below the measured plain rate *at the same batch size*. Rates are tokens per
+second per request (emitted tokens per step over the step time), kept as moving averages
+per batch size: a step of 8 requests is slower than a step of 2 whatever the drafter
+does, so comparing across batch sizes would blame (or credit) speculation for the load.
+While off for low acceptance, one step in `probe_every` speculates anyway, so a drafter
+that starts to pay again (a new prompt, a repetitive passage) is noticed and speculation
+comes back on.
 """
 from __future__ import annotations
 
@@ -27,12 +30,18 @@ class AdaptiveConfig:
                              "0 < smoothing <= 1, margin > 0")
 
 
+@dataclass
+class BatchRates:
+    """Moving averages for one batch size (tokens/s per request), and the off streak."""
+    spec: float | None = None
+    plain: float | None = None
+    steps_off: int = 0
+
+
 class AdaptiveController:
     def __init__(self, config: AdaptiveConfig = AdaptiveConfig()):
         self.config = config
-        self.spec_rate: float | None = None     # tokens/s per request while speculating
-        self.plain_rate: float | None = None    # tokens/s per request while decoding plainly
-        self._steps_off = 0
+        self.rates: dict[int, BatchRates] = {}  # batch size -> what was measured at it
         self.state = True                       # what the last decision was (for metrics)
 
     def enabled(self, batch_size: int) -> bool:
@@ -41,22 +50,27 @@ class AdaptiveController:
             self.state = True
         elif batch_size > c.max_batch:
             self.state = False
-        elif self.spec_rate is None or self.plain_rate is None:
-            self.state = self.spec_rate is None or self._steps_off >= 1  # measure both once
-        elif self.spec_rate >= c.margin * self.plain_rate:
-            self.state = True
         else:
-            self.state = self._steps_off + 1 >= c.probe_every
-        self._steps_off = 0 if self.state else self._steps_off + 1
+            self.state = self._decide(self.rates.setdefault(batch_size, BatchRates()))
         return self.state
+
+    def _decide(self, r: BatchRates) -> bool:
+        if r.spec is None or r.plain is None:
+            on = r.spec is None                   # measure both once: speculation first
+        elif r.spec >= self.config.margin * r.plain:
+            on = True
+        else:
+            on = r.steps_off + 1 >= self.config.probe_every
+        r.steps_off = 0 if on else r.steps_off + 1
+        return on
 
     def observe(self, speculated: bool, decode_requests: int, tokens_per_request: float, seconds: float) -> None:
         """One decode step: how many tokens each decoding request emitted, and how long it took."""
         if decode_requests == 0 or seconds <= 0:
             return
-        rate = tokens_per_request / seconds
-        a = self.config.smoothing
+        r = self.rates.setdefault(decode_requests, BatchRates())
+        rate, a = tokens_per_request / seconds, self.config.smoothing
         if speculated:
-            self.spec_rate = rate if self.spec_rate is None else (1 - a) * self.spec_rate + a * rate
+            r.spec = rate if r.spec is None else (1 - a) * r.spec + a * rate
         else:
-            self.plain_rate = rate if self.plain_rate is None else (1 - a) * self.plain_rate + a * rate
+            r.plain = rate if r.plain is None else (1 - a) * r.plain + a * rate
