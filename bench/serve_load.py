@@ -17,6 +17,10 @@ so they include HTTP, SSE framing and detokenization:
 - throughput: completion tokens of the successful requests / the level's wall time.
 - mean_accepted_length: the `tercel.mean_accepted_length` of the usage chunk (tokens
   emitted per verify step), averaged over requests; None when no request verified drafts.
+- cold_cache: the server's prefix cache was dropped before the level (`POST
+  /reset_prefix_cache`, Tercel and vLLM). Without it the second mode of a level would find
+  the first mode's prompts cached and skip their prefill (measured: concurrency-8 TTFT p50
+  222 ms for the second mode against 766 ms for the first, same prompts).
 
 A request with a non-200 status, an error event, or a stream that breaks or ends without
 `[DONE]` and usage counts as an error; it is never raised.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -32,6 +37,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+log = logging.getLogger("tercel.bench")
 
 SPECULATION = {"on": "auto", "off": "off"}   # mode -> the request's "speculation" field
 MAX_ERROR_EXAMPLES = 3
@@ -265,14 +272,27 @@ def _model(cfg: LoadConfig) -> str:
 async def _run_levels(cfg, model, prompts, levels, on_result) -> list[dict]:
     results = []
     await _warm_up(cfg, model, prompts[0], sorted({m for _, m in levels}))
+    cold = True
     for c, mode in levels:
+        if cold and not (cold := await reset_prefix_cache(cfg)):
+            log.warning("%s has no POST /reset_prefix_cache: levels after the first may find "
+                        "their prompts in the prefix cache", cfg.root)
         bodies = [request_body(cfg, model, prompts[i % len(prompts)], mode)
                   for i in range(cfg.requests_for(c, len(prompts)))]
         records, wall = await run_level(cfg, bodies, c)
-        results.append(level_result(mode, c, records, wall))
+        results.append({**level_result(mode, c, records, wall), "cold_cache": cold})
         if on_result is not None:
             on_result(results[-1])
     return results
+
+
+async def reset_prefix_cache(cfg: LoadConfig) -> bool:
+    """Ask the server to drop its prefix cache; False when it cannot (no such endpoint)."""
+    async with httpx.AsyncClient(base_url=cfg.root, headers=cfg.headers, timeout=30.0) as client:
+        try:
+            return (await client.post("/reset_prefix_cache")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 async def _warm_up(cfg: LoadConfig, model: str, messages: list[dict], modes: list[str]) -> None:

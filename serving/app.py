@@ -65,6 +65,13 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     async def metrics():
         return Response(bridge.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        # As vLLM's endpoint of the same name: benchmarks start each run with a cold cache.
+        if not bridge.alive:
+            raise APIError(503, "the engine is not running", type_="server_error")
+        return {"dropped_blocks": await bridge.reset_prefix_cache()}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "tercel"}]}

@@ -117,6 +117,15 @@ class EngineBridge:
         self._inbox.put(("abort", request_id, None, None))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop the unused cached blocks, on the engine thread; returns how many."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        reply = lambda dropped: loop.call_soon_threadsafe(done.set_result, dropped)  # noqa: E731
+        self._inbox.put(("reset_prefix_cache", None, None, reply))
+        self._wake.set()
+        return await done
+
     def shutdown(self, grace_s: float) -> None:
         """Stop after in-flight requests finish, or abort them once grace_s has passed."""
         deadline = time.monotonic() + grace_s
@@ -158,6 +167,9 @@ class EngineBridge:
                 self._add(rid, sub, stream)
             elif op == "abort":
                 self.engine.abort(rid)
+            elif op == "reset_prefix_cache":
+                reply = stream                      # this op carries the caller's callback
+                reply(self.engine.blocks.reset_prefix_cache())
             else:
                 for r in list(self._streams):
                     self.engine.abort(r)

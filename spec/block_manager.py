@@ -279,6 +279,19 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no sequence holds (they become free); return how many.
+
+        Blocks in use keep their entries: their sequences still own valid KV. Benchmarks
+        call this (through the server) so that each run starts as cold as the first.
+        """
+        dropped = list(self._evictable)
+        for block_id in dropped:
+            self._unpublish(self._blocks[block_id])
+            self._free[block_id] = None
+        self._evictable.clear()
+        return len(dropped)
+
     # ----- integrity ---------------------------------------------------------------
 
     def check_integrity(self) -> None:

@@ -38,6 +38,7 @@ def test_levels_measured_in_order_without_errors(server, results):
     assert [r["key"] for r in results] == ["serve/on/c1", "serve/off/c1", "serve/on/c2", "serve/off/c2"]
     for r in results:
         assert r["requests"] == 4 and r["errors"] == 0 and r["error_examples"] == []
+        assert r["cold_cache"]             # the server's prefix cache was dropped before each level
         assert 0 < r["output_tokens"] <= r["requests"] * 8
         assert r["throughput_tok_s"] > 0 and r["duration_s"] > 0 and r["requests_per_s"] > 0
         for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):

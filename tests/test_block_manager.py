@@ -539,3 +539,20 @@ def test_a_prompt_diverging_inside_a_block_replaces_the_orphaned_rest_in_order()
     assert bm.block_table(3) == [0, 1, 2]
     assert bm.allocate(4, list(range(100, 108)) + [5]) == 8    # seq 2's blocks are still cached
     bm.check_integrity()
+
+
+# ----- reset -----------------------------------------------------------------------------
+
+
+def test_reset_prefix_cache_forgets_unused_blocks_and_keeps_held_ones():
+    bm = make(8)
+    shared, other = list(range(9)), [50 + t for t in range(9)]
+    admit(bm, 0, shared)
+    admit(bm, 1, other)
+    bm.free(1)                                       # its two full blocks stay cached, unused
+    assert bm.reset_prefix_cache() == 2
+    bm.check_integrity()
+    assert bm.num_free_blocks == 8 - 3               # seq 0 still holds its three blocks
+    assert admit(bm, 2, other) == 0                  # forgotten: computed again
+    assert admit(bm, 3, shared) == 8                 # held by seq 0: still shared
+    assert bm.reset_prefix_cache() == 0

@@ -87,6 +87,27 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_reset_prefix_cache(server):
+    """POST /reset_prefix_cache (as vLLM) drops the cached prompt: asking again hits nothing."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "A prompt long enough to fill "
+            "several KV blocks of the tiny model, twice over. " * 2}], "max_tokens": 2}
+    blocks = server.engine.blocks
+
+    def hits_of_one_request() -> int:
+        before = blocks.prefix_hits
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        return blocks.prefix_hits - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() > 0                    # cached by the first request
+    server.wait_idle()
+    reply = httpx.post(f"{server.url}/reset_prefix_cache")
+    assert reply.status_code == 200 and reply.json()["dropped_blocks"] > 0
+    assert hits_of_one_request() == 0
+    server.wait_idle()
+    assert server.metric("tercel_kv_blocks_used") == 0
+
+
 BAD = [
     (b"{not json", 400, None),
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
@@ -213,6 +234,7 @@ def test_api_key_and_queue_limit(tiny_llama_dir):
         assert httpx.post(f"{s.url}/v1/chat/completions", json=body,
                           headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(f"{s.url}/health").status_code == 200
+        assert httpx.post(f"{s.url}/reset_prefix_cache").status_code == 401
         auth = {"Authorization": "Bearer sekrit"}
 
         async def fire():
