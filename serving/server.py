@@ -77,8 +77,7 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
-    engine = LLMEngine(config)
-    bridge = EngineBridge(engine, Metrics(), max_queue=args.max_queue)
+    bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue)
     names = (args.model, Path(args.model).name)
     app = build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
 
@@ -94,7 +93,6 @@ def run_serve(args) -> int:
     # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully; the handler it
     # restores first is this no-op, so a graceful stop exits with status 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    bridge.start()
     log.info("serving on http://%s:%d", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=max(1, int(args.grace)))

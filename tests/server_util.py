@@ -22,14 +22,13 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, config, model_name: str, api_key: str | None = None, max_queue: int = 256):
-        self.engine = LLMEngine(config)
-        self.bridge = EngineBridge(self.engine, Metrics(), max_queue=max_queue)
+        self.bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=max_queue)
+        self.engine = self.bridge.engine
         app = build_app(self.bridge, ServerConfig(model_names=(model_name,), api_key=api_key))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_name
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.bridge.start()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

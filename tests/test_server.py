@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -14,8 +15,11 @@ import openai
 import pytest
 
 from server_util import LiveServer, free_port
+from serving.bridge import EngineBridge
+from serving.metrics import Metrics
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
+from spec.engine import LLMEngine
 
 ENGINE = dict(max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
 
@@ -79,6 +83,26 @@ def test_n_choices_seed_and_stop(client):
     stop = full[6:9]
     cut = chat(client, max_tokens=20, temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == full[:full.index(stop)]
+
+
+def test_launch_builds_the_engine_on_the_engine_thread_and_raises_its_failure(tiny_llama_dir):
+    """All tensor work on one thread (see serving/bridge.py); a model that fails to load is
+    raised to the caller, not left in a dead thread."""
+    built_on = []
+
+    def make():
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8))
+
+    bridge = EngineBridge.launch(make, Metrics())
+    assert built_on == ["tercel-engine"] and bridge.alive and bridge.engine is not None
+    bridge.shutdown(0)
+
+    def broken():
+        raise ValueError("no such model: nowhere")
+
+    with pytest.raises(ValueError, match="nowhere"):
+        EngineBridge.launch(broken, Metrics())
 
 
 def test_models_and_health(server):
