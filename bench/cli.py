@@ -36,7 +36,7 @@ def add_bench_args(sub) -> None:
     p.add_argument("--temperature", default="0", help="comma-separated temperatures (default 0)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--repeats", type=int, default=None, help="runs of each cell (default: 1 accept, 3 otherwise)")
+    p.add_argument("--repeats", type=int, default=None, help="runs of each cell (default: 1 accept and serve, 3 otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="grid: also measure HF transformers generate")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

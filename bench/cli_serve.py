@@ -14,7 +14,7 @@ def run_serve_bench_cli(args) -> int:
     temps = parse_floats(args.temperature, "temperature")
     cfg = LoadConfig(url=args.url.rstrip("/"), concurrency=tuple(parse_range(args.concurrency, "concurrency")),
                      max_tokens=args.max_tokens, temperature=temps[0], requests_per_level=args.requests,
-                     api_key=args.api_key, model=args.model)
+                     api_key=args.api_key, model=args.model, repeats=args.repeats or 1)
     data = load_datasets(args.dataset or ["mtbench"], split_names(args.tasks), args.limit)
     for line in data.skipped:
         print(f"skipped {line}", file=sys.stderr)

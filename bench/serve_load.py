@@ -17,7 +17,10 @@ so they include HTTP, SSE framing and detokenization:
 - throughput: completion tokens of the successful requests / the level's wall time.
 - mean_accepted_length: the `tercel.mean_accepted_length` of the usage chunk (tokens
   emitted per verify step), averaged over requests; None when no request verified drafts.
-- cold_cache: the server's prefix cache was dropped before the level (`POST
+- repeats: each level runs this many rounds of every mode, in reverse mode order in odd
+  rounds; a mode's records and wall times are pooled over its rounds (throughput = all its
+  tokens / all its wall time), and `round_throughput_tok_s` lists the rounds.
+- cold_cache: the server's prefix cache was dropped before every round (`POST
   /reset_prefix_cache`, Tercel and vLLM). Without it the second mode of a level would find
   the first mode's prompts cached and skip their prefill (measured: concurrency-8 TTFT p50
   222 ms for the second mode against 766 ms for the first, same prompts).
@@ -56,6 +59,7 @@ class LoadConfig:
     model: str | None = None                   # None: the first id from /v1/models
     timeout: float = 600.0                     # seconds, per request
     warmup: int = 1                            # unmeasured requests per mode before the first level
+    repeats: int = 1                           # rounds per level; odd rounds run the modes in reverse
 
     def __post_init__(self):
         object.__setattr__(self, "concurrency", tuple(self.concurrency))   # accept lists from a CLI
@@ -75,6 +79,8 @@ class LoadConfig:
             raise ValueError(f"timeout must be > 0, got {self.timeout!r}")
         if not _is_int(self.warmup) or self.warmup < 0:
             raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if not _is_int(self.repeats) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
 
     def requests_for(self, concurrency: int, num_prompts: int) -> int:
         return self.requests_per_level or max(num_prompts, 2 * concurrency)
@@ -270,19 +276,32 @@ def _model(cfg: LoadConfig) -> str:
 
 
 async def _run_levels(cfg, model, prompts, levels, on_result) -> list[dict]:
+    """Per concurrency, `cfg.repeats` rounds of every pending mode, the order reversed in odd
+    rounds (whichever mode runs second finds the machine warmer); each mode's records and
+    wall times are pooled over its rounds."""
     results = []
     await _warm_up(cfg, model, prompts[0], sorted({m for _, m in levels}))
     cold = True
-    for c, mode in levels:
-        if cold and not (cold := await reset_prefix_cache(cfg)):
-            log.warning("%s has no POST /reset_prefix_cache: levels after the first may find "
-                        "their prompts in the prefix cache", cfg.root)
-        bodies = [request_body(cfg, model, prompts[i % len(prompts)], mode)
-                  for i in range(cfg.requests_for(c, len(prompts)))]
-        records, wall = await run_level(cfg, bodies, c)
-        results.append({**level_result(mode, c, records, wall), "cold_cache": cold})
-        if on_result is not None:
-            on_result(results[-1])
+    for c in dict.fromkeys(c for c, _ in levels):
+        modes = [m for cc, m in levels if cc == c]
+        n = cfg.requests_for(c, len(prompts))
+        records = {m: [] for m in modes}
+        rounds: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}   # (wall, tok/s)
+        for r in range(cfg.repeats):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                if cold and not (cold := await reset_prefix_cache(cfg)):
+                    log.warning("%s has no POST /reset_prefix_cache: levels after the first may find "
+                                "their prompts in the prefix cache", cfg.root)
+                bodies = [request_body(cfg, model, prompts[i % len(prompts)], mode) for i in range(n)]
+                recs, wall = await run_level(cfg, bodies, c)
+                records[mode] += recs
+                rounds[mode].append((wall, sum(x.completion_tokens for x in recs if x.ok) / wall))
+        for mode in modes:
+            walls, tps = zip(*rounds[mode])
+            results.append({**level_result(mode, c, records[mode], sum(walls)), "cold_cache": cold,
+                            "round_throughput_tok_s": [round(t, 3) for t in tps]})
+            if on_result is not None:
+                on_result(results[-1])
     return results
 
 

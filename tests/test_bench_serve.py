@@ -149,10 +149,30 @@ def test_percentiles_and_config_checks():
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
     for bad, field in ((dict(concurrency=(0,)), "concurrency"), (dict(concurrency=()), "concurrency"),
                        (dict(modes=("maybe",)), "modes"), (dict(modes=()), "modes"),
-                       (dict(max_tokens=0), "max_tokens"), (dict(requests_per_level=0), "requests_per_level")):
+                       (dict(max_tokens=0), "max_tokens"), (dict(requests_per_level=0), "requests_per_level"),
+                       (dict(repeats=0), "repeats")):
         with pytest.raises(ValueError, match=field):
             LoadConfig(url="http://x", **bad)
     cfg = LoadConfig(url="http://x:1/v1/", concurrency=[2, 8])
     assert cfg.concurrency == (2, 8) and cfg.root == "http://x:1" and cfg.requests_for(8, 3) == 16
     assert request_body(cfg, "m", PROMPTS[0], "off")["speculation"] == "off"
     assert request_body(cfg, "m", PROMPTS[0], "on")["speculation"] == "auto"
+
+
+def test_repeats_alternate_the_mode_order_and_pool_the_rounds(server, monkeypatch):
+    """Odd rounds run the modes in reverse, so neither mode always goes second (warmer)."""
+    import bench.serve_load as serve_load
+    order, real = [], serve_load.run_level
+
+    async def spy(cfg, bodies, concurrency):
+        order.append(bodies[0]["speculation"])
+        return await real(cfg, bodies, concurrency)
+
+    monkeypatch.setattr(serve_load, "run_level", spy)
+    cfg = LoadConfig(url=server.url, concurrency=(1,), max_tokens=4, requests_per_level=2, warmup=0, repeats=3)
+    out = run_serve_bench(cfg, PROMPTS)
+    assert order == ["auto", "off", "off", "auto", "auto", "off"]
+    assert [r["key"] for r in out] == ["serve/on/c1", "serve/off/c1"]
+    for r in out:
+        assert r["requests"] == 6 and r["errors"] == 0 and r["cold_cache"]
+        assert len(r["round_throughput_tok_s"]) == 3 and all(t > 0 for t in r["round_throughput_tok_s"])
