@@ -10,7 +10,8 @@ most often followed it: such matches are common and accept less often, and verif
 draft token costs no more than a plain decode step (2 tokens against 1 through the
 target: 31.7 against 32.5 ms per step on Spec-Bench rag, 2 threads). With min_n = 0 the
 empty suffix counts too: when nothing matches, the context's most frequent token is
-proposed (a unigram guess; it accepted on 7% of such steps on rag, for free).
+proposed (a unigram guess: 16 of 227 such steps on rag accepted it when the greedy
+outputs were replayed offline, and it costs nothing).
 """
 from __future__ import annotations
 

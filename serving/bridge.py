@@ -79,8 +79,10 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, engine: LLMEngine | None, metrics: Metrics, max_queue: int = 256):
-        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+    def __init__(self, metrics: Metrics, max_queue: int = 256):
+        """Use `launch`: it builds the engine on the bridge's own thread."""
+        self.engine: LLMEngine | None = None
+        self.metrics, self.max_queue = metrics, max_queue
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -88,18 +90,15 @@ class EngineBridge:
         self._ids = itertools.count()
         self._in_flight = 0                # submitted, not yet finished; both threads change it
         self._count_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="tercel-engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self._last_token_time: dict[str, float] = {}
 
     # ---- event-loop side --------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
     @classmethod
     def launch(cls, make_engine: Callable[[], LLMEngine], metrics: Metrics, max_queue: int = 256) -> "EngineBridge":
         """Build the engine on the engine thread, start stepping it there, and return once it
         is loaded; a failure to build is raised here."""
-        bridge = cls(None, metrics, max_queue)
+        bridge = cls(metrics, max_queue)
         ready, failed = threading.Event(), []
 
         def main() -> None:
@@ -121,7 +120,7 @@ class EngineBridge:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     @property
     def in_flight(self) -> int:
@@ -149,11 +148,15 @@ class EngineBridge:
         self._wake.set()
 
     async def reset_prefix_cache(self) -> int:
-        """Drop the unused cached blocks, on the engine thread; returns how many."""
+        """Drop the unused cached blocks; returns how many."""
+        return await self._on_engine_thread(lambda engine: engine.blocks.reset_prefix_cache())
+
+    async def _on_engine_thread(self, fn: Callable[[LLMEngine], object]):
+        """fn(engine) between two steps, on the thread that owns the engine; its result or
+        its exception comes back here."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        reply = lambda dropped: loop.call_soon_threadsafe(done.set_result, dropped)  # noqa: E731
-        self._inbox.put(("reset_prefix_cache", None, None, reply))
+        self._inbox.put(("call", None, fn, done))
         self._wake.set()
         return await done
 
@@ -191,19 +194,28 @@ class EngineBridge:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                op, rid, sub, stream = self._inbox.get_nowait()
+                # (op, request id, payload, where the answer goes): ("add", rid, Submission,
+                # RequestStream), ("abort", rid, None, None), ("call", None, fn, Future), ("abort_all", ...)
+                op, rid, payload, reply = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if op == "add":
-                self._add(rid, sub, stream)
+                self._add(rid, payload, reply)
             elif op == "abort":
                 self.engine.abort(rid)
-            elif op == "reset_prefix_cache":
-                reply = stream                      # this op carries the caller's callback
-                reply(self.engine.blocks.reset_prefix_cache())
+            elif op == "call":
+                self._call(payload, reply)
             else:
                 for r in list(self._streams):
                     self.engine.abort(r)
+
+    def _call(self, fn, done: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as e:   # the caller gets it; the engine thread carries on
+            done.get_loop().call_soon_threadsafe(done.set_exception, e)
+            return
+        done.get_loop().call_soon_threadsafe(done.set_result, result)
 
     def _add(self, rid: str, sub: Submission, stream: RequestStream) -> None:
         if self._stop.is_set():

@@ -51,8 +51,14 @@ class AdaptiveController:
         elif batch_size > c.max_batch:
             self.state = False
         else:
-            self.state = self._decide(self.rates.setdefault(batch_size, BatchRates()))
+            self.state = self._decide(self._at(batch_size))
         return self.state
+
+    def _at(self, batch_size: int) -> BatchRates:
+        r = self.rates.get(batch_size)
+        if r is None:
+            r = self.rates[batch_size] = BatchRates()
+        return r
 
     def _decide(self, r: BatchRates) -> bool:
         if r.spec is None or r.plain is None:
@@ -68,7 +74,7 @@ class AdaptiveController:
         """One decode step: how many tokens each decoding request emitted, and how long it took."""
         if decode_requests == 0 or seconds <= 0:
             return
-        r = self.rates.setdefault(decode_requests, BatchRates())
+        r = self._at(decode_requests)
         rate, a = tokens_per_request / seconds, self.config.smoothing
         if speculated:
             r.spec = rate if r.spec is None else (1 - a) * r.spec + a * rate
