@@ -19,7 +19,7 @@ def add_serve_args(sub) -> None:
     p.add_argument("--topk", type=int, default=None, help="children per draft node")
     p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
     p.add_argument("--no-adaptive", action="store_true", help="always speculate, whatever the load")
-    p.add_argument("--spec-max-batch", type=int, default=8, help="running requests above which speculation is off")
+    p.add_argument("--spec-max-batch", type=int, default=4, help="running requests above which speculation is off")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=16)

@@ -32,7 +32,7 @@ def test_measures_speculation_then_plain_at_each_batch_size():
 def test_rates_are_compared_at_the_same_batch_size():
     # Speculation pays alone (30 vs 20 tokens/s) and loses at 8 requests (5 vs 8). Mixing
     # batch sizes would compare batch-1 speculation (30) with batch-8 plain decoding (8).
-    ctl = AdaptiveController()
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8))
     feed(ctl, 1, spec=30.0, plain=20.0)
     feed(ctl, 8, spec=5.0, plain=8.0)
     assert ctl.enabled(1)
@@ -46,6 +46,15 @@ def test_probes_while_off_and_turns_back_on_when_it_pays_again():
     assert decisions == [False, False, False, True] * 2
     ctl.observe(True, 2, 5.0, 1.0)         # a probe finds a repetitive passage
     assert ctl.enabled(2)
+
+
+def test_probes_plain_decoding_while_on_so_a_stale_plain_rate_is_replaced():
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0))
+    feed(ctl, 8, spec=10.0, plain=8.0)     # early on, speculation looked faster
+    decisions = [ctl.enabled(8) for _ in range(8)]
+    assert decisions == [True, True, True, False] * 2
+    ctl.observe(False, 8, 12.0, 1.0)       # a plain probe: plain decoding is faster now
+    assert not ctl.enabled(8)
 
 
 def test_config_is_checked():
