@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The server drafts from the training replies when they are there (datastore drafter), else n-gram.
+DATA ?= ../shared/data/train
+DRAFTER ?= $(if $(wildcard $(DATA)),datastore:$(DATA),ngram)
+
 serve: $(STAMP)
-	$(VENV)/bin/tercel serve $(SERVE_ARGS)
+	$(VENV)/bin/tercel serve --drafter $(DRAFTER) $(SERVE_ARGS)
 
 chat: $(STAMP)
 	$(VENV)/bin/tercel chat $(if $(PROMPT),"$(PROMPT)",)

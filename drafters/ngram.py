@@ -60,6 +60,14 @@ class _Index:
                     self.follow[tuple(tokens[i - n:i])].append(i)
         self.seen = max(self.seen, len(tokens))
 
+    def match_length(self, tokens: list[int]) -> int:
+        """Length of the longest suffix (up to max_n) that occurred earlier, 0 if none."""
+        for n in range(min(self.cfg.max_n, len(tokens) - 1), 0, -1):
+            starts = self.follow.get(tuple(tokens[-n:]))
+            if starts and starts[0] < len(tokens):      # positions are indexed in order
+                return n
+        return 0
+
     def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
         """Continuations of the longest matching suffix: a strong match's most recent
         occurrences first, a weak match's most frequent single followers."""

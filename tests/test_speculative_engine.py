@@ -3,6 +3,7 @@ drafter on SmolLM2, stops and max_tokens inside accepted paths, seeds, and no le
 KV blocks after cancellations and preemptions."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -18,6 +19,7 @@ DRAFTERS = {
     "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
     "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
     "eagle3": ("eagle3:{smol_head}", None),   # a random SmolLM2-shaped head, default dynamic tree
+    "datastore": ("datastore:{corpus}", SpecConfig(num_speculative_tokens=4)),
 }
 
 
@@ -42,12 +44,24 @@ def smol_head(tmp_path_factory, smollm2_dir):
     return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle"), draft_vocab=4096)
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, plain, reference):
+    """The plain replies as a conversation file: the datastore drafter's corpus."""
+    path = tmp_path_factory.mktemp("corpus") / "replies.jsonl"
+    with open(path, "w") as f:
+        for ids in reference:
+            reply = plain.tokenizer.decode(ids, skip_special_tokens=True)
+            f.write(json.dumps({"conversations": [{"role": "user", "content": "q"},
+                                                  {"role": "assistant", "content": reply}]}) + "\n")
+    return path
+
+
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_head):
+def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_head, corpus):
     """8 MT-bench prompts x 64 tokens, one at a time and as a batch of 8: the same tokens as
     plain greedy decoding; the drafter is really used (tokens accepted)."""
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(smol_head=smol_head), speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(smol_head=smol_head, corpus=corpus), speculation=spec)
     alone = [llm.generate(p, GREEDY)[0] for p in prompts]
     batch = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in alone] == reference
@@ -114,12 +128,15 @@ def test_stats_are_consistent(tiny_spec):
     assert 1.0 <= st.mean_accepted_length <= 5.0
 
 
-@pytest.mark.parametrize("drafter", ["small", "ngram", "tree", "eagle3"])
-def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, tiny_eagle_head, drafter):
+@pytest.mark.parametrize("drafter", ["small", "ngram", "tree", "eagle3", "datastore"])
+def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, tiny_eagle_head, drafter,
+                                                                        tmp_path):
     """100 speculative requests, random aborts and a pool small enough to preempt: integrity
     after every step, and afterwards both the target's and the drafter's pools are whole."""
     spec = {"small": f"small:{tiny_llama_dir}", "ngram": "ngram", "tree": f"tree:small:{tiny_llama_dir}+ngram",
-            "eagle3": f"eagle3:{tiny_eagle_head}"}[drafter]
+            "eagle3": f"eagle3:{tiny_eagle_head}", "datastore": f"datastore:{tmp_path / 'c.jsonl'}"}[drafter]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"conversations": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "the cat sat on the mat " * 20}]}))
     llm = LLM(str(tiny_llama_dir), max_model_len=160, num_kv_blocks=48, block_size=8, max_num_seqs=8,
               drafter=spec, speculation=SpecConfig(num_speculative_tokens=3, topk=2))
     engine, rng = llm.engine, random.Random(7)
