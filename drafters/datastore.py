@@ -82,7 +82,8 @@ class NgramTable:
         h = np.zeros(len(tokens), dtype=np.uint64)       # h[i]: hash of tokens[i-n:i]
         valid = tokens != _SEP                            # the follower tokens[i] is real
         for n in range(1, max_n + 1):
-            prev = np.concatenate([np.full(n, _SEP), tokens[:-n]])   # tokens[i - n]
+            prev = np.full_like(tokens, _SEP)                # prev[i] = tokens[i - n]
+            prev[n:] = tokens[:-n]
             valid &= prev != _SEP
             h += (prev + 1).astype(np.uint64) * np.uint64(pow(_P, n - 1, 1 << 64))
             k, t, p = _top_followers(h[valid], tokens[valid], min_count)

@@ -47,6 +47,8 @@ def test_contexts_do_not_span_sequences_and_rare_ones_are_dropped():
     assert table.follower([1]) == (2, 1.0)            # seen twice
     assert table.follower([2]) is None                # 2 -> 5 once; "2 then 3" crosses sequences
     assert table.follower([9]) is None                # seen once
+    tiny = NgramTable.build([[5]], max_n=3, min_count=1)      # shorter than the contexts
+    assert tiny.num_contexts == 0 and tiny.chain([5], 3, 0.0) == []
 
 
 def test_longest_known_suffix_wins_and_chain_stops_on_low_share():
