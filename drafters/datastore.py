@@ -32,9 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
-from drafters.ngram import NgramConfig, _Index
-from tree.token_tree import TokenTree
+from drafters.base import DraftRequest, register_drafter
+from drafters.ngram import NgramConfig, NgramDrafter, _Index
 
 log = logging.getLogger(__name__)
 
@@ -149,33 +148,22 @@ def _top_followers(h: np.ndarray, t: np.ndarray, min_count: int):
     return ph[g], pt[g].astype(np.int32), (counts[g] / totals[keep]).astype(np.float32)
 
 
-class DatastoreDrafter(Drafter):
+class DatastoreDrafter(NgramDrafter):
+    """The n-gram drafter with the datastore between its strong and its weak matches."""
     name = "datastore"
 
     def __init__(self, table: NgramTable, config: DatastoreConfig = DatastoreConfig(),
                  ngram: NgramConfig = NgramConfig()):
-        self.table, self.config, self.ngram = table, config, ngram
-        self._index: dict[int, _Index] = {}
+        super().__init__(ngram)
+        self.table, self.datastore = table, config
 
-    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
-        return [self._propose_one(r) for r in reqs]
-
-    def _propose_one(self, req: DraftRequest) -> Proposal:
-        root, tokens = req.token_ids[-1], req.token_ids
-        if req.max_depth < 1 or req.max_nodes < 1:
-            return Proposal(TokenTree.single(root))
-        index = self._index.setdefault(req.seq_id, _Index(self.ngram))
-        index.update(tokens)
-        paths = []
-        if index.match_length(tokens) < self.config.strong_n:
-            chain = self.table.chain(tokens, min(self.config.max_depth, req.max_depth), self.config.min_prob)
-            paths = [chain] if chain else []
-        paths = (paths + index.continuations(tokens, req.max_depth))[:req.topk]
-        tree = TokenTree.from_paths(root, paths) if paths else TokenTree.single(root)
-        return Proposal(tree.truncated(req.max_nodes + 1))
-
-    def release(self, seq_id: int) -> None:
-        self._index.pop(seq_id, None)
+    def _paths(self, index: _Index, req: DraftRequest) -> list[list[int]]:
+        match = index.longest_match(req.token_ids)
+        chain = []
+        if match[0] < self.datastore.strong_n:
+            chain = self.table.chain(req.token_ids, min(self.datastore.max_depth, req.max_depth),
+                                     self.datastore.min_prob)
+        return ([chain] if chain else []) + index.continuations(req.token_ids, req.max_depth, match)
 
 
 def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:

@@ -60,36 +60,36 @@ class _Index:
                     self.follow[tuple(tokens[i - n:i])].append(i)
         self.seen = max(self.seen, len(tokens))
 
-    def match_length(self, tokens: list[int]) -> int:
-        """Length of the longest suffix (up to max_n) that occurred earlier, 0 if none."""
-        for n in range(min(self.cfg.max_n, len(tokens) - 1), 0, -1):
-            starts = self.follow.get(tuple(tokens[-n:]))
-            if starts and starts[0] < len(tokens):      # positions are indexed in order
-                return n
-        return 0
-
-    def continuations(self, tokens: list[int], depth: int) -> list[list[int]]:
-        """Continuations of the longest matching suffix: a strong match's most recent
-        occurrences first, a weak match's most frequent single followers."""
-        for n in range(min(self.cfg.max_n, len(tokens) - 1), self.cfg.min_n - 1, -1):
-            if n == 0:
-                return [[t] for t, _ in self.unigrams.most_common(self.cfg.max_branches)]
+    def longest_match(self, tokens: list[int]) -> tuple[int, list[int]]:
+        """The longest suffix (max_n down to min_n, at least 1 token) that occurred earlier:
+        its length and the positions that followed it; (0, []) when none did."""
+        for n in range(min(self.cfg.max_n, len(tokens) - 1), max(self.cfg.min_n, 1) - 1, -1):
             # Positions < len(tokens) only: the suffix's own occurrence indexes nothing yet.
             starts = [p for p in self.follow.get(tuple(tokens[-n:]), ()) if p < len(tokens)]
-            if starts and n <= self.cfg.weak_n:
-                followers = Counter(tokens[p] for p in starts)   # ties: the earliest first
-                return [[t] for t, _ in followers.most_common(self.cfg.max_branches)]
-            paths, seen_first = [], set()
-            for p in reversed(starts):
-                cont = tokens[p:p + depth]
-                if cont and cont[0] not in seen_first:
-                    seen_first.add(cont[0])
-                    paths.append(cont)
-                if len(paths) == self.cfg.max_branches:
-                    break
-            if paths:
-                return paths
-        return []
+            if starts:
+                return n, starts
+        return 0, []
+
+    def continuations(self, tokens: list[int], depth: int,
+                      match: tuple[int, list[int]] | None = None) -> list[list[int]]:
+        """Continuations of the longest matching suffix (`match`, if the caller has it): a
+        strong match's most recent occurrences first, a weak match's most frequent single
+        followers, and with min_n = 0 and no match the context's most frequent tokens."""
+        n, starts = match if match is not None else self.longest_match(tokens)
+        if n == 0:
+            return [[t] for t, _ in self.unigrams.most_common(self.cfg.max_branches)] if self.cfg.min_n == 0 else []
+        if n <= self.cfg.weak_n:
+            followers = Counter(tokens[p] for p in starts)   # ties: the earliest first
+            return [[t] for t, _ in followers.most_common(self.cfg.max_branches)]
+        paths, seen_first = [], set()
+        for p in reversed(starts):
+            cont = tokens[p:p + depth]                       # never empty: p < len(tokens)
+            if cont[0] not in seen_first:
+                seen_first.add(cont[0])
+                paths.append(cont)
+            if len(paths) == self.cfg.max_branches:
+                break
+        return paths
 
 
 class NgramDrafter(Drafter):
@@ -108,9 +108,13 @@ class NgramDrafter(Drafter):
             return Proposal(TokenTree.single(root))
         index = self._index.setdefault(req.seq_id, _Index(self.config))
         index.update(req.token_ids)
-        paths = index.continuations(req.token_ids, req.max_depth)[:req.topk]
+        paths = self._paths(index, req)[:req.topk]
         tree = TokenTree.from_paths(root, paths) if paths else TokenTree.single(root)
         return Proposal(tree.truncated(req.max_nodes + 1))
+
+    def _paths(self, index: _Index, req: DraftRequest) -> list[list[int]]:
+        """Candidate continuations, best first (subclasses add other sources)."""
+        return index.continuations(req.token_ids, req.max_depth)
 
     def release(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
