@@ -20,8 +20,9 @@ of rejected drafts turn speculation off for 307-593 of ~1500 steps, 43.3-44.7 to
 45.3-46.1 always on; with 0.05, 44-335 steps and 45.1-45.9 tok/s.
 
 The default `max_batch` comes from closed-loop runs in-process (MT-bench first turns, 128
-tokens, n-gram chain of 4, 2 threads): always speculating gave 1.07x at 2 requests, 1.05x
-at 4 and 0.90x at 8, where a step of 8 trees took 75 ms against 51 ms for 8 plain tokens.
+tokens, n-gram chain of 4, 2 threads, two rounds): always speculating gave 1.07x at 2
+requests, 1.03-1.07x at 4 and 0.80-0.90x at 8, where a step of 8 trees took 75-87 ms against
+51 ms for 8 plain tokens.
 """
 from __future__ import annotations
 
