@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tree import DynamicTreeConfig, StaticTreeShape, TokenTree, dynamic_tree, merge_trees
+from tree import DynamicTreeConfig, StaticTreeShape, TokenTree, best_first_tree, dynamic_tree, merge_trees
 
 #          0:100
 #         /     \
@@ -404,3 +404,65 @@ def test_dynamic_config_validation(field, value):
     kwargs[field] = value
     with pytest.raises(ValueError, match=f"{field} must be an int >= 1"):
         DynamicTreeConfig(**kwargs)
+
+
+# ----- best_first_tree -----------------------------------------------------------------------
+
+
+def random_candidates(seed: int, vocab: int = 5):
+    """A deterministic candidates(path): up to 4 distinct tokens with random probabilities."""
+    def candidates(path):
+        rng = random.Random(hash((seed, tuple(path))))
+        toks = rng.sample(range(vocab), rng.randrange(0, 5))
+        return sorted(((t, rng.random()) for t in toks), key=lambda c: -c[1])
+    return candidates
+
+
+def all_nodes(candidates, max_depth, topk):
+    """Every node best_first_tree could add, as path -> path probability."""
+    out, frontier = {}, [((), 1.0)]
+    while frontier:
+        path, prob = frontier.pop()
+        if len(path) == max_depth:
+            continue
+        for tok, p in candidates(list(path))[:topk]:
+            out[path + (tok,)] = prob * p
+            frontier.append((path + (tok,), prob * p))
+    return out
+
+
+@pytest.mark.parametrize("seed, budget, max_depth, topk", [
+    (0, 5, 4, 3), (1, 8, 3, 2), (2, 3, 5, 1), (3, 12, 4, 4), (4, 1, 2, 2)])
+def test_best_first_tree_keeps_the_most_probable_nodes(seed, budget, max_depth, topk):
+    """The kept nodes are the `budget` most probable paths (products of the candidates'
+    probabilities), in topological order with each node's children most probable first."""
+    cands = random_candidates(seed)
+    tree = best_first_tree(9, cands, budget, max_depth, topk)
+    ref = all_nodes(cands, max_depth, topk)
+    best = sorted(ref, key=lambda p: -ref[p])[:budget]
+    got = [tuple(tree.path_tokens(j)[1:]) for j in range(1, tree.num_nodes)]
+    assert sorted(got) == sorted(best)
+    assert [ref[p] for p in got] == sorted((ref[p] for p in got), reverse=True)   # pop order
+    assert all(tree.parents[j] < j for j in range(1, tree.num_nodes))
+
+
+def test_best_first_tree_by_hand():
+    table = {(): [(1, 0.6), (2, 0.3), (1, 0.1)], (1,): [(3, 0.9)], (1, 3): [(4, 0.2)], (2,): [(5, 1.0)]}
+    calls = []
+
+    def cands(path):
+        calls.append(tuple(path))
+        return table.get(tuple(path), [])
+    tree = best_first_tree(0, cands, budget=4, max_depth=3, topk=2)
+    # 1 (0.6), 1 3 (0.54), 2 (0.3), 2 5 (0.3); the repeated 1 is skipped; 1 3 4 is 0.108.
+    assert tree.tokens == (0, 1, 3, 2, 5) and tree.parents == (-1, 0, 1, 0, 3)
+    assert calls == [(), (1,), (1, 3), (2,)]          # the last node is never expanded
+    assert best_first_tree(0, cands, budget=0, max_depth=3, topk=2) == TokenTree.single(0)
+    assert best_first_tree(0, cands, budget=9, max_depth=1, topk=2).tokens == (0, 1, 2)
+
+
+def test_best_first_tree_bad_input():
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        best_first_tree(0, lambda path: [(1, 1.5)], budget=2, max_depth=2, topk=1)
+    with pytest.raises(ValueError, match="topk >= 1"):
+        best_first_tree(0, lambda path: [], budget=2, max_depth=2, topk=0)

@@ -1,4 +1,5 @@
-"""Ways to build a TokenTree: merge proposals, static (Medusa-style) shapes, dynamic (EAGLE-2).
+"""Ways to build a TokenTree: merge proposals, static (Medusa-style) shapes, dynamic (EAGLE-2),
+best-first (cheap drafters).
 
 Every builder returns nodes in topological order with each node's children ordered most
 likely first, which is the order exact multi-candidate acceptance tries them in.
@@ -286,3 +287,57 @@ def _keep_best(nodes: list[_Node], budget: int) -> list[int]:
         if len(kept) - 1 + len(missing) <= budget:
             kept.update(missing)
     return sorted(kept)
+
+
+# ----- best-first trees (cheap drafters) ---------------------------------------------------
+
+CandidateFn = Callable[[list[int]], list[tuple[int, float]]]
+
+
+def best_first_tree(root_token: int, candidates: CandidateFn, budget: int, max_depth: int,
+                    topk: int) -> TokenTree:
+    """The `budget` draft nodes with the highest path probability, grown one node at a time.
+
+    candidates(path) gets a node's tokens below the root and returns its ranked candidates
+    as (token, probability given the path); a node's path probability is the product along
+    its path. Unlike `dynamic_tree`, which expands whole layers (one batched model call per
+    round), every node can be expanded, so this suits drafters whose lookups are cheap and
+    unbatched (a table). Each added node costs one candidates() call; a node takes at most
+    `topk` children and repeats of a sibling's token are skipped.
+
+    Probabilities must lie in [0, 1], so a child never outranks its parent: nodes come out
+    in topological order, each node's children most probable first."""
+    if budget < 0 or max_depth < 0 or topk < 1:
+        raise ValueError(f"best_first_tree needs budget >= 0, max_depth >= 0 and topk >= 1, "
+                         f"got {budget}, {max_depth}, {topk}")
+    tokens, parents, paths = [root_token], [-1], [[]]
+    heap: list[tuple[float, int, int, int]] = []     # (-path probability, order, parent, token)
+    order = 0
+
+    def push_children(node: int, prob: float) -> None:
+        nonlocal order
+        if len(paths[node]) >= max_depth:
+            return
+        seen = set()
+        for tok, p in candidates(list(paths[node])):
+            tok, p = operator.index(tok), float(p)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"candidate probability must be in [0, 1], got {p} for token {tok}")
+            if tok in seen:
+                continue
+            seen.add(tok)
+            heapq.heappush(heap, (-prob * p, order, node, tok))
+            order += 1
+            if len(seen) == topk:
+                break
+
+    if budget:
+        push_children(0, 1.0)
+    while heap and len(tokens) - 1 < budget:
+        neg, _, parent, tok = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        paths.append(paths[parent] + [tok])
+        if len(tokens) - 1 < budget:        # the last node's children could never be added
+            push_children(len(tokens) - 1, -neg)
+    return TokenTree(tuple(tokens), tuple(parents))
