@@ -1,25 +1,30 @@
-"""Datastore drafter: prompt lookup first, then a table of what usually follows in a corpus.
+"""Datastore drafter: prompt lookup first, then a tree of what usually follows in a corpus.
 
 Retrieval-based drafting in the manner of REST (He et al., 2023): besides the request's
 own context, the drafter looks the last tokens up in a datastore built from assistant
 replies (conversation files in the common schema, e.g. `../shared/data/train`). The
 datastore is a back-off n-gram table: for every context of 1 to `max_n` tokens seen at
-least `min_count` times, the token that most often followed it and how often it did.
+least `min_count` times, the `fanout` tokens that most often followed it and their shares.
 
 Each step, per request:
 1. the context's own match of at least `strong_n` tokens (a repeated passage) proposes
    what followed it, as the n-gram drafter does;
-2. otherwise the datastore proposes a chain: the most frequent follower of the longest
-   known suffix, then of the suffix extended by that token, up to `max_depth` tokens,
-   stopping early when a follower's share falls below `min_prob`;
-3. otherwise the n-gram drafter's weak match or unigram guess.
+2. otherwise a best-first tree over the datastore (`tree.builders.best_first_tree`): a
+   node's candidates are the followers of its path's longest known suffix, a path's
+   probability is the product of their shares, and the request's node budget keeps the most
+   probable nodes. The n-gram drafter's guess (its weak match or unigram) joins the first
+   tokens at `guess_prob`, so with an unknown context it is the whole proposal.
 
 Chosen by replaying the target's greedy replies to 40 MT-bench first turns against the
-verify-time curve, with `../shared/data/train` as the datastore (2.7M tokens): the n-gram
-drafter alone predicted 1.43x, with the datastore 1.53x. Measured in-process on 16 MT-bench
-first turns, 128 tokens, 2 threads: 1.47x against plain decoding, n-gram 1.35x. Proposals
-are deterministic, so acceptance treats them as point masses and the output is exactly the
-target's.
+measured verify-time curve, with `../shared/data/train` as the datastore (2.7M tokens).
+Predicted speedups: n-gram alone 1.43x; datastore chains (the top follower only, up to 3
+tokens) 1.48x; the best-first tree of 5 nodes, up to 4 children each and 3 deep, 1.53x.
+The budget is set by the verify cost: a forward over 4 to 6 tokens costs about the same on
+these CPUs and 7 costs 12% more, so budgets of 4 and 6 predicted 1.50x and 1.40x; 2 or 3
+children per node 1.48x and 1.51x, 4 deep 1.52x. Expanding whole layers as EAGLE-2 does
+predicted 1.51x; `max_n` 4 to 8, `min_count` 1 to 3 and `guess_prob` 0.1 to 0.3 all moved
+it by less than 0.01x. Proposals are deterministic, so acceptance treats them as point masses and the output
+is exactly the target's.
 
 The table is built once per corpus and tokenizer and cached under `TERCEL_CACHE`.
 """
@@ -34,6 +39,8 @@ import numpy as np
 
 from drafters.base import DraftRequest, register_drafter
 from drafters.ngram import NgramConfig, NgramDrafter, _Index
+from tree.builders import best_first_tree
+from tree.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +51,28 @@ _SEP = -1                         # between sequences in the concatenated corpus
 
 @dataclass(frozen=True)
 class DatastoreConfig:
-    max_n: int = 5          # longest context looked up in the table
-    min_count: int = 2      # contexts seen fewer times are dropped (mostly one-off noise)
-    max_depth: int = 3      # longest datastore chain
-    min_prob: float = 0.6   # a chain's later tokens need this share of their context's followers
-    strong_n: int = 2       # a context match this long beats the datastore
+    max_n: int = 5            # longest context looked up in the table
+    min_count: int = 2        # contexts seen fewer times are dropped (mostly one-off noise)
+    fanout: int = 4           # followers kept per context: the most children a tree node gets
+    max_depth: int = 3        # deepest datastore node (context matches go to the request's γ)
+    guess_prob: float = 0.2   # how the n-gram guess ranks among the datastore's first tokens
+    strong_n: int = 2         # a context match this long beats the datastore
 
     def __post_init__(self):
-        if self.max_n < 1 or self.min_count < 1 or self.max_depth < 1 or self.strong_n < 1:
-            raise ValueError("DatastoreConfig: max_n, min_count, max_depth and strong_n must be >= 1")
-        if not 0 <= self.min_prob <= 1:
-            raise ValueError(f"DatastoreConfig: min_prob must be in [0, 1], got {self.min_prob}")
+        if min(self.max_n, self.min_count, self.fanout, self.max_depth, self.strong_n) < 1:
+            raise ValueError("DatastoreConfig: max_n, min_count, fanout, max_depth and strong_n must be >= 1")
+        if not 0 <= self.guess_prob <= 1:
+            raise ValueError(f"DatastoreConfig: guess_prob must be in [0, 1], got {self.guess_prob}")
 
 
 class NgramTable:
-    """Per context length n, sorted 64-bit context hashes with their top follower and its
-    share. A hash collision can only make a worse proposal, never a wrong output."""
+    """Per context length n, sorted 64-bit context hashes with their top followers and their
+    shares. A hash collision can only make a worse proposal, never a wrong output."""
 
     def __init__(self, keys: list[np.ndarray], nexts: list[np.ndarray], probs: list[np.ndarray]):
-        self.keys, self.nexts, self.probs = keys, nexts, probs      # index n - 1
+        # Index n - 1: keys [C] uint64; nexts [C, fanout] int32 and probs [C, fanout] float32,
+        # most frequent first, padded with -1 and 0 where a context has fewer followers.
+        self.keys, self.nexts, self.probs = keys, nexts, probs
         self.max_n = len(keys)
         self._powers = [pow(_P, k, 1 << 64) for k in range(self.max_n)]
 
@@ -71,7 +81,7 @@ class NgramTable:
         return sum(len(k) for k in self.keys)
 
     @classmethod
-    def build(cls, seqs: list[list[int]], max_n: int, min_count: int) -> "NgramTable":
+    def build(cls, seqs: list[list[int]], max_n: int, min_count: int, fanout: int = 1) -> "NgramTable":
         tokens = np.full(sum(len(s) + 1 for s in seqs) + 1, _SEP, dtype=np.int64)
         pos = 1
         for s in seqs:
@@ -85,7 +95,7 @@ class NgramTable:
             prev[n:] = tokens[:-n]
             valid &= prev != _SEP
             h += (prev + 1).astype(np.uint64) * np.uint64(pow(_P, n - 1, 1 << 64))
-            k, t, p = _top_followers(h[valid], tokens[valid], min_count)
+            k, t, p = _top_followers(h[valid], tokens[valid], min_count, fanout)
             keys.append(k)
             nexts.append(t)
             probs.append(p)
@@ -102,8 +112,9 @@ class NgramTable:
             m = len([f for f in z.files if f.startswith("k")])
             return cls(*([z[f"{name}{n}"] for n in range(m)] for name in "ktp"))
 
-    def follower(self, context: list[int]) -> tuple[int, float] | None:
-        """(token, share) after the longest suffix of `context` in the table, or None."""
+    def followers(self, context: list[int]) -> list[tuple[int, float]]:
+        """[(token, share)] most frequent first, after the longest suffix of `context` in the
+        table; [] when no suffix is known."""
         hashes, h = [], 0
         for n in range(1, min(self.max_n, len(context)) + 1):
             h = (h + (context[-n] + 1) * self._powers[n - 1]) & _MASK
@@ -112,23 +123,15 @@ class NgramTable:
             keys, key = self.keys[n - 1], np.uint64(hashes[n - 1])
             i = int(np.searchsorted(keys, key))
             if i < len(keys) and keys[i] == key:
-                return int(self.nexts[n - 1][i]), float(self.probs[n - 1][i])
-        return None
-
-    def chain(self, context: list[int], depth: int, min_prob: float) -> list[int]:
-        seq, out = list(context[-self.max_n:]), []
-        while len(out) < depth:
-            hit = self.follower(seq)
-            if hit is None or (out and hit[1] < min_prob):
-                break
-            out.append(hit[0])
-            seq = (seq + [hit[0]])[-self.max_n:]
-        return out
+                return [(t, p) for t, p in zip(self.nexts[n - 1][i].tolist(), self.probs[n - 1][i].tolist())
+                        if t >= 0]
+        return []
 
 
-def _top_followers(h: np.ndarray, t: np.ndarray, min_count: int):
-    """For each distinct hash seen >= min_count times: (hash, most frequent follower, its
-    share), sorted by hash; ties go to the smaller token id."""
+def _top_followers(h: np.ndarray, t: np.ndarray, min_count: int, fanout: int):
+    """For each distinct hash seen >= min_count times: (hash, its `fanout` most frequent
+    followers [C, fanout], their shares [C, fanout]), sorted by hash; ties go to the smaller
+    token id; missing followers are -1 with share 0."""
     order = np.lexsort((t, h))
     h, t = h[order], t[order]
     new_pair = np.ones(len(h), dtype=bool)
@@ -143,13 +146,20 @@ def _top_followers(h: np.ndarray, t: np.ndarray, min_count: int):
     first[1:] = ph[1:] != ph[:-1]
     group = np.flatnonzero(first)
     totals = np.add.reduceat(counts, group) if len(group) else counts[:0]
-    keep = totals >= min_count
-    g = group[keep]
-    return ph[g], pt[g].astype(np.int32), (counts[g] / totals[keep]).astype(np.float32)
+    member = np.cumsum(first) - 1                     # each (hash, token) pair's group
+    rank = np.arange(len(ph)) - group[member]         # 0: the group's most frequent follower
+    keep = (totals[member] >= min_count) & (rank < fanout)
+    row = np.cumsum(totals >= min_count) - 1          # output row of each kept group
+    nexts = np.full((int((totals >= min_count).sum()), fanout), -1, dtype=np.int32)
+    probs = np.zeros(nexts.shape, dtype=np.float32)
+    r, c = row[member[keep]], rank[keep]
+    nexts[r, c] = pt[keep]
+    probs[r, c] = counts[keep] / totals[member[keep]]
+    return ph[group[totals >= min_count]], nexts, probs
 
 
 class DatastoreDrafter(NgramDrafter):
-    """The n-gram drafter with the datastore between its strong and its weak matches."""
+    """The n-gram drafter with a datastore tree between its strong and its weak matches."""
     name = "datastore"
 
     def __init__(self, table: NgramTable, config: DatastoreConfig = DatastoreConfig(),
@@ -157,13 +167,22 @@ class DatastoreDrafter(NgramDrafter):
         super().__init__(ngram)
         self.table, self.datastore = table, config
 
-    def _paths(self, index: _Index, req: DraftRequest) -> list[list[int]]:
-        match = index.longest_match(req.token_ids)
-        chain = []
-        if match[0] < self.datastore.strong_n:
-            chain = self.table.chain(req.token_ids, min(self.datastore.max_depth, req.max_depth),
-                                     self.datastore.min_prob)
-        return ([chain] if chain else []) + index.continuations(req.token_ids, req.max_depth, match)
+    def _tree(self, index: _Index, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+        match = index.longest_match(req.token_ids) if match is None else match
+        if match[0] >= self.datastore.strong_n:
+            return super()._tree(index, req, match)
+        guesses = index.continuations(req.token_ids, 1, match)     # weak match or unigram
+        guess = guesses[0][0] if guesses else None
+        context = req.token_ids[-self.table.max_n:]
+
+        def candidates(path: list[int]) -> list[tuple[int, float]]:
+            found = self.table.followers(context + path)
+            if not path and guess is not None and all(t != guess for t, _ in found):
+                found = sorted(found + [(guess, self.datastore.guess_prob)], key=lambda c: -c[1])
+            return found
+
+        depth = min(self.datastore.max_depth, req.max_depth)
+        return best_first_tree(req.token_ids[-1], candidates, req.max_nodes, depth, req.topk)
 
 
 def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:
@@ -181,11 +200,12 @@ def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_di
     files = expand_paths(paths)
     ident = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     vocab = sorted(tokenizer.vocab.items())
-    key = hashlib.sha256(repr((ident, vocab, config.max_n, config.min_count)).encode()).hexdigest()[:16]
+    shape = (config.max_n, config.min_count, config.fanout)
+    key = hashlib.sha256(repr((ident, vocab, shape)).encode()).hexdigest()[:16]
     path = cache_dir / f"datastore-{key}.npz"
     if path.exists():
         return NgramTable.load(path)
-    table = NgramTable.build(corpus_sequences([str(f) for f in files], tokenizer), config.max_n, config.min_count)
+    table = NgramTable.build(corpus_sequences([str(f) for f in files], tokenizer), *shape)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
     table.save(tmp)
@@ -194,7 +214,14 @@ def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_di
     return table
 
 
-@register_drafter("datastore")
+def _default_tree():
+    from spec.config import SpecConfig
+    # 5 draft nodes: a verify forward of 4 to 6 tokens costs about the same on these CPUs
+    # (32.5-32.7 ms against 28.7 for 1 token, SmolLM2 at 250 tokens of context, 2 threads).
+    return SpecConfig(num_speculative_tokens=4, topk=4, budget=5)
+
+
+@register_drafter("datastore", default_speculation=_default_tree())
 def _build(arg: str, target, speculation) -> DatastoreDrafter:
     """"datastore:PATH[,PATH...]": conversation .jsonl files or directories of them."""
     if not arg:

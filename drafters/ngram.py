@@ -108,13 +108,13 @@ class NgramDrafter(Drafter):
             return Proposal(TokenTree.single(root))
         index = self._index.setdefault(req.seq_id, _Index(self.config))
         index.update(req.token_ids)
-        paths = self._paths(index, req)[:req.topk]
-        tree = TokenTree.from_paths(root, paths) if paths else TokenTree.single(root)
-        return Proposal(tree.truncated(req.max_nodes + 1))
+        return Proposal(self._tree(index, req).truncated(req.max_nodes + 1))
 
-    def _paths(self, index: _Index, req: DraftRequest) -> list[list[int]]:
-        """Candidate continuations, best first (subclasses add other sources)."""
-        return index.continuations(req.token_ids, req.max_depth)
+    def _tree(self, index: _Index, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+        """The continuations of the context's longest match as a trie (subclasses add other
+        sources); `match` is index.longest_match(req.token_ids) if the caller has it."""
+        paths = index.continuations(req.token_ids, req.max_depth, match)[:req.topk]
+        return TokenTree.from_paths(req.token_ids[-1], paths) if paths else TokenTree.single(req.token_ids[-1])
 
     def release(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)

@@ -19,7 +19,7 @@ DRAFTERS = {
     "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
     "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
     "eagle3": ("eagle3:{smol_head}", None),   # a random SmolLM2-shaped head, default dynamic tree
-    "datastore": ("datastore:{corpus}", SpecConfig(num_speculative_tokens=4)),
+    "datastore": ("datastore:{corpus}", None),    # its default best-first tree of 5 nodes
 }
 
 
