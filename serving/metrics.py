@@ -29,6 +29,8 @@ class Metrics:
         self.mean_accepted = Gauge("tercel_spec_mean_accepted_length",
                                    "tokens per verify step over the last finished requests", registry=r)
         self.spec_enabled = Gauge("tercel_spec_enabled", "1 while the engine speculates", registry=r)
+        self.spec_draft_budget = Gauge("tercel_spec_draft_budget",
+                                       "draft tokens each request may propose per step (0 while off)", registry=r)
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
         self._recent: list[tuple[int, int]] = []   # (emitted, verify steps) of recent finished requests
         self._prefix_seen = (0, 0)
@@ -47,7 +49,9 @@ class Metrics:
         self.prefix_queries.inc(q - self._prefix_seen[0])
         self.prefix_hits.inc(h - self._prefix_seen[1])
         self._prefix_seen = (q, h)
-        self.spec_enabled.set(1 if engine.drafter is not None and engine.adaptive.state else 0)
+        on = engine.drafter is not None and engine.adaptive.state
+        self.spec_enabled.set(1 if on else 0)
+        self.spec_draft_budget.set(engine.draft_budget if on else 0)
 
     def finished(self, out, num_prompt_tokens: int) -> None:
         st = out.stats

@@ -73,6 +73,7 @@ class LLMEngine:
         self.drafter = None
         self.adaptive = AdaptiveController(config.adaptive)
         self._spec_on = False
+        self._draft_cap: int | None = None    # draft nodes per request this step (None: no cap)
         self.timing = StepTiming()
         self.spec_config = config.speculation or SpecConfig()
         if config.drafter:
@@ -150,6 +151,12 @@ class LLMEngine:
         self._pending.append(self._finalize(req))
 
     @property
+    def draft_budget(self) -> int:
+        """Draft nodes a request may propose in the last step (the adaptive cap, if any)."""
+        top = self.spec_config.max_nodes
+        return top if self._draft_cap is None else min(top, self._draft_cap)
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
@@ -157,7 +164,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         start = time.perf_counter()
-        self._spec_on = self.drafter is not None and self.adaptive.enabled(len(self.scheduler.running))
+        running = len(self.scheduler.running)
+        self._spec_on = self.drafter is not None and self.adaptive.enabled(running)
+        self._draft_cap = self.adaptive.draft_budget(running)
         sched = self.scheduler.schedule(lookahead=lambda req: self._spec_limits(req)[1])
         for req in sched.preempted:
             self._release_draft(req)
@@ -193,12 +202,15 @@ class LLMEngine:
         if self.drafter is None or not req.speculate or not (self._spec_on or pinned):
             return 0, 0, 1
         spec = req.speculation or self.spec_config
+        # The adaptive controller shrinks trees as the batch grows (not a pinned request's:
+        # its draws depend on the tree).
+        nodes = spec.max_nodes if pinned or self._draft_cap is None else min(spec.max_nodes, self._draft_cap)
         # A step emits at most depth + 1 tokens: never draft past max_tokens or the context.
         room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-        depth = min(spec.num_speculative_tokens, room - 1)
+        depth = min(spec.num_speculative_tokens, room - 1, nodes)
         if depth < 1:
             return 0, 0, 1
-        return depth, spec.max_nodes, spec.topk
+        return depth, nodes, spec.topk
 
     def _draft(self, sched: SchedulerOutput) -> dict[int, "Proposal"]:
         from drafters.base import DraftRequest

@@ -1,8 +1,11 @@
 """The adaptive speculation controller: off above max_batch, and otherwise on only while the
-speculative rate at the current batch size beats the plain rate at that same batch size."""
+speculative rate at the current batch size beats the plain rate at that same batch size;
+trees shrink as the batch grows."""
 import pytest
 
 from spec.adaptive import AdaptiveConfig, AdaptiveController
+from spec.config import SpecConfig
+from spec.sampling_params import SamplingParams
 
 
 def feed(ctl: AdaptiveController, batch: int, spec: float, plain: float) -> None:
@@ -57,6 +60,38 @@ def test_probes_plain_decoding_while_on_so_a_stale_plain_rate_is_replaced():
     assert not ctl.enabled(8)
 
 
+def test_draft_budget_is_shared_by_the_batch():
+    ctl = AdaptiveController(AdaptiveConfig(step_draft_tokens=6))
+    assert [ctl.draft_budget(b) for b in (0, 1, 2, 3, 4, 7)] == [6, 6, 3, 2, 1, 1]
+    assert AdaptiveController(AdaptiveConfig(enabled=False)).draft_budget(4) is None
+
+
+def test_engine_shrinks_trees_with_the_batch_but_not_a_seeded_sampled_request(tiny_llama_dir):
+    from spec import LLM
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
+              speculation=SpecConfig(num_speculative_tokens=4, budget=4),
+              adaptive=AdaptiveConfig(max_batch=8, step_draft_tokens=4, margin=1e-9))
+    engine, seen = llm.engine, []
+    propose = engine.drafter.propose
+
+    def spy(reqs):
+        seen.append([(len(engine.scheduler.running), r.params.seed, r.max_nodes, r.max_depth) for r in reqs])
+        return propose(reqs)
+    engine.drafter.propose = spy
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [3, 4, 3, 4, 3], [11, 12, 11, 12]],
+                 [greedy, greedy, greedy, seeded])
+    views = [v for step in seen for v in step]
+    assert any(running == 4 for running, *_ in views)
+    for running, seed, nodes, depth in views:
+        cap = 4 if seed is not None else 4 // running        # the seeded request keeps its tree
+        assert nodes == min(4, cap) and depth <= nodes, (running, seed, nodes, depth)
+    assert engine.blocks.num_used_blocks == 0
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="max_batch"):
         AdaptiveConfig(max_batch=0)
+    with pytest.raises(ValueError, match="step_draft_tokens"):
+        AdaptiveConfig(step_draft_tokens=0)
