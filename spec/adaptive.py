@@ -13,7 +13,9 @@ speculates anyway, so a drafter that starts to pay again (a new prompt, a repeti
 passage) is noticed. While on, one step in `probe_every` decodes plainly: otherwise the
 plain rate would date from the first steps at that batch size, when contexts were shorter
 and steps faster or slower, and a stale figure could keep speculation on after it stopped
-paying.
+paying. Probes cost throughput (a plain probe at 1.5x gives up a third of a step), so while
+one mode leads by `wide_margin` or more, probes come 4 times less often: a lead that wide
+takes many steps to erode.
 
 Acceptance swings from step to step (0 to 4 draft tokens), so the averages are slow: at
 1 request (MT-bench, in-process, two rounds), a weight of 0.2 for the newest step let runs
@@ -46,12 +48,13 @@ class AdaptiveConfig:
     smoothing: float = 0.05     # weight of the newest step in the moving averages (see above)
     margin: float = 1.0         # speculate while spec_rate >= margin * plain_rate
     step_draft_tokens: int = 6  # draft nodes per step, shared by the running requests (see above)
+    wide_margin: float = 1.25   # a lead this wide (either way) makes probes 4x rarer (see above)
 
     def __post_init__(self):
         if self.max_batch < 1 or self.probe_every < 1 or not 0 < self.smoothing <= 1 or self.margin <= 0 \
-                or self.step_draft_tokens < 1:
+                or self.step_draft_tokens < 1 or self.wide_margin < 1:
             raise ValueError("AdaptiveConfig: need max_batch >= 1, probe_every >= 1, "
-                             "0 < smoothing <= 1, margin > 0, step_draft_tokens >= 1")
+                             "0 < smoothing <= 1, margin > 0, step_draft_tokens >= 1, wide_margin >= 1")
 
 
 @dataclass
@@ -94,7 +97,7 @@ class AdaptiveController:
         return r
 
     def _decide(self, r: BatchRates) -> bool:
-        run_done = r.streak >= self.config.probe_every - 1   # the current run is long enough
+        run_done = r.streak >= self._run_length(r) - 1      # the current run is long enough
         if r.spec is None or r.plain is None:
             on = r.spec is None                   # measure both once: speculation first
         elif r.spec >= self.config.margin * r.plain:
@@ -104,6 +107,14 @@ class AdaptiveController:
         r.streak = r.streak + 1 if on == r.last else 1
         r.last = on
         return on
+
+    def _run_length(self, r: BatchRates) -> int:
+        """Steps one way between probes of the other."""
+        c = self.config
+        if r.spec is None or r.plain is None:
+            return c.probe_every
+        lo, hi = sorted((r.spec, r.plain))
+        return c.probe_every * 4 if hi >= c.wide_margin * lo else c.probe_every
 
     def observe(self, speculated: bool, decode_requests: int, tokens_per_request: float, seconds: float) -> None:
         """One decode step: how many tokens each decoding request emitted, and how long it took."""

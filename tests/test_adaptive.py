@@ -43,7 +43,7 @@ def test_rates_are_compared_at_the_same_batch_size():
 
 
 def test_probes_while_off_and_turns_back_on_when_it_pays_again():
-    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=1.0))
+    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=1.0, wide_margin=10.0))
     feed(ctl, 2, spec=1.0, plain=2.0)
     decisions = [ctl.enabled(2) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2
@@ -52,12 +52,22 @@ def test_probes_while_off_and_turns_back_on_when_it_pays_again():
 
 
 def test_probes_plain_decoding_while_on_so_a_stale_plain_rate_is_replaced():
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0))
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=10.0))
     feed(ctl, 8, spec=10.0, plain=8.0)     # early on, speculation looked faster
     decisions = [ctl.enabled(8) for _ in range(8)]
     assert decisions == [True, True, True, False] * 2
     ctl.observe(False, 8, 12.0, 1.0)       # a plain probe: plain decoding is faster now
     assert not ctl.enabled(8)
+
+
+def test_a_wide_lead_makes_probes_rarer():
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=1.25))
+    feed(ctl, 1, spec=15.0, plain=10.0)    # 1.5x: probe plain decoding one step in 16
+    assert [ctl.enabled(1) for _ in range(16)] == [True] * 15 + [False]
+    feed(ctl, 1, spec=11.0, plain=10.0)    # 1.1x: one step in 4
+    assert [ctl.enabled(1) for _ in range(4)] == [True, True, True, False]
+    feed(ctl, 2, spec=5.0, plain=10.0)     # losing by 2x: probe speculation one step in 16
+    assert [ctl.enabled(2) for _ in range(16)] == [False] * 15 + [True]
 
 
 def test_draft_budget_is_shared_by_the_batch():
@@ -95,3 +105,5 @@ def test_config_is_checked():
         AdaptiveConfig(max_batch=0)
     with pytest.raises(ValueError, match="step_draft_tokens"):
         AdaptiveConfig(step_draft_tokens=0)
+    with pytest.raises(ValueError, match="wide_margin"):
+        AdaptiveConfig(wide_margin=0.5)
