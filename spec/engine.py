@@ -80,6 +80,7 @@ class LLMEngine:
             from drafters.base import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
+        self._warm_up()
         # Everything loaded so far lives as long as the engine: move it out of the cyclic
         # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
         # as n-gram indexing of a long prompt) walks every object of the process: measured
@@ -87,6 +88,26 @@ class LLMEngine:
         # 67 tok/s with the collector on against 455 with it off (about 14 ms per step).
         gc.collect()
         gc.freeze()
+
+    def _warm_up(self) -> None:
+        """One target forward at each verify size, 1 to the largest tree, before serving.
+        oneDNN builds a kernel on the first use of a shape (SmolLM2, 2 threads: a 3-token
+        forward took 73 ms the first time, 30 after), which would slow the first requests
+        and skew the adaptive controller's first measurements of speculation."""
+        rows = 1 + (self.spec_config.max_nodes if self.drafter is not None else 0)
+        seq_id = -1                                   # never a request's id
+        tokens = [0] * rows
+        if not self.blocks.can_allocate(tokens):
+            return
+        counters = self.blocks.prefix_queries, self.blocks.prefix_hits
+        self.blocks.allocate(seq_id, tokens)
+        try:
+            table = self.blocks.block_table(seq_id)
+            for n in range(1, rows + 1):
+                self.target.forward(ForwardBatch([SeqInput(tokens[:n], 0, table, logits_indices=list(range(n)))]))
+        finally:
+            self.blocks.free(seq_id)           # never published: the blocks go back free
+            self.blocks.prefix_queries, self.blocks.prefix_hits = counters   # not a request's lookup
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
