@@ -23,7 +23,7 @@ def test_off_above_max_batch_and_when_disabled_always_on():
 
 
 def test_measures_speculation_then_plain_at_each_batch_size():
-    ctl = AdaptiveController()
+    ctl = AdaptiveController(AdaptiveConfig(min_steps=1))
     assert ctl.enabled(2)                  # nothing measured: speculate first
     ctl.observe(True, 2, 3.0, 1.0)
     assert not ctl.enabled(2)              # then one plain step to compare against
@@ -35,7 +35,7 @@ def test_measures_speculation_then_plain_at_each_batch_size():
 def test_rates_are_compared_at_the_same_batch_size():
     # Speculation pays alone (30 vs 20 tokens/s) and loses at 8 requests (5 vs 8). Mixing
     # batch sizes would compare batch-1 speculation (30) with batch-8 plain decoding (8).
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8))
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, min_steps=1))
     feed(ctl, 1, spec=30.0, plain=20.0)
     feed(ctl, 8, spec=5.0, plain=8.0)
     assert ctl.enabled(1)
@@ -43,7 +43,7 @@ def test_rates_are_compared_at_the_same_batch_size():
 
 
 def test_probes_while_off_and_turns_back_on_when_it_pays_again():
-    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=1.0, wide_margin=10.0))
+    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=1.0, wide_margin=10.0, min_steps=1))
     feed(ctl, 2, spec=1.0, plain=2.0)
     decisions = [ctl.enabled(2) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2
@@ -52,7 +52,7 @@ def test_probes_while_off_and_turns_back_on_when_it_pays_again():
 
 
 def test_probes_plain_decoding_while_on_so_a_stale_plain_rate_is_replaced():
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=10.0))
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=10.0, min_steps=1))
     feed(ctl, 8, spec=10.0, plain=8.0)     # early on, speculation looked faster
     decisions = [ctl.enabled(8) for _ in range(8)]
     assert decisions == [True, True, True, False] * 2
@@ -61,13 +61,32 @@ def test_probes_plain_decoding_while_on_so_a_stale_plain_rate_is_replaced():
 
 
 def test_a_wide_lead_makes_probes_rarer():
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=1.25))
+    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=1.25, min_steps=1))
     feed(ctl, 1, spec=15.0, plain=10.0)    # 1.5x: probe plain decoding one step in 16
     assert [ctl.enabled(1) for _ in range(16)] == [True] * 15 + [False]
     feed(ctl, 1, spec=11.0, plain=10.0)    # 1.1x: one step in 4
     assert [ctl.enabled(1) for _ in range(4)] == [True, True, True, False]
     feed(ctl, 2, spec=5.0, plain=10.0)     # losing by 2x: probe speculation one step in 16
     assert [ctl.enabled(2) for _ in range(16)] == [False] * 15 + [True]
+
+
+def test_early_averages_are_plain_means_so_one_unlucky_step_does_not_stick():
+    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=0.05, wide_margin=1.25, min_steps=1))
+    feed(ctl, 1, spec=10.0, plain=20.0)    # the first draft was rejected
+    # Two steps are too few to trust a 2x lead: the probe comes at the normal pace.
+    assert [ctl.enabled(1) for _ in range(4)] == [False, False, False, True]
+    ctl.observe(True, 1, 40.0, 1.0)        # the probe: the mean of 10 and 40 beats 20
+    assert ctl.enabled(1)
+
+
+def test_measures_min_steps_of_each_mode_before_comparing():
+    ctl = AdaptiveController(AdaptiveConfig(min_steps=3))
+    decisions = []
+    for _ in range(7):
+        on = ctl.enabled(1)
+        decisions.append(on)
+        ctl.observe(on, 1, 1.0 if on else 2.0, 1.0)   # speculation loses from its first step
+    assert decisions == [True, True, True, False, False, False, False]
 
 
 def test_draft_budget_is_shared_by_the_batch():
@@ -107,3 +126,5 @@ def test_config_is_checked():
         AdaptiveConfig(step_draft_tokens=0)
     with pytest.raises(ValueError, match="wide_margin"):
         AdaptiveConfig(wide_margin=0.5)
+    with pytest.raises(ValueError, match="min_steps"):
+        AdaptiveConfig(min_steps=0)
