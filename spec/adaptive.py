@@ -20,9 +20,9 @@ takes many steps to erode.
 Early steps are noisy (one rejected draft makes a slow speculative step): a slow average
 started from one step kept speculation off for 1,399 of 1,763 steps at 1 request in one
 in-process run (37.1 tok/s; the next run, 53.4), and off for the first 12 of 16 requests
-in a server run. So each batch size first measures `min_steps` steps of each mode, until
-`1 / smoothing` steps are in each average is the plain mean of its steps, and until then
-probes keep their normal pace.
+in a server run. So each batch size first measures `min_steps` steps of each mode; each
+average is the plain mean of its steps until `1 / smoothing` are in; and until then probes
+keep their normal pace.
 
 Acceptance swings from step to step (0 to 4 draft tokens), so the averages are slow: at
 1 request (MT-bench, in-process, two rounds), a weight of 0.2 for the newest step let runs
