@@ -20,10 +20,11 @@ measured verify-time curve, with `../shared/data/train` as the datastore (2.7M t
 Predicted speedups: n-gram alone 1.43x; datastore chains (the top follower only, up to 3
 tokens) 1.48x; the best-first tree of 5 nodes, up to 4 children each and 3 deep, 1.53x.
 The budget is set by the verify cost: a forward over 4 to 6 tokens costs about the same on
-these CPUs and 7 costs 12% more, so budgets of 4 and 6 predicted 1.50x and 1.40x; 2 or 3
-children per node 1.48x and 1.51x, 4 deep 1.52x. Expanding whole layers as EAGLE-2 does
-predicted 1.51x; `max_n` 4 to 8, `min_count` 1 to 3 and `guess_prob` 0.1 to 0.3 all moved
-it by less than 0.01x. Served (`tercel bench serve`, MT-bench first turns, 128 tokens,
+these CPUs and 7 costs 12% more. Around a tree of 3 children per node and 4 levels (1.51x),
+budgets of 4 and 6 predicted 1.49x and 1.40x, 2 children 1.48x and 4 children 1.52x;
+expanding whole layers as EAGLE-2 does predicted 0.01x less than growing the tree best-first,
+and `max_n` 4 to 8, `min_count` 1 to 3 and `guess_prob` 0.1 to 0.3 each moved the prediction
+by less than 0.01x. Served (`tercel bench serve`, MT-bench first turns, 128 tokens,
 concurrency 1, 2 threads, 5 rounds): 1.52x against plain decoding; the chains gave 1.48x.
 Proposals are deterministic, so acceptance treats them as point masses and the output
 is exactly the target's.

@@ -19,8 +19,8 @@ takes many steps to erode.
 
 Early steps are noisy (one rejected draft makes a slow speculative step): a slow average
 started from one step kept speculation off for 1,399 of 1,763 steps at 1 request in one
-in-process run (37.1 tok/s; the next run, 53.4), and off for the first 12 of 16 requests
-in a server run. So each batch size first measures `min_steps` steps of each mode; each
+in-process run (37.1 tok/s; the next run, 53.4), and in a server run 11 of the first
+round's 16 requests decoded at plain speed. So each batch size first measures `min_steps` steps of each mode; each
 average is the plain mean of its steps until `1 / smoothing` are in; and until then probes
 keep their normal pace.
 
@@ -32,9 +32,9 @@ of rejected drafts turn speculation off for 307-593 of ~1500 steps, 43.3-44.7 to
 Below `max_batch`, the tree shrinks as the batch grows: each request may draft
 `step_draft_tokens // batch` nodes (at least 1, at most its own budget), so a step verifies
 about 6-9 tokens whatever the batch. Closed-loop in-process runs with the datastore drafter
-(MT-bench first turns, 128 tokens, 2 threads, two rounds, speculation always on against
-off): at 2 requests, 3 draft nodes each gave 1.18-1.19x, 4 gave 1.13-1.16x and the 5 of one
-request gave 1.15-1.17x; at 4 requests, 1 node 1.10x, 2 nodes 1.09-1.14x, 3 nodes
+(its tree then had up to 3 children per node and 4 levels; MT-bench first turns, 128 tokens,
+2 threads, two rounds, speculation always on against off): at 2 requests, 3 draft nodes each
+gave 1.18-1.19x, 4 gave 1.13-1.16x and the 5 of one request gave 1.15-1.18x; at 4 requests, 1 node 1.10x, 2 nodes 1.09-1.14x, 3 nodes
 1.12-1.14x, 5 nodes 0.88-0.97x.
 
 The default `max_batch` comes from closed-loop runs in-process (MT-bench first turns, 128
@@ -69,8 +69,8 @@ class AdaptiveConfig:
 class BatchRates:
     """Moving averages for one batch size (tokens/s per request), the last decision and how
     many decisions in a row went that way (which sets when to probe the other way)."""
-    spec: float | None = None
-    plain: float | None = None
+    spec: float = 0.0           # meaningful once its step count is above 0
+    plain: float = 0.0
     spec_steps: int = 0         # observations behind each average
     plain_steps: int = 0
     last: bool = True
@@ -132,13 +132,16 @@ class AdaptiveController:
             return
         r = self._at(decode_requests)
         rate = tokens_per_request / seconds
-        # Until 1 / smoothing steps are in, the plain mean of all of them: a moving average
-        # started from its first step would carry that one step's luck for a long time.
         if speculated:
             r.spec_steps += 1
-            a = max(self.config.smoothing, 1 / r.spec_steps)
-            r.spec = rate if r.spec is None else (1 - a) * r.spec + a * rate
+            r.spec = self._average(r.spec, r.spec_steps, rate)
         else:
             r.plain_steps += 1
-            a = max(self.config.smoothing, 1 / r.plain_steps)
-            r.plain = rate if r.plain is None else (1 - a) * r.plain + a * rate
+            r.plain = self._average(r.plain, r.plain_steps, rate)
+
+    def _average(self, mean: float, steps: int, rate: float) -> float:
+        """The moving average after its `steps`-th step. Until 1 / smoothing steps are in it
+        is the plain mean of all of them (the first step's weight is 1): a moving average
+        started from its first step would carry that one step's luck for a long time."""
+        a = max(self.config.smoothing, 1 / steps)
+        return mean + a * (rate - mean)

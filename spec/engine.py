@@ -91,9 +91,10 @@ class LLMEngine:
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.
-        oneDNN builds a kernel on the first use of a shape (SmolLM2, 2 threads: a 3-token
-        forward took 73 ms the first time, 30 after), which would slow the first requests
-        and skew the adaptive controller's first measurements of speculation."""
+        oneDNN builds a kernel on the first use of a shape (SmolLM2, 2 threads: the first
+        3-token forward took 73 ms, the 4- to 6-token forwards after it 30-34 ms), which
+        would slow the first requests and skew the adaptive controller's first measurements
+        of speculation."""
         rows = 1 + (self.spec_config.max_nodes if self.drafter is not None else 0)
         seq_id = -1                                   # never a request's id
         tokens = [0] * rows
@@ -174,8 +175,10 @@ class LLMEngine:
     @property
     def draft_budget(self) -> int:
         """Draft nodes a request may propose in the last step (the adaptive cap, if any)."""
-        top = self.spec_config.max_nodes
-        return top if self._draft_cap is None else min(top, self._draft_cap)
+        return self._capped(self.spec_config.max_nodes)
+
+    def _capped(self, max_nodes: int) -> int:
+        return max_nodes if self._draft_cap is None else min(max_nodes, self._draft_cap)
 
     @property
     def has_unfinished(self) -> bool:
@@ -225,7 +228,7 @@ class LLMEngine:
         spec = req.speculation or self.spec_config
         # The adaptive controller shrinks trees as the batch grows (not a pinned request's:
         # its draws depend on the tree).
-        nodes = spec.max_nodes if pinned or self._draft_cap is None else min(spec.max_nodes, self._draft_cap)
+        nodes = spec.max_nodes if pinned else self._capped(spec.max_nodes)
         # A step emits at most depth + 1 tokens: never draft past max_tokens or the context.
         room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         depth = min(spec.num_speculative_tokens, room - 1, nodes)

@@ -8,6 +8,7 @@ likely first, which is the order exact multi-candidate acceptance tries them in.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -312,10 +313,9 @@ def best_first_tree(root_token: int, candidates: CandidateFn, budget: int, max_d
                          f"got {budget}, {max_depth}, {topk}")
     tokens, parents, paths = [root_token], [-1], [[]]
     heap: list[tuple[float, int, int, int]] = []     # (-path probability, order, parent, token)
-    order = 0
+    order = itertools.count()                         # ties: the earlier candidate first
 
     def push_children(node: int, prob: float) -> None:
-        nonlocal order
         if len(paths[node]) >= max_depth:
             return
         seen = set()
@@ -326,8 +326,7 @@ def best_first_tree(root_token: int, candidates: CandidateFn, budget: int, max_d
             if tok in seen:
                 continue
             seen.add(tok)
-            heapq.heappush(heap, (-prob * p, order, node, tok))
-            order += 1
+            heapq.heappush(heap, (-prob * p, next(order), node, tok))
             if len(seen) == topk:
                 break
 
