@@ -4,7 +4,10 @@
     tercel bench grid --drafter ngram,eagle3:HEAD --gamma 2:6 --topk 1,2 --budget 4:8 \\
         --temperature 0,0.7 --repeats 3 --hf --json grid.json --plot charts/ --profile-out profile.json
     tercel bench speed --drafter ngram --limit 10 --max-tokens 128 --repeats 3
+    tercel bench speed --quantization auto,none --llamacpp --dataset mtbench --limit 10
     tercel bench serve --url http://127.0.0.1:8000 --concurrency 1,4,16
+    tercel bench kernels
+    tercel bench quality --quantization int4,int8 --limit 30
 
 Every run prints markdown tables on stdout; --json keeps a machine-readable report that is
 rewritten after each finished run, so an interrupted benchmark continues with --resume.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-COMMANDS = ("accept", "grid", "speed", "serve")
+COMMANDS = ("accept", "grid", "speed", "serve", "kernels", "quality")
 
 
 def add_bench_args(sub) -> None:
@@ -39,6 +42,11 @@ def add_bench_args(sub) -> None:
     p.add_argument("--repeats", type=int, default=None, help="runs of each cell (default: 1 accept and serve, 3 otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="grid: also measure HF transformers generate")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="speed: also measure llama.cpp on the same GGUF (pip install -e '.[llamacpp]')")
+    p.add_argument("--quantization", default="auto",
+                   help="target weights, comma-separated: auto, int4, int8, none (default auto; the first "
+                        "listed is the plain baseline; quality: the modes compared with none)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the report here (updated as runs finish)")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
@@ -63,6 +71,9 @@ def run_bench(args) -> int:
         if args.what == "serve":
             from bench.cli_serve import run_serve_bench_cli
             return run_serve_bench_cli(args)
+        if args.what in ("kernels", "quality"):
+            from bench.cli_model import run_model_bench
+            return run_model_bench(args)
         from bench.cli_engine import run_engine_bench
         return run_engine_bench(args)
     except KeyboardInterrupt:

@@ -6,7 +6,7 @@ import sys
 from bench import report
 from bench.cli import split_names, write_plots
 from bench.data import load_datasets
-from bench.grid import HF_GENERATE, HF_LOOKUP, Cell, build_cells, parse_floats, parse_range
+from bench.grid import HF_GENERATE, HF_LOOKUP, LLAMACPP, Cell, build_cells, parse_floats, parse_range
 from bench.journal import Journal
 from bench.runner import RunSettings
 from bench.suite import run_suite
@@ -19,6 +19,11 @@ HF_LOOKUP_TOKENS = 10     # transformers' own default for prompt_lookup_num_toke
 def run_engine_bench(args) -> int:
     drafters = _drafters(args.drafter)
     temps = parse_floats(args.temperature, "temperature")
+    if args.llamacpp:
+        if args.what != "speed":
+            raise ValueError("--llamacpp is a baseline of `tercel bench speed`")
+        from bench.llamacpp import check_llamacpp
+        check_llamacpp(args.model or DEFAULT_MODEL)
     cells = _cells(args.what, drafters, args, temps)
     data = load_datasets(args.dataset or ["specbench"], split_names(args.tasks), args.limit, args.both_turns)
     for line in data.skipped:
@@ -73,7 +78,7 @@ def _cells(what: str, drafters: list[str], args, temps: list[float]) -> list[Cel
     topks, budgets = parse_range(args.topk, "topk"), parse_range(args.budget, "budget")
     if what == "accept" and not drafters:
         raise ValueError("bench accept needs at least one --drafter")
-    cells = build_cells(drafters, gammas, topks, budgets, temps)
+    cells = build_cells(drafters, gammas, topks, budgets, temps, quantizations(args.quantization))
     if what == "accept":
         return [c for c in cells if c.drafter is not None]
     if what == "speed" or args.hf:
@@ -81,13 +86,25 @@ def _cells(what: str, drafters: list[str], args, temps: list[float]) -> list[Cel
     if what == "speed":
         lookup = gammas[0] if gammas else HF_LOOKUP_TOKENS
         cells += [Cell(None, gamma=lookup, temperature=t, engine=HF_LOOKUP) for t in temps]
+    if args.llamacpp:
+        cells += [Cell(None, temperature=t, engine=LLAMACPP) for t in temps]
     return cells
+
+
+def quantizations(text: str) -> tuple[str, ...]:
+    from spec.config import QUANTIZATION_CHOICES
+    names = tuple(dict.fromkeys(q.strip() for q in text.split(",") if q.strip()))
+    bad = [q for q in names if q not in QUANTIZATION_CHOICES]
+    if bad or not names:
+        raise ValueError(f"--quantization takes {', '.join(QUANTIZATION_CHOICES)} (comma-separated), got {text!r}")
+    return names
 
 
 def _fingerprint(settings: RunSettings, args, data) -> dict:
     """What must not change between an interrupted run and its --resume."""
     return {"model": settings.model, "max_tokens": settings.max_tokens, "ignore_eos": settings.ignore_eos,
             "seed": settings.seed, "datasets": args.dataset or ["specbench"], "both_turns": args.both_turns,
+            "quantization": args.quantization,
             "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}
 
 

@@ -1,7 +1,8 @@
 """The configurations a benchmark measures (cells), built from the command line's ranges.
 
-A cell is one drafter with one tree shape at one temperature; drafter None is the plain
-engine, measured in the same run as the baseline of every speedup.
+A cell is one drafter with one tree shape at one temperature and one quantization; drafter
+None is the plain engine, measured in the same run as the baseline of every speedup (the
+plain engine at the first quantization listed).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from spec.config import SpecConfig
 
 PLAIN = "plain"
-TERCEL, HF_GENERATE, HF_LOOKUP = "tercel", "hf-generate", "hf-prompt-lookup"   # engines
+TERCEL, HF_GENERATE, HF_LOOKUP, LLAMACPP = "tercel", "hf-generate", "hf-prompt-lookup", "llama.cpp"  # engines
 
 
 @dataclass(frozen=True)
@@ -20,15 +21,19 @@ class Cell:
     topk: int | None = None
     budget: int | None = None        # None: gamma × topk
     temperature: float = 0.0
-    engine: str = TERCEL             # or an HF transformers baseline (drafter None)
+    engine: str = TERCEL             # or a baseline: HF transformers, llama.cpp (drafter None)
+    quantization: str = "auto"       # Tercel's target weights (LLM(quantization=...))
 
     @property
     def key(self) -> str:
-        return f"{self.name}|g{self.gamma}|k{self.topk}|b{self.budget}|t{self.temperature:g}"
+        quant = f"|q{self.quantization}" if self.quantization != "auto" else ""
+        return f"{self.name}|g{self.gamma}|k{self.topk}|b{self.budget}|t{self.temperature:g}{quant}"
 
     @property
     def name(self) -> str:
-        return self.engine if self.engine != TERCEL else self.drafter or PLAIN
+        if self.engine != TERCEL:
+            return self.engine
+        return (self.drafter or PLAIN) + (f" [{self.quantization}]" if self.quantization != "auto" else "")
 
     @property
     def tree(self) -> str:
@@ -78,10 +83,11 @@ def parse_floats(text: str, name: str) -> list[float]:
 
 
 def build_cells(drafters: list[str], gammas: list[int] | None, topks: list[int] | None,
-                budgets: list[int] | None, temperatures: list[float]) -> list[Cell]:
-    """The plain engine plus every drafter × γ × top-k × budget × temperature that can exist.
-    No γ given: each drafter's default tree. A chain (top-k 1) ignores budgets. Combinations
-    with budget < γ are left out; ValueError when that leaves none."""
+                budgets: list[int] | None, temperatures: list[float],
+                quantizations: tuple[str, ...] = ("auto",)) -> list[Cell]:
+    """The plain engine plus every drafter × γ × top-k × budget × temperature that can exist,
+    at each quantization. No γ given: each drafter's default tree. A chain (top-k 1) ignores
+    budgets. Combinations with budget < γ are left out; ValueError when that leaves none."""
     if budgets and gammas and max(budgets) < min(gammas):
         raise ValueError(f"--budget {max(budgets)} is below every --gamma (min {min(gammas)}): "
                          "a tree needs at least γ nodes for its deepest path")
@@ -89,9 +95,10 @@ def build_cells(drafters: list[str], gammas: list[int] | None, topks: list[int] 
         raise ValueError("--topk and --budget need --gamma (without it each drafter uses its default tree)")
     cells = []
     for t in temperatures:
-        cells.append(Cell(None, temperature=t))
-        for d in drafters:
-            cells += [Cell(d, g, k, b, t) for g, k, b in _shapes(gammas, topks, budgets)]
+        for q in quantizations:
+            cells.append(Cell(None, temperature=t, quantization=q))
+            for d in drafters:
+                cells += [Cell(d, g, k, b, t, quantization=q) for g, k, b in _shapes(gammas, topks, budgets)]
     return cells
 
 

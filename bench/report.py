@@ -58,12 +58,15 @@ def best_table(best: dict[str, dict], rows: list[dict]) -> str:
 
 
 def speed_table(rows: list[dict]) -> str:
-    lines = ["| task | T | engine | tree | tok/s | TTFT ms | speedup vs plain | vs HF generate | τ |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    llama = any(row.get("speedup_vs_llamacpp") is not None for row in rows)
+    lines = ["| task | T | engine | tree | tok/s | TTFT ms | speedup vs plain | vs HF generate | "
+             + ("vs llama.cpp | " if llama else "") + "τ |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if llama else "")]
     for row in rows:
-        lines.append("| " + " | ".join([*_label(row), _f(row["tok_s"], ".1f"), _f(row["ttft_ms"], ".0f"),
-                                        _x(row["speedup"], row["speedup_range"]), _x(row["speedup_vs_hf"]),
-                                        _f(row["tau"])]) + " |")
+        cells = [*_label(row), _f(row["tok_s"], ".1f"), _f(row["ttft_ms"], ".0f"),
+                 _x(row["speedup"], row["speedup_range"]), _x(row["speedup_vs_hf"])]
+        cells += [_x(row.get("speedup_vs_llamacpp"))] if llama else []
+        lines.append("| " + " | ".join(cells + [_f(row["tau"])]) + " |")
     return "\n".join(lines)
 
 

@@ -79,7 +79,8 @@ class TercelGenerator:
     def __init__(self, cell: Cell, settings: RunSettings):
         from spec import LLM
         self.settings = settings
-        self.llm = LLM(settings.model, drafter=cell.drafter, speculation=cell.speculation(), max_num_seqs=1)
+        self.llm = LLM(settings.model, drafter=cell.drafter, speculation=cell.speculation(), max_num_seqs=1,
+                       quantization=cell.quantization)
 
     def template(self, messages: list[dict]) -> list[int]:
         return self.llm.apply_chat_template(messages)

@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from bench.data import BenchPrompt
-from bench.grid import HF_LOOKUP, TERCEL, Cell
+from bench.grid import HF_LOOKUP, LLAMACPP, TERCEL, Cell
 from bench.journal import Journal
 from bench.runner import RunSettings, TercelGenerator, run_unit
 from spec.llm import chat_token_ids
@@ -30,14 +30,14 @@ def schedule(cells: list[Cell], tasks: list[str], repeats: int) -> list[tuple[in
 
 
 class Generators:
-    """Builds the generator of each cell; the HF model and the tokenizer load once."""
+    """Builds the generator of each cell; the HF model, llama.cpp and the tokenizer load once."""
 
     def __init__(self, settings: RunSettings):
         from verifier.loader import resolve_model_dir
         from verifier.target import load_tokenizer
         self.settings = settings
         self.tokenizer = load_tokenizer(resolve_model_dir(settings.model))
-        self._hf = None
+        self._hf = self._llamacpp = None
 
     def template(self, messages: list[dict]) -> list[int]:
         return chat_token_ids(self.tokenizer, messages)
@@ -45,11 +45,24 @@ class Generators:
     def open(self, cell: Cell):
         if cell.engine == TERCEL:
             return TercelGenerator(cell, self.settings)
+        if cell.engine == LLAMACPP:
+            return self._llama()
         from bench.hf import HFGenerator, HFModel
         if self._hf is None:
             self._hf = HFModel(self.settings.model)
         lookup = cell.gamma if cell.engine == HF_LOOKUP else None
         return HFGenerator(self._hf, self.tokenizer, self.settings.max_tokens, self.settings.ignore_eos, lookup)
+
+
+    def _llama(self):
+        if self._llamacpp is None:
+            import torch
+
+            from bench.llamacpp import LlamaCppGenerator
+            s = self.settings
+            self._llamacpp = LlamaCppGenerator(s.model, s.max_tokens, s.ignore_eos, torch.get_num_threads(),
+                                               self.tokenizer)
+        return self._llamacpp
 
 
 def run_suite(cells: list[Cell], by_task: dict[str, list[BenchPrompt]], repeats: int,

@@ -7,7 +7,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from bench.grid import HF_GENERATE, PLAIN, TERCEL
+from bench.grid import HF_GENERATE, LLAMACPP, PLAIN, TERCEL
 from bench.stats import acceptance, add_depths
 
 
@@ -21,12 +21,19 @@ def summarise(results: list[dict]) -> list[dict]:
 
 
 def _baselines(results: list[dict]) -> dict[tuple[str, float, int, str], float]:
-    """tok/s of the plain engine and of HF generate per (task, temperature, repeat)."""
-    out = {}
+    """tok/s of the plain engine (at the first quantization measured), HF generate and
+    llama.cpp per (task, temperature, repeat)."""
+    out, plain_quant = {}, None
     for r in results:
         cell = r["cell"]
+        if cell["drafter"] is not None:
+            continue
         name = PLAIN if cell["engine"] == TERCEL else cell["engine"]
-        if cell["drafter"] is None and name in (PLAIN, HF_GENERATE):
+        if name == PLAIN:
+            plain_quant = plain_quant or cell.get("quantization", "auto")
+            if cell.get("quantization", "auto") != plain_quant:
+                continue
+        if name in (PLAIN, HF_GENERATE, LLAMACPP):
             out[(r["task"], cell["temperature"], r["repeat"], name)] = r["tok_s"]
     return out
 
@@ -51,6 +58,7 @@ def _row(task: str, runs: list[dict], baseline: dict) -> dict:
         "tok_s": _med([r["tok_s"] for r in runs]), "tok_s_range": _range([r["tok_s"] for r in runs]),
         "ttft_ms": _med([r["ttft_ms"] for r in runs]),
         "speedup": _med(speedup), "speedup_range": _range(speedup), "speedup_vs_hf": _med(vs_hf),
+        "speedup_vs_llamacpp": _med(_ratios(runs, baseline, LLAMACPP)),
         "tau": acc.tau, "alpha_cumulative": list(acc.cumulative), "alpha_conditional": list(acc.conditional),
         "draft_ms_per_step": _med([r["draft_ms_per_step"] for r in runs if r["draft_ms_per_step"] is not None]),
         "verify_ms_per_step": _med([r["verify_ms_per_step"] for r in runs if r["verify_ms_per_step"] is not None]),

@@ -34,6 +34,8 @@ def add_serve_args(sub) -> None:
     p.add_argument("--profile", default=None, help="a tuned profile from `tercel bench grid` (JSON)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from spec.cli import add_quantization_arg
+    add_quantization_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -58,6 +60,7 @@ def engine_config(args):
         kv["kv_cache_bytes"] = int(_device_memory() * args.kv_memory_fraction)
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
+                        quantization=args.quantization,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch,
                                                 step_draft_tokens=args.spec_step_tokens), **kv)
 

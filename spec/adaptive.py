@@ -31,7 +31,9 @@ of rejected drafts turn speculation off for 307-593 of ~1500 steps, 43.3-44.7 to
 
 Below `max_batch`, the tree shrinks as the batch grows: each request may draft
 `step_draft_tokens // batch` nodes (at least 1, at most its own budget), so a step verifies
-about 6-9 tokens whatever the batch. Closed-loop in-process runs with the datastore drafter
+about 6-9 tokens whatever the batch. Where the target's matmul cost jumps at some row count
+(torch's int4 kernel works in blocks of 4 rows; the jump is measured at load), the step's
+rows, one per request plus its draft nodes, stay below the jump where they can. Closed-loop in-process runs with the datastore drafter
 (its tree then had up to 3 children per node and 4 levels; MT-bench first turns, 128 tokens,
 2 threads, two rounds, speculation always on against off): at 2 requests, 3 draft nodes each
 gave 1.18-1.19x, 4 gave 1.13-1.16x and the 5 of one request gave 1.15-1.18x; at 4 requests, 1 node 1.10x, 2 nodes 1.09-1.14x, 3 nodes
@@ -78,8 +80,11 @@ class BatchRates:
 
 
 class AdaptiveController:
-    def __init__(self, config: AdaptiveConfig = AdaptiveConfig()):
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), step_rows: int | None = None):
+        """`step_rows`: verify rows per step before the target's matmul cost jumps (measured
+        at load; None: no such cliff). A step stays within it where it can."""
         self.config = config
+        self.step_rows = step_rows
         self.rates: dict[int, BatchRates] = {}  # batch size -> what was measured at it
         self.state = True                       # what the last decision was (for metrics)
 
@@ -98,7 +103,11 @@ class AdaptiveController:
         None when adaptation is off (every request drafts its whole tree)."""
         if not self.config.enabled:
             return None
-        return max(1, self.config.step_draft_tokens // max(1, batch_size))
+        batch = max(1, batch_size)
+        tokens = self.config.step_draft_tokens
+        if self.step_rows is not None:        # the batch's own rows count against the cliff
+            tokens = min(tokens, self.step_rows - batch)
+        return max(1, tokens // batch)
 
     def _at(self, batch_size: int) -> BatchRates:
         r = self.rates.get(batch_size)

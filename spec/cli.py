@@ -19,11 +19,19 @@ def _chat_args(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_quantization_arg(p)
     p.add_argument("--drafter", default=None, help="speculative drafter: eagle3:PATH, ngram, small:PATH, "
                                                   "tree:SPEC (default: plain decoding)")
     p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
     p.add_argument("--topk", type=int, default=None, help="children per draft node (1 = a chain)")
     p.add_argument("--budget", type=int, default=None, help="draft nodes per step")
+
+
+def add_quantization_arg(p) -> None:
+    from spec.config import QUANTIZATION_CHOICES
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="CPU weights: int4 or int8 kernels, none (dense fp32), or auto (default: int4 for a "
+                        "Q4 GGUF such as the default model, int8 for Q8_0, none for HF checkpoints and CUDA)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +65,7 @@ def run_chat(args) -> int:
     drafter = None if args.drafter in (None, "", "none") else args.drafter
     spec = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
     print("loading model...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, drafter=drafter, speculation=spec,
+    llm = LLM(args.model, drafter=drafter, speculation=spec, quantization=args.quantization,
               **({"num_threads": args.threads} if args.threads else {}))
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from spec.adaptive import AdaptiveConfig
 from verifier.loader import DEFAULT_MODEL
 
+QUANTIZATION_CHOICES = ("auto", "int4", "int8", "none")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,6 +23,9 @@ class EngineConfig:
     num_threads: int | None = None        # torch CPU threads; None keeps torch's default
     device: str | None = None             # None: cuda if available, else cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
+    # CPU weights: "int4" / "int8" kernels, "none" (dense, the checkpoint's dtype) or "auto":
+    # int4 for a Q4 GGUF (the file's own blocks), int8 for Q8_0, none otherwise and on CUDA
+    quantization: str = "auto"
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
     speculation: "SpecConfig" = None      # None: the drafter's own default tree (SpecConfig() for most)
     adaptive: AdaptiveConfig = AdaptiveConfig(enabled=False)  # turn speculation off when it does not pay
@@ -31,6 +36,9 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if self.speculation is not None and not isinstance(self.speculation, SpecConfig):

@@ -25,6 +25,7 @@ from spec.sampler import apply_penalties, make_generator, sample_token, target_p
 from spec.sampling_params import SamplingParams
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.target import TargetModel
 
@@ -54,7 +55,9 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.target = TargetModel(config.model, device=config.device, backend=config.attention_backend)
+        self.target = TargetModel(config.model, device=config.device, backend=config.attention_backend,
+                                  quantization=config.quantization,
+                                  kernel_rows=engine_rows(config.max_num_batched_tokens))
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         self.max_model_len = min(config.max_model_len or min(mc.max_position, 8192), mc.max_position)
@@ -71,7 +74,9 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
         self.drafter = None
-        self.adaptive = AdaptiveController(config.adaptive)
+        timings = self.target.kernel_timings      # decode rows run on the quantization's own kernel
+        self.adaptive = AdaptiveController(config.adaptive, timings.rows_before_cliff(self.target.quantization)
+                                           if timings is not None else None)
         self._spec_on = False
         self._draft_cap: int | None = None    # draft nodes per request this step (None: no cap)
         self.timing = StepTiming()

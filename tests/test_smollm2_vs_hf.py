@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct: the engine against HF transformers on the same GGUF.
+"""SmolLM2-135M-Instruct: the engine (quantization="none") against HF transformers on the same GGUF.
 
 The HF reference loads the GGUF with transformers' own dequantisation, so these tests
 check our GGUF conversion (including llama.cpp's q/k row permutation) as well as the
@@ -29,7 +29,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=8)
+    return LLM(max_num_seqs=8, quantization="none")     # the dense fp32 weights HF runs too
 
 
 @pytest.fixture(scope="module")

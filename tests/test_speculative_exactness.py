@@ -4,6 +4,9 @@ A tiny random Llama with a 32-token vocabulary; the exact joint distribution of 
 three generated tokens is computed from HF transformers' logits with the same transform
 (temperature, top-k, top-p); 10,000 seeded requests per drafter configuration must match
 it by a chi-square test. A deliberately broken acceptance rule must fail the same test.
+With quantization="int4" the target is the int4 model, so the law comes from its own
+logits: the prompt's last position through the prefill path, the next two tokens as decode
+steps, as plain decoding computes them.
 """
 from __future__ import annotations
 
@@ -45,6 +48,13 @@ def eagle_head_dir(tmp_path_factory, tiny_vocab_dir):
 
 
 @pytest.fixture(scope="module")
+def int4_dir(tmp_path_factory):
+    """The same vocabulary with head size 16, which the fused int4 decode kernels take."""
+    return make_tiny_model(tmp_path_factory.mktemp("v32int4"), None, vocab_size=V, hidden_size=64,
+                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, seed=3)
+
+
+@pytest.fixture(scope="module")
 def prompt(tiny_vocab_dir) -> list[int]:
     """A prompt [y, x, t, z, y, x] whose likeliest next token is t: the n-gram drafter then
     proposes (t, z) after the repeated (y, x), and the model often accepts it."""
@@ -77,9 +87,30 @@ def exact_joint(tiny_vocab_dir, prompt) -> torch.Tensor:
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def sample_counts(model_dir, prompt, drafter: str | None, spec: SpecConfig | None) -> tuple[torch.Tensor, dict]:
+@pytest.fixture(scope="module")
+def int4_joint(int4_dir, prompt) -> torch.Tensor:
+    """P(t1, t2, t3) of the int4 target, from its own forwards (one per continuation)."""
+    from verifier.batch import ForwardBatch, SeqInput
+    from verifier.target import TargetModel
+    target = TargetModel(str(int4_dir), quantization="int4")
+    target.allocate_kv(4, 4)
+    table, n = [0, 1, 2], len(prompt)
+    params = SamplingParams(**PARAMS)
+    probs = lambda seq: target_probs(target.forward(ForwardBatch([seq])).logits, params)[0]  # noqa: E731
+    p1 = probs(SeqInput(prompt, 0, table))
+    p2, p3 = torch.empty(V, V), torch.empty(V, V, V)
+    for a in range(V):
+        p2[a] = probs(SeqInput([a], n, table))                  # writes a's KV at position n
+        for b in range(V):
+            p3[a, b] = probs(SeqInput([b], n + 1, table))
+    return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+
+
+def sample_counts(model_dir, prompt, drafter: str | None, spec: SpecConfig | None,
+                  quantization: str = "auto") -> tuple[torch.Tensor, dict]:
     kw = dict(drafter=drafter, speculation=spec) if drafter else {}
-    llm = LLM(str(model_dir), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500, **kw)
+    llm = LLM(str(model_dir), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500,
+              quantization=quantization, **kw)
     params = [SamplingParams(seed=i, **PARAMS) for i in range(N_SAMPLES)]
     outs = llm.generate([prompt] * N_SAMPLES, params)
     toks = torch.tensor([o.token_ids for o in outs])
@@ -114,6 +145,25 @@ def test_first_three_tokens_match_target_distribution(tiny_vocab_dir, other_draf
     print(f"{case}: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
           f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
     assert stats["accepted"] >= min_accepted, "the drafter should be exercised, not always rejected"
+    assert p > 1e-3
+
+
+INT4_CASES = ("plain", "ngram-chain", "small-tree-topk", "eagle3-tree")
+
+
+@pytest.mark.parametrize("case", INT4_CASES)
+def test_int4_target_samples_its_own_distribution(int4_dir, prompt, int4_joint, tmp_path_factory, case):
+    """The same chi-square test with quantization="int4": speculation over the int4 target
+    (drafters on the dense checkpoint) samples exactly what plain int4 decoding samples."""
+    drafter, spec, _ = CASES[case]
+    eagle = make_random_eagle_head(int4_dir, tmp_path_factory.mktemp("int4eagle"), draft_vocab=16, seed=5) \
+        if case.startswith("eagle3") else None
+    drafter = drafter.format(dir=int4_dir, eagle=eagle) if drafter else None
+    counts, stats = sample_counts(int4_dir, prompt, drafter, spec, quantization="int4")
+    p = chi_square_pvalue(counts, int4_joint)
+    print(f"int4 {case}: chi-square p = {p:.3g}, TV = {total_variation(counts, int4_joint):.3f}, "
+          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    assert stats["accepted"] > 0 or drafter is None
     assert p > 1e-3
 
 

@@ -1,6 +1,7 @@
 """Convert a GGUF checkpoint (llama.cpp format) into an HF-style directory.
 
-Quantized tensors are dequantized to fp32. llama.cpp stores the Llama q/k projections
+Quantized tensors are dequantized to fp32 (the `quantization="none"` weights); an index of
+their blocks in the file is written beside them for the quantized paths (`gguf_quant`). llama.cpp stores the Llama q/k projections
 with rows permuted for its interleaved RoPE; we undo that so the weights match the HF
 half-split convention our forward uses.
 """
@@ -106,6 +107,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(gguf_tensors(reader, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    # The quantized blocks stay in the GGUF: their index lets `quantization` serve them as they are.
+    from verifier.gguf_quant import INDEX_FILE, block_index
+    (out_dir / INDEX_FILE).write_text(json.dumps(block_index(reader, gguf_path)))
     # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata.
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                         local_files_only=True)

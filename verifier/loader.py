@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+CONVERSION_FORMAT = 2      # 2: the converted directory also indexes the GGUF's quantized blocks
 
 
 def _smollm2_gguf() -> Path:
@@ -56,7 +57,7 @@ def resolve_model_dir(model: str) -> Path:
 
 def _cached_conversion(gguf_path: Path) -> Path:
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERSION_FORMAT}".encode()).hexdigest()[:12]
     out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
     if (out / "config.json").is_file():
         return out

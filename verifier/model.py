@@ -3,6 +3,9 @@
 Module names follow the HF checkpoint names so the loader is a short mapping; the only
 difference is the fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` =
 [gate; up] (one matmul each instead of three and two).
+
+A quantized target (`verifier.quantize`) swaps the projections for QuantLinears and runs
+through `verifier.cpu_forward` instead of `LlamaForCausalLM.forward`.
 """
 from __future__ import annotations
 
@@ -42,12 +45,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend, meta):
         c = self.cfg
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)     # [T, H, D]
-        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)  # [T, KVH, D]
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)    # [T, H, D]
-        return self.o_proj(o.reshape(-1, c.q_size))
+        qkv = self.qkv_proj(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [T, H + 2 KVH, D]
+        # q and k rotate together; the result takes the rotary tables' dtype
+        qk = apply_rotary(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)            # [T, H + KVH, D]
+        v = qkv[:, c.num_heads + c.num_kv_heads:].to(v_cache.dtype)                   # [T, KVH, D]
+        o = backend.forward(qk[:, :c.num_heads], qk[:, c.num_heads:], v, k_cache, v_cache, meta,
+                            self.scale)                                                # [T, H, D]
+        return self.o_proj(o.view(-1, c.q_size))
 
 
 class MLP(nn.Module):

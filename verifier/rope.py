@@ -60,25 +60,28 @@ def _yarn(base: torch.Tensor, rope: RopeConfig, dim: int) -> tuple[torch.Tensor,
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; `lookup(positions)` gives the per-token rotation once per forward."""
+    """Precomputed cos/sin tables; `lookup(positions)` gives the per-token rotation once per forward.
+
+    The sine table has the half-split rotation's sign folded in: its first half is negated,
+    so that rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the same bits."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int, device, dtype):
         inv_freq, scale = inv_freq_and_scale(rope, head_dim)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)                      # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)               # [P, D], HF's half-split layout
+        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+        self.sin_signed = (emb.sin() * scale * sign).to(device=device, dtype=dtype)
         self.max_position = max_position
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, D] (broadcast over heads)
+        # positions: [T] -> cos, sin_signed: [T, 1, D] (broadcast over heads)
         return (torch.index_select(self.cos, 0, positions).unsqueeze(1),
-                torch.index_select(self.sin, 0, positions).unsqueeze(1))
+                torch.index_select(self.sin_signed, 0, positions).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; rotate the two halves of each head (HF convention, not interleaved).
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; rotate the two halves of each head (HF convention, not interleaved):
+    # x * cos + cat(-x2, x1) * sin, written as a roll against the signed sine (one op fewer).
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed

@@ -7,11 +7,14 @@ from pathlib import Path
 import torch
 
 from verifier.attention import get_backend
-from verifier.batch import ForwardBatch, ForwardOutput
+from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.cpu_forward import forward_rows, row_plan
 from verifier.config import ModelConfig
+from verifier.kernels import KernelPlan, KernelTimings, engine_rows
 from verifier.kv_cache import KVCache
-from verifier.loader import resolve_model_dir
+from verifier.loader import cache_root, resolve_model_dir
 from verifier.model import LlamaForCausalLM
+from verifier.quantize import auto_quantization, check_quantization, quantize_model, tune
 from verifier.tokenizer import NullTokenizer, Tokenizer
 from verifier.weights import load_safetensors
 
@@ -43,14 +46,26 @@ def load_tokenizer(model_dir: Path) -> Tokenizer | NullTokenizer:
 
 
 class TargetModel:
-    """Owns the Llama module, its KV cache and its attention backend."""
+    """Owns the Llama module, its KV cache and its attention backend.
+
+    `quantization`: "none" (the checkpoint's weights, dense), "int4" or "int8" (CPU
+    kernels, see `verifier.quantize`), or "auto" (int4 for a Q4 GGUF, else none).
+    `kernel_rows`: the row counts at which the quantized matmul paths are timed (cached per
+    machine; `retime_kernels` times them again)."""
 
     def __init__(self, model: str, device: str | None = None, dtype: torch.dtype | None = None,
-                 backend: str | None = None, load_tokenizer_files: bool = True):
+                 backend: str | None = None, load_tokenizer_files: bool = True,
+                 quantization: str = "none", kernel_rows: tuple[int, ...] | None = None,
+                 retime_kernels: bool = False):
         self.model_dir = resolve_model_dir(model)
         self.config = load_config(self.model_dir)
         self.device = torch.device(device) if device else default_device()
-        self.dtype = dtype or default_dtype(self.device)
+        if quantization == "auto":
+            quantization = auto_quantization(self.model_dir, self.device)
+        check_quantization(quantization, self.device)
+        self.quantization = quantization
+        # Quantized kernels take bf16 inputs; the residual stream and the KV cache stay fp32.
+        self.dtype = dtype or (torch.float32 if quantization != "none" else default_dtype(self.device))
         self.tokenizer = load_tokenizer(self.model_dir) if load_tokenizer_files else None
         with torch.device("meta"):
             net = LlamaForCausalLM(self.config)
@@ -59,7 +74,17 @@ class TargetModel:
             net.lm_head.weight = net.model.embed_tokens.weight
         load_safetensors(net, self.model_dir)
         net.init_rotary(self.device, self.dtype)
+        self.kernel_plan: KernelPlan | None = None
+        self.kernel_timings: KernelTimings | None = None
+        if quantization != "none":
+            decoder = quantize_model(net, self.config, quantization, self.model_dir)
+            self.kernel_plan, self.kernel_timings = tune(
+                decoder, net.lm_head, kernel_rows or engine_rows(512),
+                {"model": str(self.model_dir), "quantization": quantization}, cache_root() / "kernels",
+                retime_kernels)
         self.net = net.eval()
+        if quantization != "none" and backend not in (None, "torch"):
+            raise ValueError(f"quantization {quantization!r} attends with Tercel's CPU kernels, not {backend!r}")
         self.backend = get_backend(backend or ("triton" if self.device.type == "cuda" else "torch"))
         self.kv: KVCache | None = None
 
@@ -74,6 +99,25 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """One forward over every sequence of the batch. On a quantized target each sequence
+        splits at its first sampled token: the tokens before it (prompt rows) run first, on
+        the plan's dense path in tiles; the sampled ones (a prompt's last token, decode
+        steps, tree nodes) after them, on the weights' own kernels (`verifier.cpu_forward`).
+        Outputs come back in batch order."""
+        if self.kernel_plan is None:
+            return self._forward_modules(batch)
+        halves = [split_at_first_sample(s) for s in batch.seqs]
+        parts = []
+        for side in (0, 1):                                  # prompt rows first: the rest attends to them
+            idx = [i for i, h in enumerate(halves) if h[side] is not None]
+            if idx:
+                sub = ForwardBatch([halves[i][side] for i in idx], batch.capture_layers)
+                parts.append((side, idx, self._forward_rows(sub, own=side == 1)))
+        if len(parts) == 1 and all(h[parts[0][0]] is s for h, s in zip(halves, batch.seqs)):
+            return parts[0][2]                # nothing was split: the output is already in order
+        return _merge(batch, halves, parts)
+
+    def _forward_modules(self, batch: ForwardBatch) -> ForwardOutput:
         ids, positions, rows, offsets = _flatten(batch)
         dev = self.device
         meta = self.backend.plan(batch, self.kv.block_size, dev)
@@ -81,6 +125,28 @@ class TargetModel:
                                 torch.tensor(rows, dtype=torch.long, device=dev), self.kv, self.backend, meta,
                                 batch.capture_layers)
         return ForwardOutput(logits, offsets, taps)
+
+    def _forward_rows(self, batch: ForwardBatch, own: bool) -> ForwardOutput:
+        ids, _, rows, offsets = _flatten(batch)
+        plan = row_plan(batch.seqs, self.kv.block_size)
+        logits, taps = forward_rows(self.net, torch.tensor(ids), plan, self.kv, torch.tensor(rows, dtype=torch.long),
+                                    batch.capture_layers, own)
+        return ForwardOutput(logits, offsets, taps)
+
+
+def split_at_first_sample(seq: SeqInput) -> tuple[SeqInput | None, SeqInput | None]:
+    """(the new tokens before the first sampled one, the rest): a prompt chunk's unsampled
+    tokens and its last token; a decode step or a tree is all rest (so is a masked input)."""
+    first = min(seq.sample_indices, default=seq.num_new)
+    if first == 0 or seq.mask is not None:
+        return None, seq
+    if first == seq.num_new:
+        return seq, None
+    pos = seq.positions
+    head = SeqInput(seq.token_ids[:first], seq.ctx_len, seq.block_table, pos and pos[:first], logits_indices=[])
+    tail = SeqInput(seq.token_ids[first:], seq.ctx_len + first, seq.block_table, pos and pos[first:],
+                    logits_indices=[i - first for i in seq.sample_indices])
+    return head, tail
 
 
 def _flatten(batch: ForwardBatch):
@@ -92,3 +158,23 @@ def _flatten(batch: ForwardBatch):
         offsets.append(len(rows))
         t += s.num_new
     return ids, positions, rows, offsets
+
+
+def _merge(batch: ForwardBatch, halves: list[tuple[SeqInput | None, SeqInput | None]],
+           parts: list[tuple[int, list[int], ForwardOutput]]) -> ForwardOutput:
+    """The prompt-row and sampled-row forwards' outputs (`parts`: side, batch indices, output,
+    prompt side first) in batch order; a sequence's prompt rows precede its sampled rows."""
+    logits: list[list[torch.Tensor]] = [[] for _ in batch.seqs]
+    hidden: list[list[dict[int, torch.Tensor]]] = [[] for _ in batch.seqs]
+    for side, idx, out in parts:
+        row = 0
+        for j, i in enumerate(idx):
+            rows = halves[i][side].num_new
+            logits[i].append(out.seq_logits(j))
+            hidden[i].append({layer: h[row:row + rows] for layer, h in out.hidden.items()})
+            row += rows
+    offsets = [0]
+    for parts_i in logits:
+        offsets.append(offsets[-1] + sum(p.shape[0] for p in parts_i))
+    taps = {layer: torch.cat([h[layer] for seq in hidden for h in seq]) for layer in batch.capture_layers}
+    return ForwardOutput(torch.cat([p for parts_i in logits for p in parts_i]), offsets, taps)

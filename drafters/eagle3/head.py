@@ -70,10 +70,12 @@ class Eagle3Head(nn.Module):
         self.rotary: RotaryEmbedding | None = None
 
     # ---- set-up ----------------------------------------------------------------------
-    def use_target_embedding(self, embed: nn.Embedding) -> None:
+    def use_target_embedding(self, embed: nn.Module) -> None:
+        """`embed`: the target's nn.Embedding, or its QuantEmbedding on a quantized target."""
         if self.embed_tokens is None:
-            if tuple(embed.weight.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
-                raise ValueError(f"target embedding {tuple(embed.weight.shape)} does not fit the head "
+            shape = (embed.num_embeddings, embed.embedding_dim)
+            if shape != (self.cfg.vocab_size, self.cfg.hidden_size):
+                raise ValueError(f"target embedding {shape} does not fit the head "
                                  f"(vocab {self.cfg.vocab_size}, hidden {self.cfg.hidden_size})")
             self._borrowed = (embed,)
 

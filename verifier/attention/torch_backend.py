@@ -42,10 +42,13 @@ class _Group:
     q_rows: torch.Tensor | slice   # [B, Qmax] rows of the flattened new tokens, or a slice when
                                    # the rows are contiguous (one solo sequence, or B decode steps)
     kv_blocks: torch.Tensor        # [B, Nblk] physical blocks (padded with block 0, masked out)
-    mask: torch.Tensor             # [B, 1, Qmax, Nblk * block_size] bool
+    mask: torch.Tensor | None      # [B, 1, Qmax, Nblk * block_size] bool ([1, 1, Q, kv_len] with
+                                   # kv_len; None when every query sees every key)
     valid: torch.Tensor | None     # [n] flat indices of real (non-padding) rows in B*Qmax; None: no padding
     kv_first: int | None = None    # B == 1 and the blocks are kv_first .. kv_first + Nblk - 1 in
                                    # some order: read that range as a view; mask is in physical order
+    kv_len: int | None = None      # with kv_first, blocks in logical order: the keys are the first
+                                   # kv_len slots of the range (no padding keys to mask)
 
 
 @dataclass
@@ -74,14 +77,18 @@ def _single(g: _Group, seq: SeqInput, block_size: int, device) -> _Group:
     """Finish a one-sequence group (mask still on the CPU): use the view path when it can."""
     nblk = g.kv_blocks.shape[1]
     first = contiguous_range_start(seq.block_table[:nblk])
-    mask = g.mask
+    mask, kv_len = g.mask, None
     if first is not None:
         order = [b - first for b in seq.block_table[:nblk]]     # logical block i sits at order[i]
         if order != sorted(order):
             physical = torch.empty_like(mask).view(*mask.shape[:3], nblk, block_size)
             physical[:, :, :, order] = mask.view(*mask.shape[:3], nblk, block_size)
             mask = physical.view_as(mask)
-    return _Group(g.q_rows, g.kv_blocks.to(device), mask.to(device), g.valid, first)
+        else:   # in order: read exactly the sequence's keys; a lone query sees them all
+            kv_len = seq.kv_len
+            mask = None if seq.num_new == 1 else mask[..., :kv_len].contiguous()
+    return _Group(g.q_rows, g.kv_blocks.to(device), None if mask is None else mask.to(device), g.valid,
+                  first, kv_len)
 
 
 @register_backend("torch")
@@ -160,8 +167,9 @@ class TorchBackend(AttentionBackend):
         # advanced indexing with a 2-D index here.
         if g.kv_first is not None:
             span = slice(g.kv_first, g.kv_first + g.kv_blocks.shape[1])
-            kg = k_cache[span].view(1, -1, kvh, d).transpose(1, 2)     # [1, KVH, Nblk * bs, D], a view
-            vg = v_cache[span].view(1, -1, kvh, d).transpose(1, 2)
+            keys = slice(0, g.kv_len)                                   # all slots when kv_len is None
+            kg = k_cache[span].view(1, -1, kvh, d)[:, keys].transpose(1, 2)   # [1, KVH, N, D], a view
+            vg = v_cache[span].view(1, -1, kvh, d)[:, keys].transpose(1, 2)
         else:
             blocks = g.kv_blocks.view(-1)
             kg = torch.index_select(k_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
@@ -190,3 +198,4 @@ def _matmul_attention(q, k, v, mask, scale):
     s = s.view(kvh, g, nq, -1).masked_fill_(~mask, float("-inf"))
     o = torch.matmul(s.view(kvh, g * nq, -1).softmax(-1), v)             # [KVH, G*Q, D]
     return o.view(h, nq, d).transpose(0, 1)
+

@@ -1,0 +1,54 @@
+"""`tercel bench kernels` and `tercel bench quality`: the quantized target on this machine.
+
+    tercel bench kernels [--quantization int4]
+        times every matmul path at the row counts the engine uses (and caches the timings
+        the engine then reads); prints them with the choice per row count
+    tercel bench quality [--quantization int4,int8] [--limit 30]
+        top-1 agreement and perplexity ratio against quantization=none on held-out replies
+"""
+from __future__ import annotations
+
+import sys
+
+from verifier.loader import DEFAULT_MODEL
+
+
+def run_model_bench(args) -> int:
+    from verifier.kernels import machine_summary
+    model = args.model or DEFAULT_MODEL
+    modes = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    print(f"bench {args.what}: {model}, {machine_summary()}", file=sys.stderr)
+    if args.what == "kernels":
+        for mode in modes:
+            print(kernels_report(model, mode, args))
+        return 0
+    from bench.quality import quality_table, run_quality
+    if "none" in modes:
+        raise ValueError("bench quality compares quantized modes with none; list int4, int8 or auto")
+    print(quality_table(run_quality(model, modes, args.limit)))
+    return 0
+
+
+def kernels_report(model: str, mode: str, args) -> str:
+    from verifier.kernels import engine_rows
+    from verifier.target import TargetModel
+    target = TargetModel(model, quantization=mode, kernel_rows=engine_rows(512), retime_kernels=True)
+    t = target.kernel_timings
+    if t is None:
+        return f"quantization {target.quantization}: dense weights, no kernel choice to make"
+    exact, plan = target.quantization, target.kernel_plan
+    paths = list(t.ms)
+    lines = [f"quantization {exact}: decoder matmuls of one forward, ms (the LM head is not included)", "",
+             "| rows | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
+    for m in t.rows:
+        lines.append(f"| {m} | " + " | ".join("-" if t.ms[p].get(m) is None else f"{t.ms[p][m]:.2f}"
+                                              for p in paths) + " |")
+    lines.append("| row-invariant | " + " | ".join("any count" if t.tiles[p] == [0] else
+                                                  f"tiles of {', '.join(map(str, t.tiles[p]))}" if t.tiles[p]
+                                                  else "no" for p in paths) + " |")
+    cliff = t.rows_before_cliff(exact)
+    lines += ["", f"Decode and verify rows take {exact}. Prefill rows take {plan.bulk}"
+              + (f", in tiles of {plan.tile} rows." if plan.tile else "."),
+              f"Verify steps stay within {cliff} rows where they can (the {exact} kernel's cost jumps above)."
+              if cliff else f"No cost jump in the {exact} kernel up to 8 rows."]
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Quantized weights and the CPU matmul paths: GGUF blocks read as they are, kernels agree
+with the dequantized weights, decode rows are batch-invariant, the path choice is measured
+and cached."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from verifier.gguf_quant import read_block_tensor
+from verifier.kernels import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
+from verifier.qlinear import QuantEmbedding, QuantLinear, served_weights
+from verifier.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
+                            quantize_int4, quantize_int8)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_bit_exactly(kind):
+    """Blocks written by gguf-py's own quantizer decode to exactly gguf-py's dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    qtype = GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    ours = read_block_tensor(kind, blocks, 48, 96)
+    assert isinstance(ours, Int8Weight if kind == "Q8_0" else Int4Weight)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(blocks, qtype).reshape(48, 96)))
+
+
+def test_affine_blocks_keep_their_weights():
+    """w = d q + m becomes (q - 8) d + (m + 8 d): the same weights."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (16, 64), generator=g)
+    d, m = torch.rand(16, 2, generator=g), torch.randn(16, 2, generator=g)
+    want = q.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    torch.testing.assert_close(int4_from_affine(q, d, m).dequantize(), want, rtol=0, atol=1e-6)
+
+
+def test_quantizers_round_to_the_nearest_level():
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+    w4 = quantize_int4(w, 32)
+    step = w4.scale.repeat_interleave(32, 1)
+    assert ((w4.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    w8 = quantize_int8(w)
+    assert w8.group == 128 and ((w8.dequantize() - w).abs() <= w8.scale / 2 + 1e-6).all()
+    blockwise = quantize_int8(w, 32)
+    assert per_channel(blockwise).group == 128
+    assert int4_group(576) == 32 and int4_group(1536) == 32
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int4_group(100)
+
+
+def _linear(kind: str, n: int = 64, k: int = 128, seed: int = 0) -> tuple[QuantLinear, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    q = quantize_int4(w, 32) if kind == "int4" else quantize_int8(w)
+    lin = QuantLinear(q, None, KernelPlan(((1 << 20, kind),)))
+    return lin, served_weights(per_channel(q) if kind == "int8" else q).dequantize()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_every_path_computes_the_served_weights(kind):
+    """The kernel and both dense copies agree with x @ W.T on the weights as served."""
+    lin, w = _linear(kind, n=72)            # 72 output channels: the int4 kernel pads to 80
+    for path in ("bf16", "fp32"):
+        lin.add_dense(path)
+    x = torch.randn(5, 128)
+    want = x.to(torch.bfloat16).float() @ w.t()
+    for path in lin.paths():
+        got = lin.run(path, x).float()
+        assert got.shape == (5, 72)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_own_kernel_rows_are_batch_invariant(kind):
+    """A row alone and inside 2-, 5-, 8- and 16-row calls: bitwise the same on the weight's own
+    kernel (the property T=0 speculation relies on)."""
+    lin, _ = _linear(kind, n=576, k=576)
+    x = torch.randn(16, 576)
+    alone = lin.run(kind, x[3:4])
+    for m in (2, 5, 8, 16):
+        rows = x[:m] if m > 3 else torch.cat([x[:m - 1], x[3:4]])
+        assert torch.equal(lin.run(kind, rows)[min(3, m - 1)], alone[0]), f"{m} rows"
+
+
+def test_forward_serves_prefill_rows_on_the_plan_path_in_tiles():
+    lin, _ = _linear("int4")
+    lin.add_dense("bf16")
+    lin.plan = KernelPlan("bf16", tile=32)
+    x = torch.randn(40, 128)
+    padded = torch.cat([x, torch.zeros(24, 128)])
+    want = torch.cat([lin.run("bf16", padded[:32]), lin.run("bf16", padded[32:])])[:40]
+    assert torch.equal(lin.run_planned(x), want)
+    lin.plan = KernelPlan("int4")
+    assert torch.equal(lin.run_planned(x), lin.run("int4", x))
+
+
+def test_fused_rows_and_embedding():
+    a, b = quantize_int4(torch.randn(16, 64), 32), quantize_int4(torch.randn(32, 64), 32)
+    both = concat_rows([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="one quantization kind"):
+        concat_rows([a, quantize_int8(torch.randn(8, 64))])
+    table = quantize_int8(torch.randn(100, 64), 32)
+    emb = QuantEmbedding(table)
+    ids = torch.tensor([5, 0, 99, 5])
+    assert torch.equal(emb(ids), table.dequantize()[ids])
+
+
+def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_path):
+    """The plan keeps the path and tile with the lowest cost per prompt row among those
+    that passed the row-invariance probe; a second load reads the cache instead of measuring."""
+    fake = KernelTimings((1, 8, 32, 64), {"int4": {1: 1.0, 8: 4.0, 32: 20.0, 64: None},
+                                          "bf16": {1: 3.0, 8: 3.5, 32: 5.0, 64: 9.0},
+                                          "fp32": {1: 5.0, 8: 6.0, 32: 12.0, 64: 20.0}},
+                         {"int4": [0], "bf16": [32, 64], "fp32": [0]})
+    assert fake.plan("int4") == KernelPlan("bf16", 64)          # 9/64 per row beats 5/32 and 20/64
+    no_bf16 = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": [0]})
+    assert no_bf16.plan("int4") == KernelPlan("fp32", 0)
+    assert KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": []}).plan("int4") == KernelPlan("int4")
+    calls = []
+    measure = lambda: calls.append(1) or fake  # noqa: E731
+    first = load_or_time((1, 8, 64), {"model": "m"}, tmp_path, measure)
+    again = load_or_time((1, 8, 64), {"model": "m"}, tmp_path, measure)
+    assert first == again == fake and len(calls) == 1
+    (cached,) = tmp_path.glob("*.json")
+    assert json.loads(cached.read_text())["key"]["model"] == "m"
+    load_or_time((1, 8, 64), {"model": "other"}, tmp_path, measure)
+    assert len(calls) == 2
+
+
+def test_timing_and_invariance_probe_on_real_kernels():
+    """The int4 kernel is row-invariant from one row; a far-behind path is not timed on."""
+    lin, _ = _linear("int4")
+    lin.add_dense("fp32")
+    measured = time_paths([lin], (1, 2), repeats=1)
+    assert set(measured.ms) == {"int4", "fp32"} and all(measured.ms["int4"][m] > 0 for m in (1, 2))
+    assert measured.tiles["int4"] == [0]
+    assert measured.rows_before_cliff("int4") is None
+
+
+def test_cliff_is_the_last_count_before_a_jump():
+    t = KernelTimings((1, 2, 3, 4, 5, 6), {"int4": {1: 5.8, 2: 6.9, 3: 8.4, 4: 9.6, 5: 15.3, 6: 15.2}}, {"int4": [0]})
+    assert t.rows_before_cliff("int4") == 4
+
+
+def test_engine_rows_cover_trees_batches_and_the_chunk():
+    rows = engine_rows(384)
+    assert rows[:8] == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert {16, 32, 256, 384} <= set(rows) and max(rows) == 384

@@ -1,0 +1,81 @@
+"""Read a GGUF's Q4_0, Q4_1 and Q8_0 blocks as they are, without a float round trip.
+
+Block layouts (ggml, 32 weights per block, little-endian):
+    Q4_0: d fp16, 16 bytes of nibbles            w = d * (q - 8)
+    Q4_1: d fp16, m fp16, 16 bytes of nibbles    w = d * q + m
+    Q8_0: d fp16, 32 int8                        w = d * q
+Nibble byte j holds weight j (low half) and weight j + 16 (high half) of its block.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verifier.gguf_convert import hf_name, unpermute_rope_rows
+from verifier.quant import Int4Weight, Int8Weight, QuantWeight, int4_from_affine
+
+BLOCK = 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of every block: [N, nb] fp32."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The 32 4-bit values of every block from byte `at`: [N, nb * 32] uint8."""
+    qs = blocks[..., at:at + BLOCK // 2]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)          # [N, nb, 32] in weight order
+    return torch.from_numpy(q.reshape(q.shape[0], -1))
+
+
+def read_block_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> QuantWeight:
+    """One quantized tensor (`data`: its raw bytes, [rows, row bytes]) as Tercel's form."""
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, _BLOCK_BYTES[kind])
+    if kind == "Q4_0":
+        d = _f16(blocks, 0)
+        return Int4Weight(_nibbles(blocks, 2), d, torch.zeros_like(d))
+    if kind == "Q4_1":
+        return int4_from_affine(_nibbles(blocks, 4), _f16(blocks, 0), _f16(blocks, 2))
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+    return Int8Weight(torch.from_numpy(q.copy()), _f16(blocks, 0))
+
+
+def _unpermute(w: QuantWeight, heads: int) -> QuantWeight:
+    # Undo llama.cpp's RoPE row order (see gguf_convert); blocks run along a row, so each
+    # field permutes its rows alike.
+    fields = {name: unpermute_rope_rows(getattr(w, name), heads).contiguous()
+              for name in w.__dataclass_fields__}
+    return type(w)(**fields)
+
+
+INDEX_FILE = "gguf_blocks.json"
+
+
+def block_index(reader, gguf_path: Path) -> dict:
+    """Where each quantized tensor's blocks lie in the GGUF file; written beside the
+    converted checkpoint so that later loads map the blocks without parsing the file's
+    metadata again (the tokenizer fields alone take GGUFReader about 6 s)."""
+    tensors = [{"name": t.name, "kind": t.tensor_type.name, "rows": int(t.shape[1]), "cols": int(t.shape[0]),
+                "offset": int(t.data_offset), "nbytes": int(t.n_bytes)}
+               for t in reader.tensors if t.tensor_type.name in _BLOCK_BYTES]
+    return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors}
+
+
+def read_quantized(index: dict, cfg: dict) -> dict[str, QuantWeight]:
+    """HF name -> weight for every Q4_0 / Q4_1 / Q8_0 tensor of the indexed file (others
+    come dense from the converted safetensors)."""
+    unpermute = cfg["model_type"] == "llama"
+    out = {}
+    for t in index["tensors"]:
+        data = np.memmap(index["gguf"], dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["nbytes"],))
+        w = read_block_tensor(t["kind"], data, t["rows"], t["cols"])
+        if unpermute and t["name"].endswith("attn_q.weight"):
+            w = _unpermute(w, cfg["num_attention_heads"])
+        elif unpermute and t["name"].endswith("attn_k.weight"):
+            w = _unpermute(w, cfg["num_key_value_heads"])
+        out[hf_name(t["name"])] = w
+    return out

@@ -1,0 +1,212 @@
+"""Choose the CPU matmul path for prefill rows by measuring it on this machine, once.
+
+Decode and tree-verify rows always take the weight's own int4 or int8 kernel, whose rows are
+bitwise the same whatever else shares the call. Prefill rows need the same property: a
+prompt prefilled alone or inside a batch, in one chunk or after a prefix-cache hit, must
+leave the same KV cache, or T=0 outputs drift apart at near-ties (bf16 activations make
+those common). oneDNN's dense matmuls are not row-invariant across row counts (bf16 on
+AMX switches kernels with the count), but with a fixed row count a row's result does not
+depend on its place in the call. So prefill rows go through the dense path in tiles of a
+fixed number of rows, the last one padded with zeros, and a path qualifies only if a probe
+at load finds it position-invariant at that tile.
+
+Which qualifying path is fastest differs between machines of one kind (bf16 with AMX is
+several times faster than fp32 on one; without bf16 instructions it is among the slowest),
+so the paths are timed at the row counts the engine uses and the cheapest per prefill row
+is kept. Timings and probes are cached per (CPU model and flags, torch version, threads,
+model, quantization, row counts) under the Tercel cache folder; `tercel bench kernels`
+prints them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from verifier.qlinear import DENSE_PATHS, QuantLinear
+
+FORMAT = 4
+# A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
+# larger counts (an int4 kernel at 512 rows takes a second per run where oneDNN takes 0.2 s).
+SKIP_FACTOR, SKIP_MS = 3.0, 100.0
+CLIFF = 1.4          # see KernelTimings.rows_before_cliff
+TILES = (32, 64, 128)  # prefill tile sizes tried, smallest first
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Prefill rows take `bulk` in calls of exactly `tile` rows (0: any count; the weight's
+    own kernel needs no tiles)."""
+    bulk: str
+    tile: int = 0
+
+
+@dataclass(frozen=True)
+class KernelTimings:
+    """Milliseconds for the decoder matmuls of one forward, per path and row count (None:
+    not timed, already far behind at a smaller count), and the tiles at which each path
+    passed the row-invariance probe."""
+    rows: tuple[int, ...]
+    ms: dict[str, dict[int, float | None]]
+    tiles: dict[str, list[int]]      # tile sizes at which each path passed the probe (0: any count)
+
+    def rows_before_cliff(self, path: str, jump: float = CLIFF) -> int | None:
+        """The largest row count before `path`'s first cost cliff (a step of one row that
+        costs `jump` times more), or None without one. torch's int4 kernel works in blocks
+        of 4 rows: 5 rows cost 1.6x 4 rows (AVX-512) and 6 rows 1.9x (AVX2), so a verify
+        step of 4 rows is much cheaper than one of 5."""
+        t = self.ms.get(path, {})
+        for r in self.rows:
+            if r - 1 in t and t.get(r) and t[r - 1] and t[r] > jump * t[r - 1]:
+                return r - 1
+        return None
+
+    def per_row_ms(self, path: str, tile: int) -> float | None:
+        """Cost per prompt row on `path` in calls of `tile` rows (0: whole prefill chunks)."""
+        rows = tile or max(self.rows)
+        t = self.ms.get(path, {}).get(rows)
+        return None if t is None else t / rows
+
+    def plan(self, own: str) -> KernelPlan:
+        """The (path, tile) with the lowest cost per prompt row among those that passed the
+        probe; `own`, the weight's row-invariant kernel, is the fallback."""
+        costs = {(p, t): c for p, tiles in self.tiles.items() for t in tiles
+                 if (c := self.per_row_ms(p, t)) is not None}
+        best = min(costs, key=costs.get, default=(own, 0))
+        return KernelPlan(*best)
+
+    def to_json(self) -> dict:
+        return {"rows": list(self.rows), "ms": {p: {str(m): t for m, t in v.items()} for p, v in self.ms.items()},
+                "tiles": self.tiles}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "KernelTimings":
+        return cls(tuple(d["rows"]), {p: {int(m): t for m, t in v.items()} for p, v in d["ms"].items()},
+                   d["tiles"])
+
+
+@torch.inference_mode()
+def invariant_tiles(lins: list[QuantLinear], path: str) -> list[int]:
+    """[0] when every probed row count gives each row the bits it has in a larger call (the
+    weight's own kernels); else the TILES at which a row's bits do not depend on its place
+    in a call of that many rows (none: the path cannot serve prompt rows)."""
+    def same(m: int, offsets: tuple[int, ...], full: int) -> bool:
+        for lin in lins:
+            x = torch.randn(full, lin.in_features, generator=torch.Generator().manual_seed(m))
+            ref = lin.run(path, x[:m])
+            if not all(torch.equal(lin.run(path, x[o:o + m])[:m - o], ref[o:]) for o in offsets):
+                return False
+        return True
+    if all(_rows_match(lins, path, m) for m in (1, 3, 8, 33)):
+        return [0]
+    return [t for t in TILES if same(t, (1, 7, 16), 2 * t)]
+
+
+def _rows_match(lins: list[QuantLinear], path: str, m: int) -> bool:
+    """The first m rows of a 64-row call equal an m-row call."""
+    for lin in lins:
+        x = torch.randn(64, lin.in_features, generator=torch.Generator().manual_seed(m))
+        if not torch.equal(lin.run(path, x[:m]), lin.run(path, x)[:m]):
+            return False
+    return True
+
+
+def engine_rows(prefill_chunk: int) -> tuple[int, ...]:
+    """Row counts worth timing: 1 to 8 (decode steps and verify trees; torch's int4 kernel
+    changes cost every 4 rows), then powers of two up to the prefill chunk, and the chunk.
+    The same for every drafter and batch size, so that one measurement serves them all."""
+    rows = set(range(1, 9)) | {prefill_chunk} | {1 << i for i in range(prefill_chunk.bit_length())}
+    return tuple(sorted(r for r in rows if r <= prefill_chunk))
+
+
+def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int = 3,
+               probe: list[QuantLinear] | None = None) -> KernelTimings:
+    """Time each path over all `linears` in order (cold weights, as in a forward), and probe
+    each path's row invariance on `probe` (default: the first four linears, one layer)."""
+    paths = linears[0].paths()
+    ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
+    for m in rows:
+        for p in paths:
+            ms[p][m] = None if _far_behind(ms, p) else _time_one(linears, p, m, repeats)
+    probe = probe or linears[:4]
+    return KernelTimings(rows, ms, {p: invariant_tiles(probe, p) for p in paths})
+
+
+def _far_behind(ms: dict[str, dict[int, float | None]], path: str) -> bool:
+    last = max(ms[path], default=None)
+    if last is None or ms[path][last] is None:
+        return last is not None
+    best = min(t[last] for t in ms.values() if t.get(last) is not None)
+    return ms[path][last] > max(SKIP_FACTOR * best, SKIP_MS)
+
+
+@torch.inference_mode()
+def _time_one(linears: list[QuantLinear], path: str, m: int, repeats: int) -> float:
+    xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
+    samples = []
+    for i in range(repeats + 1):               # the first run builds oneDNN's kernels
+        start = time.perf_counter()
+        for lin in linears:
+            lin.run(path, xs[lin.in_features])
+        if i:
+            samples.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(samples), 3)
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's entries of /proc/cpuinfo (empty where there is none)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            info.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
+def machine_key() -> dict:
+    """What makes timings from one machine invalid on another."""
+    info = _cpuinfo()
+    return {"cpu": info.get("model name", platform.processor()),
+            "flags": hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:16],
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def machine_summary() -> str:
+    """CPU model, its vector extensions, torch and threads: the line to write beside a figure."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+             if f in flags]
+    return (f"{info.get('model name', platform.processor())} ({' '.join(shown) or 'no AVX2'}), "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def load_or_time(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
+                 measure: Callable[[], KernelTimings], refresh: bool = False) -> KernelTimings:
+    """This machine's cached timings for this model and these rows, else (or with
+    `refresh`) `measure()`'s, which are cached."""
+    key = {"format": FORMAT, **machine_key(), **model_key, "rows": list(rows)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"{digest}.json" if cache_dir else None
+    if path is not None and path.is_file() and not refresh:
+        try:
+            return KernelTimings.from_json(json.loads(path.read_text())["timings"])
+        except (ValueError, KeyError):
+            pass                              # a damaged cache file is measured again
+    timings = measure()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "timings": timings.to_json()}, indent=1))
+        tmp.replace(path)
+    return timings

@@ -1,0 +1,175 @@
+"""Modules over quantized weights: `QuantLinear` (CPU matmuls), `QuantEmbedding`, `RescoredHead`.
+
+A QuantLinear can run a matmul four ways ("paths"):
+    int4   torch's `_weight_int4pack_mm_for_cpu` on the packed weight (bf16 activations)
+    int8   torch's `_weight_int8pack_mm`, one scale per output channel (bf16 activations)
+    bf16   oneDNN over a dense bf16 copy of the same weights, packed once
+    fp32   oneDNN over a dense fp32 copy
+Its own kernel (int4 or int8) gives each row the same bits whether the row is alone or
+among others: sampled rows (decode steps, tree nodes) always take it. The dense copies are
+there for prompt rows, where they are faster: `run_planned` serves them on the path the
+`KernelPlan` chose at load, in fixed tiles (`verifier.kernels`). `verifier.cpu_forward`
+calls these; the module holds no `forward`. Outputs are bf16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verifier.linear import onednn_available
+from verifier.quant import Int4Weight, Int8Weight, QuantWeight, per_channel
+
+DENSE_PATHS = ("bf16", "fp32")
+# Overloads looked up once: resolving torch.ops.aten.<name> costs about a microsecond a call.
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_ONEDNN = onednn_available()
+_N_ALIGN = 16          # the int4 packer needs a multiple of 16 output channels
+
+
+def served_weights(w: QuantWeight) -> QuantWeight:
+    """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them."""
+    r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.q, r(w.scale), r(w.zero))
+    return Int8Weight(w.q, r(w.scale))
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, plan):
+        super().__init__()
+        weight = weight if isinstance(weight, Int4Weight) else per_channel(weight)
+        self.out_features, self.in_features = weight.shape
+        self.plan = plan                      # shared by the model's layers; not a submodule
+        self.kind = "int4" if isinstance(weight, Int4Weight) else "int8"
+        self._pack_int4(weight) if self.kind == "int4" else self._pack_int8(weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self._dense: dict[str, torch.Tensor] = {}
+        # The weights as served (bf16 scales) in unpacked form, kept until the dense copies
+        # are made (`release_source`): the packed layout is the kernel's own.
+        self._source: QuantWeight | None = served_weights(weight)
+
+    def _pack_int4(self, w: Int4Weight) -> None:
+        n, pad = w.shape[0], -w.shape[0] % _N_ALIGN
+        q, scale, zero = w.q, w.scale, w.zero
+        if pad:     # zero rows (scale 0, zero 0) give zero outputs, sliced off after the matmul
+            q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, zero))
+        self.group = w.group
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        # [K / group, N, 2] (scale, zero) in bf16: the kernel's layout and dtype
+        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).transpose(0, 1)
+                             .to(torch.bfloat16).contiguous())
+
+    def _pack_int8(self, w: Int8Weight) -> None:
+        self.register_buffer("q", w.q.contiguous())
+        self.register_buffer("scale", w.scale[:, 0].to(torch.bfloat16).contiguous())   # [N]
+
+    # ---- dense copies, for the paths that need them ----------------------------------------
+    def add_dense(self, path: str) -> None:
+        if path in self._dense:
+            return
+        if self._source is None:
+            raise RuntimeError("dense copies are made at load, before release_source()")
+        w = self._source.dequantize()
+        w = w if path == "fp32" else w.to(torch.bfloat16)
+        self._dense[path] = torch.ops.mkldnn._reorder_linear_weight(w) if _ONEDNN else w
+
+    def release_source(self) -> None:
+        self._source = None
+
+    def drop_dense(self, path: str) -> None:
+        self._dense.pop(path, None)
+
+    def paths(self) -> tuple[str, ...]:
+        return (self.kind, *self._dense)
+
+    # ---- matmuls --------------------------------------------------------------------------
+    def run_planned(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (prompt rows) -> bf16 [M, N] on the plan's path, in calls of exactly
+        plan.tile rows (the last padded with zeros): a row then gets the same bits wherever
+        it sits, so a prompt's KV does not depend on its chunking or its batch."""
+        m, tile = x.shape[0], self.plan.tile
+        if not tile:
+            return self.run(self.plan.bulk, x)
+        x = F.pad(x, (0, 0, 0, -m % tile))
+        return torch.cat([self.run(self.plan.bulk, x[i:i + tile]) for i in range(0, m, tile)])[:m]
+
+    def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] through one path -> bf16 [M, N]."""
+        if path == "int4":          # the decode path first: it runs 4 times per layer per step
+            y = _INT4_MM(x.to(torch.bfloat16).contiguous(), self.packed, self.group, self.scale_zero)
+            return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
+        if path == "fp32":
+            return self._dense_mm(x.float(), self._dense["fp32"]).to(torch.bfloat16)
+        xb = x.to(torch.bfloat16).contiguous()
+        if path == "bf16":
+            return self._dense_mm(xb, self._dense["bf16"])
+        return _INT8_MM(xb, self.q, self.scale)
+
+    @staticmethod
+    def _dense_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
+        return F.linear(x, w)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kind={self.kind}, dense={list(self._dense)}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over a quantized table: looked-up rows are dequantized to fp32."""
+
+    def __init__(self, weight: QuantWeight):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self._kind = type(weight)
+        self._fields = tuple(weight.__dataclass_fields__)
+        for name in self._fields:
+            self.register_buffer(name, getattr(weight, name).contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [T] -> [T, hidden] fp32: only the looked-up rows are dequantized
+        rows = self._kind(*(torch.index_select(getattr(self, f), 0, ids) for f in self._fields))
+        return rows.dequantize()
+
+
+class RescoredHead(nn.Module):
+    """The LM head as a fast scan and an exact rescoring.
+
+    The scan runs the whole vocabulary through a quantized kernel (bf16 logits); the
+    RESCORE_K highest-scoring tokens of each row then get their logits recomputed in fp32
+    from `table`, the file's own head weights (Q8_0 for the default model). The scan only
+    picks candidates: on held-out text the exact argmax never ranked below 5th in an int4
+    scan, and top-1 agreement with the fp32 model equals that of an exact fp32 head. Every
+    step of it works row by row, so a row's logits do not depend on the batch.
+    """
+    RESCORE_K = 16
+
+    def __init__(self, scan: QuantLinear, table: QuantEmbedding):
+        super().__init__()
+        self.scan = scan
+        self.table = table          # may be the model's embedding module too (tied weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, hidden] -> logits [M, vocab] fp32
+        logits = self.scan.run(self.scan.kind, x).float()
+        top = top_indices(logits, self.RESCORE_K)                                        # [M, k]
+        rows = self.table(top.view(-1)).view(*top.shape, self.table.embedding_dim)       # [M, k, hidden]
+        return logits.scatter_(1, top, (rows * x.float()[:, None, :]).sum(-1))
+
+
+def top_indices(x: torch.Tensor, k: int, chunk: int = 128) -> torch.Tensor:
+    """The indices of the k largest entries of each row of x [M, V] (in no order).
+
+    torch.topk over a 49k row is scalar (110 us); the maxima of 128-wide chunks are one
+    vectorized reduction, and the k largest entries lie in the k chunks with the largest
+    maxima, so topk runs over k * 128 candidates instead (about 20 us)."""
+    m, v = x.shape
+    if v % chunk or v // chunk <= k:
+        return x.topk(k, dim=-1, sorted=False).indices
+    chunks = x.view(m, v // chunk, chunk)
+    best = chunks.amax(-1).topk(k, dim=-1, sorted=False).indices                        # [M, k] chunks
+    cand = torch.gather(chunks, 1, best[..., None].expand(m, k, chunk)).view(m, k * chunk)
+    pick = cand.topk(k, dim=-1, sorted=False).indices                                    # [M, k] in cand
+    return torch.gather(best, 1, pick // chunk) * chunk + pick % chunk

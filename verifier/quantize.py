@@ -1,0 +1,147 @@
+"""Serve a loaded Llama on quantized CPU kernels: `quantization="int4" | "int8" | "none"`.
+
+What each weight becomes (the model file's own weights wherever a kernel can take them):
+
+| weight | int4 | int8 |
+|---|---|---|
+| projections, GGUF Q4_0 / Q4_1 | the file's blocks (group 32) | requantized per channel |
+| projections, GGUF Q8_0 | requantized, int4 groups of 32 | requantized per channel |
+| projections, dense (HF, F16/F32) | int4 groups of 32 | per channel |
+| embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same |
+| LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 per channel |
+
+The LM head is a `RescoredHead`: torch's kernels cannot take the default GGUF's Q8_0 head
+as it is (the int8 kernel has one scale per output channel, Q8_0 one per 32 weights), and
+a requantized head alone cost 1.4 points of top-1 agreement on held-out text (per
+channel: 97.9% against 99.3% for the exact head). So a requantized copy scans the
+vocabulary and the 32 best candidates are rescored with the file's weights in fp32: the
+exact head's agreement at the scan's cost. The figures and the command that measures
+them are in docs/quantization.md.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verifier import cpu_ops
+from verifier.config import ModelConfig
+from verifier.gguf_quant import INDEX_FILE, read_quantized
+from verifier.kernels import KernelPlan, KernelTimings, load_or_time, time_paths
+from verifier.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
+from verifier.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, int4_group, quantize_int4,
+                            quantize_int8)
+
+log = logging.getLogger("tercel.quantize")
+QUANTIZATIONS = ("int4", "int8", "none")
+EMBED_GROUP = 32
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def auto_quantization(model_dir: Path, device: torch.device) -> str:
+    """The fastest setting that keeps the file's weights: int4 for a Q4 GGUF, int8 for a
+    Q8_0 one; dense checkpoints, CUDA, and machines where the fused CPU kernels cannot be
+    built (no C compiler) stay unquantized."""
+    index = Path(model_dir) / INDEX_FILE
+    if device.type != "cpu" or not index.is_file() or not cpu_ops.available():
+        return "none"
+    kinds = {t["kind"] for t in json.loads(index.read_text())["tensors"] if t["name"].startswith("blk.")}
+    if kinds & {"Q4_0", "Q4_1"}:
+        return "int4"
+    return "int8" if "Q8_0" in kinds else "none"
+
+
+def check_quantization(mode: str, device: torch.device) -> None:
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {mode!r} runs on CPU kernels; on {device.type} use 'none'")
+    if mode != "none" and not cpu_ops.available():
+        raise ValueError(f"quantization {mode!r} needs Tercel's fused CPU kernels, which are compiled on "
+                         "first use and could not be (is a C compiler, cc or gcc, installed?)")
+
+
+def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path) -> list[QuantLinear]:
+    """Swap the decoder's Linears, the LM head and the embedding of a loaded `net` for
+    quantized modules; returns the decoder's QuantLinears (the plan routes their bulk rows)."""
+    if cfg.head_dim % 16 or cfg.head_dim > 256:
+        raise ValueError(f"quantization {mode!r} needs a head size that is a multiple of 16 and at most 256 "
+                         f"(the fused decode kernels), got {cfg.head_dim}; use 'none'")
+    index = Path(model_dir) / INDEX_FILE
+    blocks = read_quantized(json.loads(index.read_text()), _hf_config(model_dir)) if index.is_file() else {}
+    decoder = []
+    for i, layer in enumerate(net.model.layers):
+        for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                            ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
+            parent = getattr(layer, block)
+            dense = getattr(parent, name)
+            weight = _projection(blocks, f"model.layers.{i}.{block}", name, dense.weight, mode)
+            setattr(parent, name, QuantLinear(weight, dense.bias, None))
+            decoder.append(getattr(parent, name))
+    embed = _table(blocks.get("model.embed_tokens.weight"), net.model.embed_tokens.weight)
+    head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
+    net.model.embed_tokens = QuantEmbedding(embed)
+    table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
+    net.lm_head = RescoredHead(QuantLinear(_to_mode(head, mode), None, None), table)
+    return decoder
+
+
+def _hf_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode: str) -> QuantWeight:
+    parts = [blocks.get(f"{prefix}.{p}.weight") for p in _FUSED.get(name, (name,))]
+    if all(p is not None for p in parts):
+        return concat_rows([_to_mode(p, mode) for p in parts])
+    return _to_mode(dense.detach(), mode)
+
+
+def _to_mode(w: QuantWeight | torch.Tensor, mode: str) -> QuantWeight:
+    if mode == "int4":
+        if isinstance(w, Int4Weight):
+            return w
+        dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+        return quantize_int4(dense, int4_group(dense.shape[1]))
+    if isinstance(w, Int8Weight):
+        return w                               # QuantLinear makes it per channel
+    return quantize_int8(w if isinstance(w, torch.Tensor) else w.dequantize())
+
+
+def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
+    """The file's own blocks, else a dense table as int8 blocks of 32 (as GGUF's Q8_0)."""
+    return block if block is not None else quantize_int8(dense.detach(), EMBED_GROUP)
+
+
+def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:
+    """Keep the dense copies the plan's bulk paths need, drop the rest and the sources."""
+    plan = timings.plan(decoder[0].kind)
+    for lin in decoder:
+        for path in set(lin.paths()) - {lin.kind, plan.bulk}:
+            lin.drop_dense(path)
+        if plan.bulk in DENSE_PATHS:
+            lin.add_dense(plan.bulk)
+        lin.plan = plan
+        lin.release_source()
+    head.scan.plan = plan
+    head.scan.release_source()
+    return plan
+
+
+def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
+         cache_dir: Path | None, refresh: bool = False) -> tuple[KernelPlan, KernelTimings]:
+    """Time every path (or read the timings this machine cached), then keep what the
+    fastest choice per row count needs."""
+    def measure() -> KernelTimings:
+        for lin in decoder:
+            for path in DENSE_PATHS:
+                lin.add_dense(path)
+        return time_paths(decoder, rows)
+
+    timings = load_or_time(rows, model_key, cache_dir, measure, refresh)
+    plan = apply_plan(decoder, head, timings)
+    log.info("prefill rows take the %s path%s", plan.bulk, f" in tiles of {plan.tile} rows" if plan.tile else "")
+    return plan, timings
