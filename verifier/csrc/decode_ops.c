@@ -217,95 +217,147 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
     }
 }
 
-/* One query row of one head over its n visible keys: softmax(q . k * scale) v -> out (bf16).
- * Keys go in groups of 8 (a short last group is padded with its first key and masked), so a
- * key's score, its lane in the sums and the order of the v accumulation depend only on its
- * index among the visible keys. score holds n rounded up to 8 floats. D, the head size, is a
- * constant in each instance (64, 128 or any multiple of 8 up to 256), so that the output
- * accumulators stay in registers. */
-static inline void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
-                              int64_t n, int64_t nkv, int64_t kvh, const int64_t D, float scale, float *score,
-                              bf16 *out) {
-    for (int64_t i = 0; i < n; i += 8) {
-        const float *k[8];
-        for (int j = 0; j < 8; j++) k[j] = k_cache + (slots[i + j < n ? i + j : i] * nkv + kvh) * D;
-        v8f acc[8] = {{0}};
-        for (int64_t e = 0; e < D; e += 8) {
-            v8f qe = load8(q + e);
-            for (int j = 0; j < 8; j++) acc[j] += qe * load8(k[j] + e);
+#define ROWS 4          /* query rows of one sequence and head attended together */
+#define KEYS 64         /* keys per block: a block's K and V rows stay in L1 across the rows */
+
+/* Query rows q[r] (r < nrows) of one head, each over the first n[r] keys of one slot list:
+ * softmax(q . k * scale) v -> out[r] (bf16). Rows of one sequence share the list (a causal
+ * row sees a prefix of the next row's keys), so a K or V row is read once from L2 for all of
+ * them. Each row's arithmetic is what it would be alone: a key's score is sum8x8 over its
+ * 8-lane partial products (keys in groups of 8, a short last group padded with its first
+ * key and masked), the exp sum keeps key i in lane i % 8, and v is accumulated in key order.
+ * So a row's bits depend only on its query and its keys. score holds ROWS rows of the
+ * longest count rounded up to 8. D, the head size, is a constant in each instance (64, 128
+ * or any multiple of 8 up to 256) so that the output accumulators stay in registers. */
+static inline void attend_rows(const float *const *q, int nrows, const int64_t *n, const float *k_cache,
+                               const float *v_cache, const int64_t *slots, int64_t nkv, int64_t kvh,
+                               const int64_t D, float scale, float *score, int64_t stride, bf16 *const *out) {
+    int64_t most = 0;
+    for (int r = 0; r < nrows; r++) most = n[r] > most ? n[r] : most;
+    for (int64_t kb = 0; kb < most; kb += KEYS)
+        for (int r = 0; r < nrows; r++)
+            for (int64_t i = kb; i < kb + KEYS && i < n[r]; i += 8) {
+                const float *k[8];
+                for (int j = 0; j < 8; j++) k[j] = k_cache + (slots[i + j < n[r] ? i + j : i] * nkv + kvh) * D;
+                v8f acc[8] = {{0}};
+                for (int64_t e = 0; e < D; e += 8) {
+                    v8f qe = load8(q[r] + e);
+                    for (int j = 0; j < 8; j++) acc[j] += qe * load8(k[j] + e);
+                }
+                store8(score + r * stride + i, sum8x8(acc) * scale);
+            }
+    float inv[ROWS];
+    for (int r = 0; r < nrows; r++) {
+        float *sc = score + r * stride, m = -INFINITY;
+        for (int64_t i = 0; i < n[r]; i++) m = sc[i] > m ? sc[i] : m;
+        v8f total = {0};
+        for (int64_t i = 0; i < n[r]; i += 8) {
+            v8f e = exp_neg8(load8(sc + i) - m);
+            for (int j = 0; j < 8; j++) e[j] = i + j < n[r] ? e[j] : 0.0f;
+            store8(sc + i, e);
+            total += e;
         }
-        store8(score + i, sum8x8(acc) * scale);
+        inv[r] = 1.0f / sum8(total);
     }
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) m = score[i] > m ? score[i] : m;
-    v8f total = {0};
-    for (int64_t i = 0; i < n; i += 8) {
-        v8f e = exp_neg8(load8(score + i) - m);
-        for (int j = 0; j < 8; j++) e[j] = i + j < n ? e[j] : 0.0f;
-        store8(score + i, e);
-        total += e;
-    }
-    v8f o[32] = {{0}};
-    for (int64_t i = 0; i < n; i++) {
-        const float *v = v_cache + (slots[i] * nkv + kvh) * D;
-        for (int64_t e = 0; e < D / 8; e++) o[e] += score[i] * load8(v + 8 * e);
-    }
-    float inv = 1.0f / sum8(total);
-    for (int64_t e = 0; e < D; e++) out[e] = f32_to_bf16(o[e / 8][e % 8] * inv);
+    v8f o[ROWS][32];
+    for (int r = 0; r < nrows; r++)
+        for (int64_t e = 0; e < D / 8; e++) o[r][e] = (v8f){0};
+    for (int64_t kb = 0; kb < most; kb += KEYS)
+        for (int r = 0; r < nrows; r++) {
+            const float *sc = score + r * stride;
+            v8f acc[32];
+            for (int64_t e = 0; e < D / 8; e++) acc[e] = o[r][e];
+            for (int64_t i = kb; i < kb + KEYS && i < n[r]; i++) {
+                const float *v = v_cache + (slots[i] * nkv + kvh) * D;
+                for (int64_t e = 0; e < D / 8; e++) acc[e] += sc[i] * load8(v + 8 * e);
+            }
+            for (int64_t e = 0; e < D / 8; e++) o[r][e] = acc[e];
+        }
+    for (int r = 0; r < nrows; r++)
+        for (int64_t e = 0; e < D; e++) out[r][e] = f32_to_bf16(o[r][e / 8][e % 8] * inv[r]);
 }
 
-static void attend_d64(const float *q, const float *kc, const float *vc, const int64_t *slots, int64_t n,
-                       int64_t nkv, int64_t kvh, float scale, float *score, bf16 *out) {
-    attend_one(q, kc, vc, slots, n, nkv, kvh, 64, scale, score, out);
+static void attend_rows_d64(const float *const *q, int nrows, const int64_t *n, const float *kc, const float *vc,
+                            const int64_t *slots, int64_t nkv, int64_t kvh, float scale, float *score,
+                            int64_t stride, bf16 *const *out) {
+    attend_rows(q, nrows, n, kc, vc, slots, nkv, kvh, 64, scale, score, stride, out);
 }
 
-static void attend_d128(const float *q, const float *kc, const float *vc, const int64_t *slots, int64_t n,
-                        int64_t nkv, int64_t kvh, float scale, float *score, bf16 *out) {
-    attend_one(q, kc, vc, slots, n, nkv, kvh, 128, scale, score, out);
-}
-
-static void attend_head(const float *q, const float *kc, const float *vc, const int64_t *slots, int64_t n,
-                        int64_t nkv, int64_t kvh, int64_t d, float scale, float *score, bf16 *out) {
-    if (d == 64) attend_d64(q, kc, vc, slots, n, nkv, kvh, scale, score, out);
-    else if (d == 128) attend_d128(q, kc, vc, slots, n, nkv, kvh, scale, score, out);
-    else attend_one(q, kc, vc, slots, n, nkv, kvh, d, scale, score, out);
+static void attend_rows_d128(const float *const *q, int nrows, const int64_t *n, const float *kc, const float *vc,
+                             const int64_t *slots, int64_t nkv, int64_t kvh, float scale, float *score,
+                             int64_t stride, bf16 *const *out) {
+    attend_rows(q, nrows, n, kc, vc, slots, nkv, kvh, 128, scale, score, stride, out);
 }
 
 /* Attention of every new row of every sequence, out bf16 [T, NH * D].
  * Sequence b: rows [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table
- * tables[tab0[b]...], new-token mask masks[msk0[b]...] ([nnew, nnew] uint8, msk0 < 0: causal).
- * head_dim must be a multiple of 8 and at most 256. */
+ * tables[tab0[b]...], new-token mask masks[msk0[b]...] ([nnew, nnew] uint8, msk0 < 0:
+ * causal). Causal rows of a sequence go ROWS at a time over one shared slot list; masked
+ * rows (tree nodes) one at a time over their own. head_dim: a multiple of 8, at most 256. */
 void attend(const float *q, const float *k_cache, const float *v_cache, int64_t nseq, const int64_t *row0,
             const int64_t *nnew, const int64_t *ctx, const int64_t *tab0, const int32_t *tables,
             const int64_t *msk0, const uint8_t *masks, int64_t bs, int64_t nh, int64_t nkv, int64_t d,
             float scale, bf16 *out) {
-    int64_t rows = row0[nseq - 1] + nnew[nseq - 1], total = 0;
-    int64_t *start = malloc(sizeof(int64_t) * (rows + 1)), *count = malloc(sizeof(int64_t) * rows);
-    for (int64_t b = 0; b < nseq; b++)
-        for (int64_t r = 0; r < nnew[b]; r++) total += ctx[b] + nnew[b];
-    int64_t *slots = malloc(sizeof(int64_t) * total);
-    start[0] = 0;
-    for (int64_t b = 0; b < nseq; b++)
-        for (int64_t r = 0; r < nnew[b]; r++) {
-            int64_t t = row0[b] + r;
-            const uint8_t *mask = msk0[b] < 0 ? NULL : masks + msk0[b] + r * nnew[b];
-            count[t] = visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], r, mask, slots + start[t]);
-            start[t + 1] = start[t] + ctx[b] + nnew[b];
+    /* work units: (first row, rows, slot list offset) per block of rows sharing a list */
+    int64_t rows = row0[nseq - 1] + nnew[nseq - 1], units = 0, total = 0, longest = 0;
+    for (int64_t b = 0; b < nseq; b++) {
+        units += msk0[b] < 0 ? (nnew[b] + ROWS - 1) / ROWS : nnew[b];
+        total += msk0[b] < 0 ? ctx[b] + nnew[b] : nnew[b] * (ctx[b] + nnew[b]);
+        longest = ctx[b] + nnew[b] > longest ? ctx[b] + nnew[b] : longest;
+    }
+    int64_t *first = malloc(sizeof(int64_t) * units), *width = malloc(sizeof(int64_t) * units);
+    int64_t *list = malloc(sizeof(int64_t) * units), *count = malloc(sizeof(int64_t) * rows);
+    int64_t *slots = malloc(sizeof(int64_t) * total), u = 0, at = 0;
+    for (int64_t b = 0; b < nseq; b++) {
+        if (msk0[b] < 0) {          /* causal: row r sees the first ctx + r + 1 keys of one list */
+            visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], nnew[b] - 1, NULL, slots + at);
+            for (int64_t r = 0; r < nnew[b]; r++) count[row0[b] + r] = ctx[b] + r + 1;
+            for (int64_t r = 0; r < nnew[b]; r += ROWS, u++) {
+                first[u] = row0[b] + r;
+                width[u] = nnew[b] - r < ROWS ? nnew[b] - r : ROWS;
+                list[u] = at;
+            }
+            at += ctx[b] + nnew[b];
+        } else {
+            for (int64_t r = 0; r < nnew[b]; r++, u++) {
+                const uint8_t *mask = masks + msk0[b] + r * nnew[b];
+                count[row0[b] + r] = visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], r, mask, slots + at);
+                first[u] = row0[b] + r;
+                width[u] = 1;
+                list[u] = at;
+                at += ctx[b] + nnew[b];
+            }
         }
-    int64_t items = rows * nh, longest = 0;
-    for (int64_t t = 0; t < rows; t++) longest = count[t] > longest ? count[t] : longest;
-    #pragma omp parallel if (total * nh > 1024)
+    }
+    int64_t stride = longest + 8;
+    #pragma omp parallel if (rows * longest * nh > 1024)
     {
-        float *score = malloc(sizeof(float) * (longest + 8));
-        #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t t = it / nh, h = it % nh;
-            attend_head(q + (t * nh + h) * d, k_cache, v_cache, slots + start[t], count[t], nkv, h / (nh / nkv), d,
-                        scale, score, out + (t * nh + h) * d);
+        float *score = malloc(sizeof(float) * ROWS * stride);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < units * nh; it++) {
+            int64_t w = it / nh, h = it % nh, t = first[w];
+            const float *qs[ROWS];
+            bf16 *os[ROWS];
+            for (int r = 0; r < width[w]; r++) {
+                qs[r] = q + ((t + r) * nh + h) * d;
+                os[r] = out + ((t + r) * nh + h) * d;
+            }
+            int64_t kvh = h / (nh / nkv);
+            if (d == 64)
+                attend_rows_d64(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, scale, score,
+                                stride, os);
+            else if (d == 128)
+                attend_rows_d128(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, scale, score,
+                                 stride, os);
+            else
+                attend_rows(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, d, scale, score,
+                            stride, os);
         }
         free(score);
     }
-    free(slots);
-    free(start);
+    free(first);
+    free(width);
+    free(list);
     free(count);
+    free(slots);
 }
