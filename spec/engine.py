@@ -21,7 +21,7 @@ from spec.config import EngineConfig, SpecConfig
 from spec.detokenizer import IncrementalDetokenizer
 from spec.request import Request, RequestOutput
 from spec.rejection import accept_greedy, accept_tree
-from spec.sampler import apply_penalties, make_generator, sample_token, target_probs
+from spec.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
 from spec.sampling_params import SamplingParams
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
@@ -350,7 +350,7 @@ class LLMEngine:
             return apply_penalties(logits[u], p, prompt, output + tree.path_tokens(u)[1:])
 
         if p.greedy:
-            result = accept_greedy(tree, lambda u: int(node_logits(u).argmax()))
+            result = accept_greedy(tree, lambda u: greedy_token(node_logits(u)))
         else:
             result = accept_tree(tree, lambda u: target_probs(node_logits(u)[None], p)[0],
                                  prop.draft, req.generator)

@@ -21,17 +21,21 @@ def _bf(*shape):
 
 def test_add_rms_norm_matches_torch():
     x, y, w = torch.randn(5, 64, generator=G), _bf(5, 64), torch.rand(64, generator=G) + 0.5
-    want = F.rms_norm(x + y.float(), (64,), w, 1e-5)
-    got = cpu_ops.add_rms_norm(x, y, w, 1e-5)
-    torch.testing.assert_close(x, (x - y.float()) + y.float())          # x was updated in place
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
-    assert got.dtype == torch.bfloat16
+    summed = x + y.float()
+    got = torch.empty(5, 64, dtype=torch.bfloat16)
+    cpu_ops.add_rms_norm(x, y, w, 1e-5, got)
+    torch.testing.assert_close(x, summed)                                # x was updated in place
+    torch.testing.assert_close(got.float(), F.rms_norm(summed, (64,), w, 1e-5), rtol=1e-2, atol=1e-2)
+    rows = torch.tensor([3, 0])
+    torch.testing.assert_close(cpu_ops.rms_norm_rows(x, rows, w, 1e-5), F.rms_norm(summed[rows], (64,), w, 1e-5))
 
 
 def test_silu_mul_matches_torch():
     gu = _bf(3, 2 * 40) * 4
     g, u = gu.float().chunk(2, -1)
-    torch.testing.assert_close(cpu_ops.silu_mul(gu).float(), F.silu(g) * u, rtol=1e-2, atol=1e-2)
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    cpu_ops.silu_mul(gu, out)
+    torch.testing.assert_close(out.float(), F.silu(g) * u, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("d", [16, 64, 128])
@@ -41,7 +45,8 @@ def test_rope_store_rotates_and_writes_the_cache(d):
     cos, sin = torch.randn(50, d, generator=G), torch.randn(50, d, generator=G)
     pos, slots = torch.tensor([7, 30, 2]), torch.tensor([5, 0, 9])
     kc, vc = torch.zeros(12, nkv, d), torch.zeros(12, nkv, d)
-    q = cpu_ops.rope_store(qkv, bias, cos, sin, pos, slots, nh, nkv, kc, vc)
+    q = torch.empty(rows, nh, d)
+    cpu_ops.rope_store(qkv, bias, cos, sin, pos, slots, kc, vc, q)
     x = (qkv.float() + bias).view(rows, nh + 2 * nkv, d)
     rot = apply_rotary(x[:, :nh + nkv], cos[pos][:, None], sin[pos][:, None])
     torch.testing.assert_close(q, rot[:, :nh], rtol=1e-5, atol=1e-5)
@@ -71,7 +76,9 @@ def test_attention_matches_a_dense_reference_for_chains_trees_and_batches(d):
             SeqInput([1, 2, 3], 2, [6, 8])]                                     # causal chain
     plan = row_plan(seqs, block)
     q = torch.randn(8, nh, d, generator=G)
-    got = cpu_ops.attend(q, kc, vc, plan, block, d ** -0.5).float()
+    got = torch.empty(8, nh * d, dtype=torch.bfloat16)
+    cpu_ops.attend(q, kc, vc, plan, block, d ** -0.5, got)
+    got = got.float()
     row = 0
     for s in seqs:
         want = _dense_attention(q[row:row + s.num_new], kc, vc, s, block, d ** -0.5)
@@ -87,12 +94,14 @@ def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ances
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     table = [2, 5, 9, 11, 13]
     q = torch.randn(4, nh, d, generator=G)
-    in_tree = cpu_ops.attend(q, kc, vc, row_plan([SeqInput([0] * 4, 10, table, mask=tree,
-                                                             logits_indices=[0, 1, 2, 3])], block), block, 0.125)
+    in_tree = torch.empty(4, nh * d, dtype=torch.bfloat16)
+    cpu_ops.attend(q, kc, vc, row_plan([SeqInput([0] * 4, 10, table, mask=tree, logits_indices=[0, 1, 2, 3])], block),
+                   block, 0.125, in_tree)
     # the decode: ancestors 0 and 1 committed at positions 10 and 11, node 3 at 12
     slot = lambda p: table[p // block] * block + p % block  # noqa: E731
     kc2, vc2 = kc.clone(), vc.clone()
     for dst, src in ((12, 13),):              # node 3's k/v move to position 12 (node 2's slot)
         kc2[slot(dst)], vc2[slot(dst)] = kc[slot(src)], vc[slot(src)]
-    alone = cpu_ops.attend(q[3:4], kc2, vc2, row_plan([SeqInput([0], 12, table)], block), block, 0.125)
+    alone = torch.empty(1, nh * d, dtype=torch.bfloat16)
+    cpu_ops.attend(q[3:4], kc2, vc2, row_plan([SeqInput([0], 12, table)], block), block, 0.125, alone)
     assert torch.equal(in_tree[3], alone[0])

@@ -437,3 +437,14 @@ def test_empty_chain_samples_target():
     """γ = 0: nothing to accept; the token is drawn from the root's p."""
     p = torch.tensor([[0.0, 1.0, 0.0]])
     assert accept_chain([], p, None, gen(0)) == AcceptResult((), 1)
+
+
+def test_greedy_token_is_the_first_argmax():
+    """The chunked argmax returns torch.argmax's index, ties included (the first maximum)."""
+    from spec.sampler import greedy_token
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.randint(0, 50, (49152,), generator=g).float()     # many ties at the maximum
+        assert greedy_token(x) == int(x.argmax())
+    odd = torch.randn(1000, generator=g)                             # not a multiple of the chunk
+    assert greedy_token(odd) == int(odd.argmax())

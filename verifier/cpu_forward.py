@@ -25,6 +25,7 @@ import torch
 from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.kv_cache import KVCache, slots_for
+from verifier.qlinear import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -62,42 +63,68 @@ def row_plan(seqs: list[SeqInput], block_size: int) -> RowPlan:
                      i64(mask0), torch.tensor(masks or [0], dtype=torch.uint8))
 
 
+@dataclass(frozen=True)
+class CpuLayer:
+    """One decoder layer's pieces, looked up once (a module attribute lookup costs about a
+    microsecond, and a step makes hundreds)."""
+    in_norm: torch.Tensor          # fp32 [H]
+    in_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    qkv: QuantLinear
+    o: QuantLinear
+    gate_up: QuantLinear
+    down: QuantLinear
+
+
+def cpu_layers(net) -> list[CpuLayer]:
+    return [CpuLayer(l.input_layernorm.weight, l.input_layernorm.eps, l.post_attention_layernorm.weight,
+                     l.post_attention_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj,
+                     l.mlp.gate_up_proj, l.mlp.down_proj) for l in net.model.layers]
+
+
 @torch.inference_mode()
-def forward_rows(net, ids: torch.Tensor, plan: RowPlan, kv: KVCache, logits_rows: torch.Tensor,
-                 capture_layers: tuple[int, ...] = (), own: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def forward_rows(net, layers: list[CpuLayer], ids: torch.Tensor, plan: RowPlan, kv: KVCache,
+                 logits_rows: torch.Tensor, capture_layers: tuple[int, ...] = (),
+                 own: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them."""
+    c, rot, t = net.cfg, net.rotary, ids.shape[0]
     mm = _own if own else _planned
-    c = net.cfg
-    rot = net.rotary
-    x = net.model.embed_tokens(ids)                                    # fp32 [T, H], updated in place
+    bf16 = torch.bfloat16
+    h = torch.empty(t, c.hidden_size, dtype=bf16)                      # normed input of each matmul block
+    q = torch.empty(t, c.num_heads, c.head_dim)                         # rotated queries
+    o = torch.empty(t, c.q_size, dtype=bf16)                            # attention output
+    a = torch.empty(t, c.intermediate_size, dtype=bf16)                 # silu(gate) * up
+    x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
     y, taps = None, {}
-    for i, layer in enumerate(net.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        h = cpu_ops.add_rms_norm(x, y, layer.input_layernorm.weight, layer.input_layernorm.eps)
+    for i, layer in enumerate(layers):
+        cpu_ops.add_rms_norm(x, y, layer.in_norm, layer.in_eps, h)     # x += previous MLP output
         if i in capture_layers:
             taps[i] = x.clone()
         k_cache, v_cache = kv.layer(i)
-        qkv = mm(attn.qkv_proj, h, bias=False)
-        q = cpu_ops.rope_store(qkv, attn.qkv_proj.bias, rot.cos, rot.sin_signed, plan.positions, plan.slots,
-                               c.num_heads, c.num_kv_heads, k_cache, v_cache)
-        o = cpu_ops.attend(q, k_cache, v_cache, plan, kv.block_size, attn.scale)
-        norm = layer.post_attention_layernorm
-        h = cpu_ops.add_rms_norm(x, mm(attn.o_proj, o), norm.weight, norm.eps)
-        y = mm(mlp.down_proj, cpu_ops.silu_mul(mm(mlp.gate_up_proj, h)))
-    cpu_ops.add_rms_norm(x, y, net.model.norm.weight, 0.0, out=False)   # the last residual add
+        cpu_ops.rope_store(mm(layer.qkv, h, bias=False), layer.qkv.bias, rot.cos, rot.sin_signed, plan.positions,
+                           plan.slots, k_cache, v_cache, q)
+        cpu_ops.attend(q, k_cache, v_cache, plan, kv.block_size, net.scale, o)
+        cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
+        cpu_ops.silu_mul(mm(layer.gate_up, h), a)
+        y = mm(layer.down, a)
+    cpu_ops.add_rms_norm(x, y, net.model.norm.weight, 0.0, None)        # the last residual add
     if c.num_layers in capture_layers:
         taps[c.num_layers] = x
-    return net.lm_head(net.model.norm(x[logits_rows])), taps
+    if logits_rows.shape[0] == 0:
+        return torch.empty(0, c.vocab_size), taps
+    normed = cpu_ops.rms_norm_rows(x, logits_rows, net.model.norm.weight, net.model.norm.eps)
+    return net.lm_head(normed), taps
 
 
-def _own(lin, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+def _own(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """The weight's own row-invariant kernel -> bf16 (qkv's bias is added in rope_store)."""
-    y = lin.run(lin.kind, x)
+    y = lin.run_own(x)
     return y if lin.bias is None or not bias else (y + lin.bias).to(torch.bfloat16)
 
 
-def _planned(lin, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """The plan's prefill path, in tiles -> bf16."""
+def _planned(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """The plan's prompt-row path, in tiles -> bf16."""
     y = lin.run_planned(x)
     return y if lin.bias is None or not bias else (y + lin.bias).to(torch.bfloat16)

@@ -30,6 +30,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
+    "rms_norm_rows": [_P, _P, _P, _F, _I, _I, _P],
     "silu_mul": [_P, _I, _I, _P],
     "rope_store": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     "attend": [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P],
@@ -82,43 +83,44 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: float,
-                 out: bool = True) -> torch.Tensor | None:
-    """x fp32 [T, H] (updated: x += y when y, bf16 [T, H], is given) -> bf16 rms_norm(x) * w."""
+                 out: torch.Tensor | None) -> None:
+    """x fp32 [T, H] += y (bf16 [T, H], or None); out bf16 [T, H] = rms_norm(x) * w (None: skip)."""
     rows, h = x.shape
-    res = torch.empty(rows, h, dtype=torch.bfloat16) if out else None
-    _library().add_rms_norm(x.data_ptr(), _ptr(y), w.data_ptr(), eps, rows, h, _ptr(res))
-    return res
+    _library().add_rms_norm(x.data_ptr(), _ptr(y), w.data_ptr(), eps, rows, h, _ptr(out))
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """gu bf16 [T, 2I] = [gate | up] -> bf16 [T, I] = silu(gate) * up."""
-    rows, two = gu.shape
-    out = torch.empty(rows, two // 2, dtype=torch.bfloat16)
-    _library().silu_mul(gu.data_ptr(), rows, two // 2, out.data_ptr())
+def rms_norm_rows(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 rms_norm(x[rows]) * w: x fp32 [T, H], rows int64 [N] -> [N, H]."""
+    out = torch.empty(rows.shape[0], x.shape[1])
+    _library().rms_norm_rows(x.data_ptr(), rows.data_ptr(), w.data_ptr(), eps, rows.shape[0], x.shape[1],
+                             out.data_ptr())
     return out
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
+    """out bf16 [T, I] = silu(gate) * up for gu bf16 [T, 2I] = [gate | up]."""
+    rows, inter = out.shape
+    _library().silu_mul(gu.data_ptr(), rows, inter, out.data_ptr())
 
 
 def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin_signed: torch.Tensor,
-               positions: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """qkv bf16 [T, (NH + 2 NKV) D] (+ bias fp32) -> q fp32 [T, NH, D], rotated; k (rotated) and v
-    written into the fp32 caches [.., NKV, D] at `slots` (int64 [T]); `positions` int64 [T]
-    index the rope tables fp32 [P, D]."""
-    rows, d = qkv.shape[0], cos.shape[1]
-    q = torch.empty(rows, num_heads, d)
-    _library().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(),
-                    slots.data_ptr(), rows, num_heads, num_kv_heads, d, q.data_ptr(), k_cache.data_ptr(),
-                    v_cache.data_ptr())
-    return q
-
-
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, block_size: int,
-           scale: float) -> torch.Tensor:
-    """q fp32 [T, NH, D] -> bf16 [T, NH * D]; `plan` (a RowPlan) describes the sequences."""
+               positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               q: torch.Tensor) -> None:
+    """q fp32 [T, NH, D] = rope(q heads of qkv); k (rotated) and v heads written into the fp32
+    caches [.., NKV, D] at `slots` (int64 [T]). qkv bf16 [T, (NH + 2 NKV) D] (+ bias fp32);
+    `positions` int64 [T] index the rope tables fp32 [P, D] (sin with its sign folded in)."""
     rows, nh, d = q.shape
-    out = torch.empty(rows, nh * d, dtype=torch.bfloat16)
+    _library().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(),
+                          slots.data_ptr(), rows, nh, k_cache.shape[-2], d, q.data_ptr(), k_cache.data_ptr(),
+                          v_cache.data_ptr())
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, block_size: int, scale: float,
+           out: torch.Tensor) -> None:
+    """out bf16 [T, NH * D] = attention of q fp32 [T, NH, D] over the fp32 caches; `plan` (a
+    RowPlan) describes the sequences."""
+    rows, nh, d = q.shape
     _library().attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.num_seqs, plan.row0.data_ptr(),
-                plan.num_new.data_ptr(), plan.ctx.data_ptr(), plan.table0.data_ptr(), plan.tables.data_ptr(),
-                plan.mask0.data_ptr(), plan.masks.data_ptr(), block_size, nh, k_cache.shape[-2], d, scale,
-                out.data_ptr())
-    return out
+                      plan.num_new.data_ptr(), plan.ctx.data_ptr(), plan.table0.data_ptr(), plan.tables.data_ptr(),
+                      plan.mask0.data_ptr(), plan.masks.data_ptr(), block_size, nh, k_cache.shape[-2], d, scale,
+                      out.data_ptr())

@@ -76,7 +76,18 @@ static inline void norm_row(const float *x, const float *w, float eps, int64_t h
     for (int64_t i = 0; i < h; i++) out[i] = f32_to_bf16((x[i] * r) * w[i]);
 }
 
-/* out[t] = bf16(rms_norm(x[t]) * w); with y: x[t] += y[t] first (the residual add). */
+/* out[t] = rms_norm(x[idx[t]]) * w in fp32 (the final norm, of the sampled rows only) */
+void rms_norm_rows(const float *x, const int64_t *idx, const float *w, float eps, int64_t rows, int64_t h,
+                   float *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + idx[t] * h;
+        float r = 1.0f / sqrtf(dot(xt, xt, h) / (float)h + eps);
+        for (int64_t i = 0; i < h; i++) out[t * h + i] = (xt[i] * r) * w[i];
+    }
+}
+
+/* out[t] = bf16(rms_norm(x[t]) * w); with y: x[t] += y[t] first (the residual add); out NULL:
+ * the add alone. */
 void add_rms_norm(float *x, const bf16 *y, const float *w, float eps, int64_t rows, int64_t h, bf16 *out) {
     for (int64_t t = 0; t < rows; t++) {
         float *xt = x + t * h;
@@ -181,8 +192,7 @@ void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
 
 /* out = rope(x) for one head, x = bf16 [D] (+ bias fp32 [D] or NULL):
  * x * cos + roll(x, D/2) * sin_signed (= x * cos + rotate_half(x) * sin); D % 16 == 0 */
-static inline void rotate(const bf16 *x, const float *bias, const float *c, const float *s, int64_t d,
-                          float *out) {
+static inline void rotate(const bf16 *x, const float *bias, const float *c, const float *s, int64_t d, v8f *out) {
     int64_t half = d / 2;
     for (int64_t i = 0; i < d; i += 8) {
         int64_t j = i < half ? i + half : i - half;
@@ -191,28 +201,30 @@ static inline void rotate(const bf16 *x, const float *bias, const float *c, cons
             a += load8(bias + i);
             b += load8(bias + j);
         }
-        store8(out + i, a * load8(c + i) + b * load8(s + i));
+        out[i / 8] = a * load8(c + i) + b * load8(s + i);
     }
 }
 
-/* q_out[t] = rope(q heads); k_cache[slot[t]] = rope(k heads); v_cache[slot[t]] = v heads.
- * bias (fp32 [(NH + 2 NKV) D]) may be NULL. */
+/* q_out[t] = rope(q heads); k_cache[slot[t]] = rope(k heads), v_cache[slot[t]] = v heads (all
+ * fp32). bias (fp32 [(NH + 2 NKV) D]) may be NULL. */
 void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const float *sin_tab,
                 const int64_t *pos, const int64_t *slot, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
                 float *q_out, float *k_cache, float *v_cache) {
     int64_t width = (nh + 2 * nkv) * d;
+    v8f r[32];
     for (int64_t t = 0; t < rows; t++) {
         const bf16 *x = qkv + t * width;
         const float *c = cos_tab + pos[t] * d, *s = sin_tab + pos[t] * d;
         for (int64_t h = 0; h < nh + nkv; h++) {
+            rotate(x + h * d, bias ? bias + h * d : NULL, c, s, d, r);
             float *dst = h < nh ? q_out + (t * nh + h) * d : k_cache + (slot[t] * nkv + h - nh) * d;
-            rotate(x + h * d, bias ? bias + h * d : NULL, c, s, d, dst);
+            for (int64_t i = 0; i < d; i += 8) store8(dst + i, r[i / 8]);
         }
         for (int64_t h = 0; h < nkv; h++) {
             const bf16 *v = x + (nh + nkv + h) * d;
-            float *dst = v_cache + (slot[t] * nkv + h) * d;
+            const float *vb = bias ? bias + (nh + nkv + h) * d : NULL;
             for (int64_t i = 0; i < d; i += 8)
-                store8(dst + i, bias ? load_bf16x8(v + i) + load8(bias + (nh + nkv + h) * d + i) : load_bf16x8(v + i));
+                store8(v_cache + (slot[t] * nkv + h) * d + i, vb ? load_bf16x8(v + i) + load8(vb + i) : load_bf16x8(v + i));
         }
     }
 }
@@ -222,8 +234,7 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
 
 /* Query rows q[r] (r < nrows) of one head, each over the first n[r] keys of one slot list:
  * softmax(q . k * scale) v -> out[r] (bf16). Rows of one sequence share the list (a causal
- * row sees a prefix of the next row's keys), so a K or V row is read once from L2 for all of
- * them. Each row's arithmetic is what it would be alone: a key's score is sum8x8 over its
+ * row sees a prefix of the next row's keys), so a K or V row is read once for all of them. Each row's arithmetic is what it would be alone: a key's score is sum8x8 over its
  * 8-lane partial products (keys in groups of 8, a short last group padded with its first
  * key and masked), the exp sum keeps key i in lane i % 8, and v is accumulated in key order.
  * So a row's bits depend only on its query and its keys. score holds ROWS rows of the
@@ -292,8 +303,8 @@ static void attend_rows_d128(const float *const *q, int nrows, const int64_t *n,
 /* Attention of every new row of every sequence, out bf16 [T, NH * D].
  * Sequence b: rows [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table
  * tables[tab0[b]...], new-token mask masks[msk0[b]...] ([nnew, nnew] uint8, msk0 < 0:
- * causal). Causal rows of a sequence go ROWS at a time over one shared slot list; masked
- * rows (tree nodes) one at a time over their own. head_dim: a multiple of 8, at most 256. */
+ * causal). A unit of work is a head and ROWS causal rows of a sequence (one shared slot
+ * list) or one masked row (a tree node, its own list). head_dim: a multiple of 8, at most 256. */
 void attend(const float *q, const float *k_cache, const float *v_cache, int64_t nseq, const int64_t *row0,
             const int64_t *nnew, const int64_t *ctx, const int64_t *tab0, const int32_t *tables,
             const int64_t *msk0, const uint8_t *masks, int64_t bs, int64_t nh, int64_t nkv, int64_t d,
@@ -335,14 +346,13 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
         float *score = malloc(sizeof(float) * ROWS * stride);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < units * nh; it++) {
-            int64_t w = it / nh, h = it % nh, t = first[w];
+            int64_t w = it / nh, h = it % nh, t = first[w], kvh = h / (nh / nkv);
             const float *qs[ROWS];
             bf16 *os[ROWS];
             for (int r = 0; r < width[w]; r++) {
                 qs[r] = q + ((t + r) * nh + h) * d;
                 os[r] = out + ((t + r) * nh + h) * d;
             }
-            int64_t kvh = h / (nh / nkv);
             if (d == 64)
                 attend_rows_d64(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, scale, score,
                                 stride, os);
