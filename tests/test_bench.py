@@ -3,6 +3,7 @@ end to end (JSON, profile, PNGs), interruption and --resume, bad input (exit cod
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -195,3 +196,30 @@ def test_empty_dataset_exits_2(tmp_path, tiny_llama_dir, capsys):
     (tmp_path / "empty.jsonl").write_text("\n")
     assert tercel(["bench", "grid", "--model", str(tiny_llama_dir), "--dataset", str(tmp_path / "empty.jsonl")]) == 2
     assert "no usable prompts" in capsys.readouterr().err
+
+
+def test_llamacpp_baseline_without_the_extra_exits_2_with_the_install_hint(monkeypatch, tiny_llama_dir, capsys):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)          # as if llama-cpp-python were not installed
+    rc = tercel(["bench", "speed", "--llamacpp", "--model", str(tiny_llama_dir), *TINY_GRID])
+    err = capsys.readouterr().err
+    assert rc == 2 and 'pip install -e ".[llamacpp]"' in err
+
+
+def test_speed_measures_each_quantization_against_the_first(tmp_path, tiny_llama_dir):
+    out = tmp_path / "speed.json"
+    rc = tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--quantization", "int4,none",
+                 "--drafter", "ngram", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["summary"]["rows"]
+    plain = {r["cell"]["quantization"]: r for r in rows if r["cell"]["drafter"] is None
+             and r["cell"]["engine"] == "tercel"}
+    assert set(plain) == {"int4", "none"}
+    assert all(r["speedup"] == 1.0 for r in plain.values() if r["cell"]["quantization"] == "int4")
+    assert tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--quantization", "int3"]) == 2
+
+
+def test_kernels_prints_the_timings_and_the_choice(tiny_llama_dir, capsys):
+    rc = tercel(["bench", "kernels", "--model", str(tiny_llama_dir), "--quantization", "int4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "| rows | int4 | bf16 | fp32 |" in out and "row-invariant" in out
+    assert "Decode and verify rows take int4. Prefill rows take" in out
