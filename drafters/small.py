@@ -44,7 +44,10 @@ class SmallModelDrafter(Drafter):
     def __init__(self, path: str, target: TargetModel, speculation, deterministic: bool = False):
         if not path:
             raise ValueError("the small drafter needs a model: 'small:PATH'")
-        self.model = TargetModel(path, device=str(target.device), dtype=target.dtype)
+        # A quantized target's draft model runs on its own file's kernels too (a GGUF's int4:
+        # drafting is then as fast per token as decoding); a dense target's draft stays dense.
+        quantization = "auto" if target.quantization != "none" else "none"
+        self.model = TargetModel(path, device=str(target.device), dtype=target.dtype, quantization=quantization)
         _check_same_tokenizer(self.model, target, path)
         self.spec = speculation
         self.deterministic = deterministic or speculation.topk > 1

@@ -232,22 +232,24 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
 #define ROWS 4          /* query rows of one sequence and head attended together */
 #define KEYS 64         /* keys per block: a block's K and V rows stay in L1 across the rows */
 
-/* Query rows q[r] (r < nrows) of one head, each over the first n[r] keys of one slot list:
- * softmax(q . k * scale) v -> out[r] (bf16). Rows of one sequence share the list (a causal
- * row sees a prefix of the next row's keys), so a K or V row is read once for all of them. Each row's arithmetic is what it would be alone: a key's score is sum8x8 over its
+/* Query rows q[r] (r < nrows) of one head, each over the first n[r] keys of its slot list
+ * lists[r]: softmax(q . k * scale) v -> out[r] (bf16). The rows are of one sequence, whose
+ * cached prefix heads every list (a causal row's list is even a prefix of the next row's),
+ * so a K or V row of the prefix is read once for all of them. Each row's arithmetic is what it would be alone: a key's score is sum8x8 over its
  * 8-lane partial products (keys in groups of 8, a short last group padded with its first
  * key and masked), the exp sum keeps key i in lane i % 8, and v is accumulated in key order.
  * So a row's bits depend only on its query and its keys. score holds ROWS rows of the
  * longest count rounded up to 8. D, the head size, is a constant in each instance (64, 128
  * or any multiple of 8 up to 256) so that the output accumulators stay in registers. */
 static inline void attend_rows(const float *const *q, int nrows, const int64_t *n, const float *k_cache,
-                               const float *v_cache, const int64_t *slots, int64_t nkv, int64_t kvh,
+                               const float *v_cache, const int64_t *const *lists, int64_t nkv, int64_t kvh,
                                const int64_t D, float scale, float *score, int64_t stride, bf16 *const *out) {
     int64_t most = 0;
     for (int r = 0; r < nrows; r++) most = n[r] > most ? n[r] : most;
     for (int64_t kb = 0; kb < most; kb += KEYS)
         for (int r = 0; r < nrows; r++)
             for (int64_t i = kb; i < kb + KEYS && i < n[r]; i += 8) {
+                const int64_t *slots = lists[r];
                 const float *k[8];
                 for (int j = 0; j < 8; j++) k[j] = k_cache + (slots[i + j < n[r] ? i + j : i] * nkv + kvh) * D;
                 v8f acc[8] = {{0}};
@@ -279,7 +281,7 @@ static inline void attend_rows(const float *const *q, int nrows, const int64_t *
             v8f acc[32];
             for (int64_t e = 0; e < D / 8; e++) acc[e] = o[r][e];
             for (int64_t i = kb; i < kb + KEYS && i < n[r]; i++) {
-                const float *v = v_cache + (slots[i] * nkv + kvh) * D;
+                const float *v = v_cache + (lists[r][i] * nkv + kvh) * D;
                 for (int64_t e = 0; e < D / 8; e++) acc[e] += sc[i] * load8(v + 8 * e);
             }
             for (int64_t e = 0; e < D / 8; e++) o[r][e] = acc[e];
@@ -289,13 +291,13 @@ static inline void attend_rows(const float *const *q, int nrows, const int64_t *
 }
 
 static void attend_rows_d64(const float *const *q, int nrows, const int64_t *n, const float *kc, const float *vc,
-                            const int64_t *slots, int64_t nkv, int64_t kvh, float scale, float *score,
+                            const int64_t *const *slots, int64_t nkv, int64_t kvh, float scale, float *score,
                             int64_t stride, bf16 *const *out) {
     attend_rows(q, nrows, n, kc, vc, slots, nkv, kvh, 64, scale, score, stride, out);
 }
 
 static void attend_rows_d128(const float *const *q, int nrows, const int64_t *n, const float *kc, const float *vc,
-                             const int64_t *slots, int64_t nkv, int64_t kvh, float scale, float *score,
+                            const int64_t *const *slots, int64_t nkv, int64_t kvh, float scale, float *score,
                              int64_t stride, bf16 *const *out) {
     attend_rows(q, nrows, n, kc, vc, slots, nkv, kvh, 128, scale, score, stride, out);
 }
@@ -303,39 +305,39 @@ static void attend_rows_d128(const float *const *q, int nrows, const int64_t *n,
 /* Attention of every new row of every sequence, out bf16 [T, NH * D].
  * Sequence b: rows [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table
  * tables[tab0[b]...], new-token mask masks[msk0[b]...] ([nnew, nnew] uint8, msk0 < 0:
- * causal). A unit of work is a head and ROWS causal rows of a sequence (one shared slot
- * list) or one masked row (a tree node, its own list). head_dim: a multiple of 8, at most 256. */
+ * causal). A unit of work is a head and up to ROWS rows of one sequence. head_dim: a
+ * multiple of 8, at most 256. */
 void attend(const float *q, const float *k_cache, const float *v_cache, int64_t nseq, const int64_t *row0,
             const int64_t *nnew, const int64_t *ctx, const int64_t *tab0, const int32_t *tables,
             const int64_t *msk0, const uint8_t *masks, int64_t bs, int64_t nh, int64_t nkv, int64_t d,
             float scale, bf16 *out) {
-    /* work units: (first row, rows, slot list offset) per block of rows sharing a list */
+    /* work units: up to ROWS rows of one sequence (first row, count); each row's slot list */
     int64_t rows = row0[nseq - 1] + nnew[nseq - 1], units = 0, total = 0, longest = 0;
     for (int64_t b = 0; b < nseq; b++) {
-        units += msk0[b] < 0 ? (nnew[b] + ROWS - 1) / ROWS : nnew[b];
+        units += (nnew[b] + ROWS - 1) / ROWS;
         total += msk0[b] < 0 ? ctx[b] + nnew[b] : nnew[b] * (ctx[b] + nnew[b]);
         longest = ctx[b] + nnew[b] > longest ? ctx[b] + nnew[b] : longest;
     }
     int64_t *first = malloc(sizeof(int64_t) * units), *width = malloc(sizeof(int64_t) * units);
-    int64_t *list = malloc(sizeof(int64_t) * units), *count = malloc(sizeof(int64_t) * rows);
-    int64_t *slots = malloc(sizeof(int64_t) * total), u = 0, at = 0;
+    int64_t *count = malloc(sizeof(int64_t) * rows), *slots = malloc(sizeof(int64_t) * total), u = 0, at = 0;
+    const int64_t **list = malloc(sizeof(int64_t *) * rows);
     for (int64_t b = 0; b < nseq; b++) {
+        for (int64_t r = 0; r < nnew[b]; r += ROWS, u++) {
+            first[u] = row0[b] + r;
+            width[u] = nnew[b] - r < ROWS ? nnew[b] - r : ROWS;
+        }
         if (msk0[b] < 0) {          /* causal: row r sees the first ctx + r + 1 keys of one list */
             visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], nnew[b] - 1, NULL, slots + at);
-            for (int64_t r = 0; r < nnew[b]; r++) count[row0[b] + r] = ctx[b] + r + 1;
-            for (int64_t r = 0; r < nnew[b]; r += ROWS, u++) {
-                first[u] = row0[b] + r;
-                width[u] = nnew[b] - r < ROWS ? nnew[b] - r : ROWS;
-                list[u] = at;
+            for (int64_t r = 0; r < nnew[b]; r++) {
+                count[row0[b] + r] = ctx[b] + r + 1;
+                list[row0[b] + r] = slots + at;
             }
             at += ctx[b] + nnew[b];
-        } else {
-            for (int64_t r = 0; r < nnew[b]; r++, u++) {
+        } else {                    /* a tree: each node its own list (the prefix, then its ancestors) */
+            for (int64_t r = 0; r < nnew[b]; r++) {
                 const uint8_t *mask = masks + msk0[b] + r * nnew[b];
                 count[row0[b] + r] = visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], r, mask, slots + at);
-                first[u] = row0[b] + r;
-                width[u] = 1;
-                list[u] = at;
+                list[row0[b] + r] = slots + at;
                 at += ctx[b] + nnew[b];
             }
         }
@@ -354,14 +356,14 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
                 os[r] = out + ((t + r) * nh + h) * d;
             }
             if (d == 64)
-                attend_rows_d64(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, scale, score,
-                                stride, os);
+                attend_rows_d64(qs, width[w], count + t, k_cache, v_cache, list + t, nkv, kvh, scale, score, stride,
+                                os);
             else if (d == 128)
-                attend_rows_d128(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, scale, score,
-                                 stride, os);
+                attend_rows_d128(qs, width[w], count + t, k_cache, v_cache, list + t, nkv, kvh, scale, score, stride,
+                                 os);
             else
-                attend_rows(qs, width[w], count + t, k_cache, v_cache, slots + list[w], nkv, kvh, d, scale, score,
-                            stride, os);
+                attend_rows(qs, width[w], count + t, k_cache, v_cache, list + t, nkv, kvh, d, scale, score, stride,
+                            os);
         }
         free(score);
     }
