@@ -44,6 +44,8 @@ def add_bench_args(sub) -> None:
     p.add_argument("--hf", action="store_true", help="grid: also measure HF transformers generate")
     p.add_argument("--llamacpp", action="store_true",
                    help="speed: also measure llama.cpp on the same GGUF (pip install -e '.[llamacpp]')")
+    p.add_argument("--adaptive", action="store_true",
+                   help="speculate as `tercel serve` does: off while it does not pay, trees sized to the step")
     p.add_argument("--quantization", default="auto",
                    help="target weights, comma-separated: auto, int4, int8, none (default auto; the first "
                         "listed is the plain baseline; quality: the modes compared with none)")

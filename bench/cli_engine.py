@@ -31,7 +31,7 @@ def run_engine_bench(args) -> int:
     repeats = args.repeats if args.repeats is not None else (1 if args.what == "accept" else 3)
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    settings = RunSettings(args.model or DEFAULT_MODEL, args.max_tokens, args.ignore_eos, args.seed)
+    settings = RunSettings(args.model or DEFAULT_MODEL, args.max_tokens, args.ignore_eos, args.seed, args.adaptive)
     journal = Journal(args.json, args.what, _fingerprint(settings, args, data), args.resume)
     by_task = data.by_task()
     print(f"bench {args.what}: {len(cells)} configuration(s) × {len(by_task)} task(s) × {repeats} repeat(s), "
@@ -104,7 +104,7 @@ def _fingerprint(settings: RunSettings, args, data) -> dict:
     """What must not change between an interrupted run and its --resume."""
     return {"model": settings.model, "max_tokens": settings.max_tokens, "ignore_eos": settings.ignore_eos,
             "seed": settings.seed, "datasets": args.dataset or ["specbench"], "both_turns": args.both_turns,
-            "quantization": args.quantization,
+            "quantization": args.quantization, "adaptive": args.adaptive,
             "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}
 
 

@@ -24,6 +24,7 @@ class RunSettings:
     max_tokens: int = 128
     ignore_eos: bool = False
     seed: int = 0
+    adaptive: bool = False       # speculate as `tercel serve` does: only while it pays, trees sized to the step
 
 
 @dataclass
@@ -79,8 +80,9 @@ class TercelGenerator:
     def __init__(self, cell: Cell, settings: RunSettings):
         from spec import LLM
         self.settings = settings
+        from spec.adaptive import AdaptiveConfig
         self.llm = LLM(settings.model, drafter=cell.drafter, speculation=cell.speculation(), max_num_seqs=1,
-                       quantization=cell.quantization)
+                       quantization=cell.quantization, adaptive=AdaptiveConfig(enabled=settings.adaptive))
 
     def template(self, messages: list[dict]) -> list[int]:
         return self.llm.apply_chat_template(messages)

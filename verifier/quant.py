@@ -21,11 +21,10 @@ import torch
 INT4_GROUPS = (32, 64, 128, 256)    # group sizes the int4 kernel takes
 
 
-@dataclass(frozen=True)
-class Int4Weight:
-    q: torch.Tensor        # uint8 [N, K], values 0..15
-    scale: torch.Tensor    # fp32 [N, K // group]
-    zero: torch.Tensor     # fp32 [N, K // group]
+class _Grouped:
+    """q [N, K] with one scale per `group` columns of a row."""
+    q: torch.Tensor
+    scale: torch.Tensor
 
     @property
     def group(self) -> int:
@@ -34,6 +33,13 @@ class Int4Weight:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
+
+
+@dataclass(frozen=True)
+class Int4Weight(_Grouped):
+    q: torch.Tensor        # uint8 [N, K], values 0..15
+    scale: torch.Tensor    # fp32 [N, K // group]
+    zero: torch.Tensor     # fp32 [N, K // group]
 
     def dequantize(self) -> torch.Tensor:
         g = self.group
@@ -42,17 +48,9 @@ class Int4Weight:
 
 
 @dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(_Grouped):
     q: torch.Tensor        # int8 [N, K]
     scale: torch.Tensor    # fp32 [N, K // group]; group == K is per channel
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.repeat_interleave(self.group, 1)
@@ -116,9 +114,3 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     if isinstance(first, Int4Weight):
         return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
     return Int8Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale")))
-
-
-def permute_rows(w: QuantWeight, order: torch.Tensor) -> QuantWeight:
-    if isinstance(w, Int4Weight):
-        return Int4Weight(w.q[order], w.scale[order], w.zero[order])
-    return Int8Weight(w.q[order], w.scale[order])

@@ -38,27 +38,6 @@ static inline bf16 f32_to_bf16(float f) {           /* round to nearest even, as
     return (bf16)(nan ? (u >> 16) | 0x40 : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* exp for x <= 0 (softmax after the max is subtracted, and silu's exp(-|g|) form): Cephes'
- * expf polynomial, about 1 ulp, written without branches so that loops vectorize and the
- * vector and scalar iterations give the same bits. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;             /* 2^n as a float's bits */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* sum of a[i] * b[i] with LANES partial sums and a fixed final order (n % LANES == 0 or not) */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc[LANES] = {0};
@@ -140,7 +119,8 @@ static inline v8f sum8x8(const v8f a[8]) {
     return __builtin_shuffle(z, order);
 }
 
-/* exp for x <= 0 on 8 lanes: the same polynomial as exp_neg */
+/* exp for x <= 0 on 8 lanes (softmax after the max is subtracted; silu's exp(-|g|)): Cephes'
+ * expf polynomial, about 1 ulp, without branches. */
 static inline v8f exp_neg8(v8f x) {
     const v8f one = {1, 1, 1, 1, 1, 1, 1, 1};
     v8i low = x < -87.0f;
