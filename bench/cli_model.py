@@ -14,7 +14,7 @@ from verifier.loader import DEFAULT_MODEL
 
 
 def run_model_bench(args) -> int:
-    from verifier.kernels import machine_summary
+    from verifier.machine import machine_summary
     model = args.model or DEFAULT_MODEL
     modes = [q.strip() for q in args.quantization.split(",") if q.strip()]
     print(f"bench {args.what}: {model}, {machine_summary()}", file=sys.stderr)

@@ -3,9 +3,9 @@
     python -m bench.step_profile --quantization auto,none --threads 2 --context 300
 
 One request decodes greedily past a `--context`-token prompt (held-out text). The step's wall
-time is the median of `--steps` engine steps without a profiler; the matmul time is the
-self time of the matmul kernels (int4 / int8 / oneDNN / MKL) in a torch.profiler run of
-the same steps. Everything else (norms, RoPE, attention, sampling, the engine's Python) is
+time is the median of engine steps without a profiler; the matmul time is the self time of
+the matmul kernels (int4 / int8 / oneDNN / MKL) in torch.profiler runs of as many steps,
+alternated with them (`--rounds` of `--steps` each, medians). Everything else (norms, RoPE, attention, sampling, the engine's Python) is
 the difference. The table of the profiler's top operators follows with --ops.
 """
 from __future__ import annotations
@@ -24,26 +24,29 @@ MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", 
               "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 
 
-def profile_step(llm: LLM, prompt: list[int], steps: int, show_ops: bool) -> dict:
+def profile_step(llm: LLM, prompt: list[int], steps: int, rounds: int, show_ops: bool) -> dict:
+    """Rounds of `steps` timed steps then `steps` profiled ones; medians over all of them."""
     engine = llm.engine
-    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=3 * steps + 20, ignore_eos=True))
+    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=2 * rounds * steps + 20,
+                                                         ignore_eos=True))
     for _ in range(10):                      # prefill and warm-up steps
         engine.step()
-    walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - start)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    walls, matmuls = [], []
+    for _ in range(rounds):
         for _ in range(steps):
+            start = time.perf_counter()
             engine.step()
+            walls.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+        ops = prof.key_averages()
+        matmuls.append(sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS) / steps / 1e3)
     engine.abort("profile")
     engine.step()
-    ops = prof.key_averages()
-    matmul = sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS) / steps / 1e3
     if show_ops:
         print(ops.table(sort_by="self_cpu_time_total", row_limit=15))
-    wall = statistics.median(walls) * 1e3
+    wall, matmul = statistics.median(walls) * 1e3, statistics.median(matmuls)
     return {"step_ms": wall, "matmul_ms": matmul, "other_ms": wall - matmul}
 
 
@@ -52,17 +55,18 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto,none")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ops", action="store_true", help="print the profiler's top operators")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"plain decode step at a {args.context}-token context, {torch.get_num_threads()} threads, "
-          f"median of {args.steps} steps\n\n| quantization | step ms | matmul kernels ms | everything else ms | "
+          f"medians of {args.rounds} rounds of {args.steps} steps\n\n| quantization | step ms | matmul kernels ms | everything else ms | "
           "everything else |\n|---|---|---|---|---|")
     for mode in args.quantization.split(","):
         llm = LLM(quantization=mode.strip(), max_num_seqs=1)
-        r = profile_step(llm, long_prompt(llm, args.context), args.steps, args.ops)
+        r = profile_step(llm, long_prompt(llm, args.context), args.steps, args.rounds, args.ops)
         print(f"| {mode} ({llm.engine.target.quantization}) | {r['step_ms']:.2f} | {r['matmul_ms']:.2f} | "
               f"{r['other_ms']:.2f} | {r['other_ms'] / r['step_ms']:.0%} |", flush=True)
 

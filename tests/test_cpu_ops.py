@@ -38,20 +38,53 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(out.float(), F.silu(g) * u, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("v", [1000, 1037, 49152])
+def test_scan_topk_finds_the_k_largest_and_converts_the_row(v):
+    rows, k = 3, 16
+    scan = (torch.rand(rows, v, generator=G) * 2 - 1).to(torch.bfloat16)
+    planted = torch.stack([torch.randperm(v, generator=G)[:k] for _ in range(rows)])
+    planted[0, :2] = torch.tensor([0, v - 1])                   # the first entry and the tail
+    scan.scatter_(1, planted, (10 + torch.arange(k, dtype=torch.float32)).to(torch.bfloat16).expand(rows, k))
+    out, top = cpu_ops.scan_topk(scan, k)
+    assert torch.equal(out, scan.float())
+    assert torch.equal(top.sort(-1).values, planted.sort(-1).values)
+
+
+def test_rescore_int8_writes_the_exact_logits_of_the_candidates_only():
+    v, h, g, k = 300, 64, 32, 5
+    q = torch.randint(-127, 128, (v, h), generator=G, dtype=torch.int8)
+    scale = torch.rand(v, h // g, generator=G)
+    x, top = torch.randn(2, h, generator=G), torch.stack([torch.randperm(v, generator=G)[:k] for _ in range(2)])
+    logits = torch.full((2, v), -1.0)
+    cpu_ops.rescore_int8(x, top, q, scale, logits)
+    w = q.float() * scale.repeat_interleave(g, 1)
+    want = torch.full((2, v), -1.0).scatter_(1, top, torch.gather(x @ w.T, 1, top))
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_rope_store_rotates_and_writes_the_cache(d):
     nh, nkv, rows = 4, 2, 3
     qkv, bias = _bf(rows, (nh + 2 * nkv) * d), torch.randn((nh + 2 * nkv) * d, generator=G)
     cos, sin = torch.randn(50, d, generator=G), torch.randn(50, d, generator=G)
     pos, slots = torch.tensor([7, 30, 2]), torch.tensor([5, 0, 9])
-    kc, vc = torch.zeros(12, nkv, d), torch.zeros(12, nkv, d)
+    kc, vc = torch.zeros(12, nkv, d, dtype=torch.bfloat16), torch.zeros(12, nkv, d, dtype=torch.bfloat16)
     q = torch.empty(rows, nh, d)
     cpu_ops.rope_store(qkv, bias, cos, sin, pos, slots, kc, vc, q)
     x = (qkv.float() + bias).view(rows, nh + 2 * nkv, d)
     rot = apply_rotary(x[:, :nh + nkv], cos[pos][:, None], sin[pos][:, None])
     torch.testing.assert_close(q, rot[:, :nh], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kc[slots], rot[:, nh:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(vc[slots], x[:, nh + nkv:])
+    # the caches are bf16, rounded to nearest even as torch rounds (k: within one bf16 step, as
+    # the fp32 rotation may round its last bit differently)
+    torch.testing.assert_close(kc[slots], rot[:, nh:].to(torch.bfloat16), rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(vc[slots], x[:, nh + nkv:].to(torch.bfloat16), rtol=0, atol=0)
+
+
+_NO_ROPE = torch.zeros(1, 1)
+
+
+def _heads(nh: int, nkv: int, d: int, scale: float) -> cpu_ops.Heads:
+    return cpu_ops.heads(nh, nkv, d, scale, _NO_ROPE, _NO_ROPE)      # attend alone reads no rope table
 
 
 def _dense_attention(q, kc, vc, seq: SeqInput, block: int, scale: float):
@@ -66,42 +99,51 @@ def _dense_attention(q, kc, vc, seq: SeqInput, block: int, scale: float):
     return torch.einsum("htn,nhd->thd", s.masked_fill(~mask, float("-inf")).softmax(-1), v).flatten(1)
 
 
-@pytest.mark.parametrize("d", [16, 64])
-def test_attention_matches_a_dense_reference_for_chains_trees_and_batches(d):
+def _tables(lengths: list[int], block: int) -> list[list[int]]:
+    """Block tables for sequences of these lengths over one pool, blocks scattered."""
+    need = [-(-n // block) for n in lengths]
+    perm = torch.randperm(sum(need), generator=G).tolist()
+    return [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))]
+
+
+# ctx 600: a row's keys span three chunks of the kernel, merged at the end
+@pytest.mark.parametrize("d,ctx", [(16, 0), (64, 0), (64, 600)])
+def test_attention_matches_a_dense_reference_for_chains_trees_and_batches(d, ctx):
     block, nh, nkv = 4, 6, 2
-    kc, vc = torch.randn(64, nkv, d, generator=G), torch.randn(64, nkv, d, generator=G)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    seqs = [SeqInput([1], 13, [3, 0, 7, 5]),                                   # decode, scattered blocks
-            SeqInput([1, 2, 3, 4], 9, [1, 2, 4, 10], mask=tree, logits_indices=list(range(4))),
-            SeqInput([1, 2, 3], 2, [6, 8])]                                     # causal chain
-    plan = row_plan(seqs, block)
+    tables = _tables([14 + ctx, 13 + ctx, 5 + ctx], block)
+    kc, vc = _bf(sum(map(len, tables)) * block, nkv, d), _bf(sum(map(len, tables)) * block, nkv, d)
+    seqs = [SeqInput([1], 13 + ctx, tables[0]),                                # decode
+            SeqInput([1, 2, 3, 4], 9 + ctx, tables[1], mask=tree, logits_indices=list(range(4))),
+            SeqInput([1, 2, 3], 2 + ctx, tables[2])]                            # causal chain
     q = torch.randn(8, nh, d, generator=G)
     got = torch.empty(8, nh * d, dtype=torch.bfloat16)
-    cpu_ops.attend(q, kc, vc, plan, block, d ** -0.5, got)
+    cpu_ops.attend(_heads(nh, nkv, d, d ** -0.5), row_plan(seqs, block, nh // nkv).c, q, kc, vc, got)
     got = got.float()
     row = 0
     for s in seqs:
-        want = _dense_attention(q[row:row + s.num_new], kc, vc, s, block, d ** -0.5)
+        want = _dense_attention(q[row:row + s.num_new], kc.float(), vc.float(), s, block, d ** -0.5)
         torch.testing.assert_close(got[row:row + s.num_new], want, rtol=1e-2, atol=1e-2)
         row += s.num_new
 
 
-def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ancestors():
+@pytest.mark.parametrize("ctx", [10, 610])
+def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ancestors(ctx):
     """Node 3 of a tree (ancestors 0 and 1, sibling 2 masked) against a decode of the same
     token whose ancestors are in the cache: the same keys in the same order, so the same bits."""
     block, nh, nkv, d = 4, 4, 2, 64
-    kc, vc = torch.randn(64, nkv, d, generator=G), torch.randn(64, nkv, d, generator=G)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    table = [2, 5, 9, 11, 13]
+    table = _tables([ctx + 4], block)[0]
+    kc, vc = _bf(len(table) * block, nkv, d), _bf(len(table) * block, nkv, d)
     q = torch.randn(4, nh, d, generator=G)
     in_tree = torch.empty(4, nh * d, dtype=torch.bfloat16)
-    cpu_ops.attend(q, kc, vc, row_plan([SeqInput([0] * 4, 10, table, mask=tree, logits_indices=[0, 1, 2, 3])], block),
-                   block, 0.125, in_tree)
-    # the decode: ancestors 0 and 1 committed at positions 10 and 11, node 3 at 12
+    hd = _heads(nh, nkv, d, 0.125)
+    tree_plan = row_plan([SeqInput([0] * 4, ctx, table, mask=tree, logits_indices=[0, 1, 2, 3])], block, nh // nkv)
+    cpu_ops.attend(hd, tree_plan.c, q, kc, vc, in_tree)
+    # the decode: ancestors 0 and 1 committed at positions ctx and ctx + 1, node 3 at ctx + 2
     slot = lambda p: table[p // block] * block + p % block  # noqa: E731
     kc2, vc2 = kc.clone(), vc.clone()
-    for dst, src in ((12, 13),):              # node 3's k/v move to position 12 (node 2's slot)
-        kc2[slot(dst)], vc2[slot(dst)] = kc[slot(src)], vc[slot(src)]
+    kc2[slot(ctx + 2)], vc2[slot(ctx + 2)] = kc[slot(ctx + 3)], vc[slot(ctx + 3)]   # node 3 into node 2's slot
     alone = torch.empty(1, nh * d, dtype=torch.bfloat16)
-    cpu_ops.attend(q[3:4], kc2, vc2, row_plan([SeqInput([0], 12, table)], block), block, 0.125, alone)
+    cpu_ops.attend(hd, row_plan([SeqInput([0], ctx + 2, table)], block, nh // nkv).c, q[3:4], kc2, vc2, alone)
     assert torch.equal(in_tree[3], alone[0])

@@ -10,8 +10,8 @@ fixed tiles for the rest of a prompt (`own=False`, see `verifier.kernels`). One 
 
     h   = rms_norm(x += y)                   fp32 [T, H] residual -> bf16 [T, H]
     qkv = qkv_proj(h)                         bf16 [T, (NH + 2 NKV) D]
-    q   = rope(q); cache[slots] = rope(k), v  fp32 [T, NH, D]
-    o   = attention(q, cache)                 bf16 [T, NH D]
+    q   = rope(q); cache[slots] = rope(k), v  fp32 [T, NH, D]  } one C call
+    o   = attention(q, cache)                 bf16 [T, NH D]    }
     h   = rms_norm(x += o_proj(o))
     y   = down_proj(silu(gate) * up)          from gate_up_proj(h), bf16 [T, 2 I]
 
@@ -30,22 +30,23 @@ from verifier.qlinear import QuantLinear
 
 @dataclass(frozen=True)
 class RowPlan:
-    """The sequences of one forward as the C kernels read them (int64 unless noted); rows
-    are laid out sequence after sequence."""
-    num_seqs: int
+    """The rows of one forward as the C kernels read them, built once for all its layers
+    (int64 tensors; rows are laid out sequence after sequence)."""
     positions: torch.Tensor    # [T] RoPE position of each row
     slots: torch.Tensor        # [T] KV slot each row's k and v are written to
-    row0: torch.Tensor         # [B] first row of each sequence
-    num_new: torch.Tensor      # [B] rows of each sequence
-    ctx: torch.Tensor          # [B] cached tokens each sequence attends to first
-    table0: torch.Tensor       # [B] where each block table starts in `tables`
-    tables: torch.Tensor       # int32 [sum of table lengths]
-    mask0: torch.Tensor        # [B] where each [num_new, num_new] mask starts in `masks`; -1: causal
-    masks: torch.Tensor        # uint8 [sum of mask sizes, or 1]
+    count: torch.Tensor        # [T] keys each row attends to
+    start: torch.Tensor        # [T] where each row's key list starts in `keys`
+    keys: torch.Tensor         # KV slots of the key lists, in logical order
+    units: torch.Tensor        # [2, U] first row and row count of each unit: rows of one
+                               # sequence attended together
+    c: cpu_ops.Rows            # the same, as pointers
 
 
-def row_plan(seqs: list[SeqInput], block_size: int) -> RowPlan:
-    positions, slots, row0, table0, tables, mask0, masks = [], [], [], [], [], [], []
+def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> RowPlan:
+    """`group`: query heads per KV head. A causal sequence's rows share one key list (each
+    row reads a prefix of it); a tree's nodes each get their own (the prefix, then the
+    node's ancestors)."""
+    positions, slots, row0, table0, tables, mask0, masks, num_keys = [], [], [], [], [], [], [], 0
     for s in seqs:
         row0.append(len(positions))
         positions += s.positions if s.positions is not None else range(s.ctx_len, s.kv_len)
@@ -54,13 +55,24 @@ def row_plan(seqs: list[SeqInput], block_size: int) -> RowPlan:
         tables += s.block_table[:-(-s.kv_len // block_size)]
         if s.mask is None:
             mask0.append(-1)
+            num_keys += s.kv_len
         else:
             mask0.append(len(masks))
             masks += s.mask.to(torch.uint8).flatten().tolist()
+            num_keys += s.num_new * s.kv_len
     i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return RowPlan(len(seqs), i64(positions), i64(slots), i64(row0), i64([s.num_new for s in seqs]),
-                     i64([s.ctx_len for s in seqs]), i64(table0), torch.tensor(tables, dtype=torch.int32),
-                     i64(mask0), torch.tensor(masks or [0], dtype=torch.uint8))
+    t = len(positions)
+    count, start, keys, units = (torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64),
+                                 torch.empty(num_keys, dtype=torch.int64), torch.empty(2, t, dtype=torch.int64))
+    n = cpu_ops.row_lists(len(seqs), i64(row0), i64([s.num_new for s in seqs]), i64([s.ctx_len for s in seqs]),
+                          i64(table0), torch.tensor(tables, dtype=torch.int32), i64(mask0),
+                          torch.tensor(masks or [0], dtype=torch.uint8), block_size, cpu_ops.rows_per_unit(group),
+                          count, start, keys, units)
+    positions, slots = i64(positions), i64(slots)
+    rows = cpu_ops.Rows(t, n, max(s.kv_len for s in seqs), positions.data_ptr(), slots.data_ptr(), count.data_ptr(),
+                        start.data_ptr(), keys.data_ptr(), units[0].data_ptr(), units[1].data_ptr())
+    rows.keep = (positions, slots, count, start, keys, units)
+    return RowPlan(positions, slots, count, start, keys, units, rows)
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,8 @@ def forward_rows(net, layers: list[CpuLayer], ids: torch.Tensor, plan: RowPlan, 
                  own: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them."""
-    c, rot, t = net.cfg, net.rotary, ids.shape[0]
+    c, t = net.cfg, ids.shape[0]
+    heads = cpu_ops.heads(c.num_heads, c.num_kv_heads, c.head_dim, net.scale, net.rotary.cos, net.rotary.sin_signed)
     mm = _own if own else _planned
     bf16 = torch.bfloat16
     h = torch.empty(t, c.hidden_size, dtype=bf16)                      # normed input of each matmul block
@@ -103,9 +116,7 @@ def forward_rows(net, layers: list[CpuLayer], ids: torch.Tensor, plan: RowPlan, 
         if i in capture_layers:
             taps[i] = x.clone()
         k_cache, v_cache = kv.layer(i)
-        cpu_ops.rope_store(mm(layer.qkv, h, bias=False), layer.qkv.bias, rot.cos, rot.sin_signed, plan.positions,
-                           plan.slots, k_cache, v_cache, q)
-        cpu_ops.attend(q, k_cache, v_cache, plan, kv.block_size, net.scale, o)
+        cpu_ops.attention(heads, plan.c, mm(layer.qkv, h, bias=False), layer.qkv.bias, q, k_cache, v_cache, o)
         cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
         cpu_ops.silu_mul(mm(layer.gate_up, h), a)
         y = mm(layer.down, a)

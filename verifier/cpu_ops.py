@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from verifier.kernels import machine_key
+from verifier.machine import machine_key
 from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
@@ -32,9 +32,16 @@ _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "rms_norm_rows": [_P, _P, _P, _F, _I, _I, _P],
     "silu_mul": [_P, _I, _I, _P],
+    "scan_topk": [_P, _I, _I, _I, _P, _P],
+    "embed_int8": [_P, _I, _P, _P, _I, _I, _P],
+    "rescore_int8": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
     "rope_store": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
-    "attend": [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P],
+    "rows_per_unit": [_I],
+    "row_lists": [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P],
+    "attend": [_P, _P, _P, _P, _P, _P],
+    "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
 }
+_RETURNS = {"row_lists": _I, "rows_per_unit": _I}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -74,8 +81,32 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = _RETURNS.get(name)
     return lib
+
+
+class Heads(ctypes.Structure):
+    """A model's attention heads as the kernels read them (`Heads` in decode_ops.c); it
+    keeps the rope tables it points to alive (`keep`)."""
+    _fields_ = [("nh", _I), ("nkv", _I), ("d", _I), ("scale", _F), ("cos", _P), ("sin", _P)]
+
+
+class Rows(ctypes.Structure):
+    """One forward's rows as the kernels read them (`Rows` in decode_ops.c); it keeps the
+    tensors it points to alive (`keep`). Built by `verifier.cpu_forward.row_plan`."""
+    _fields_ = [("rows", _I), ("units", _I), ("longest", _I), ("pos", _P), ("slot", _P), ("count", _P),
+                ("start", _P), ("keys", _P), ("unit_first", _P), ("unit_width", _P)]
+
+
+def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor) -> Heads:
+    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr())
+    hd.keep = (cos, sin_signed)
+    return hd
+
+
+def rows_per_unit(group: int) -> int:
+    """Rows of one sequence attended together, for `group` query heads per KV head."""
+    return _library().rows_per_unit(group)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -103,10 +134,38 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
     _library().silu_mul(gu.data_ptr(), rows, inter, out.data_ptr())
 
 
+def scan_topk(scan: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scan bf16 [M, V] (k <= 64 < V) -> (the same in fp32, int64 [M, k] the indices of each
+    row's k largest entries, in no order)."""
+    rows, v = scan.shape
+    out, top = torch.empty(rows, v), torch.empty(rows, k, dtype=torch.int64)
+    _library().scan_topk(scan.data_ptr(), rows, v, k, out.data_ptr(), top.data_ptr())
+    return out, top
+
+
+def embed_int8(ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) of the int8 table w = q * scale (q int8 [V, H], scale fp32
+    [V, H / g]) -> fp32 [T, H]."""
+    h = q.shape[1]
+    out = torch.empty(ids.shape[0], h)
+    _library().embed_int8(ids.data_ptr(), ids.shape[0], q.data_ptr(), scale.data_ptr(), h, h // scale.shape[1],
+                          out.data_ptr())
+    return out
+
+
+def rescore_int8(x: torch.Tensor, top: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 logits: torch.Tensor) -> None:
+    """logits[m, top[m, j]] = x[m] . w[top[m, j]] for the int8 table w = q * scale: x fp32 [M, H],
+    top int64 [M, k], q int8 [V, H], scale fp32 [V, H / g] (H and g multiples of 8)."""
+    (rows, k), (v, h) = top.shape, q.shape
+    _library().rescore_int8(x.data_ptr(), top.data_ptr(), q.data_ptr(), scale.data_ptr(), rows, k, h,
+                            h // scale.shape[1], logits.data_ptr(), v)
+
+
 def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin_signed: torch.Tensor,
                positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                q: torch.Tensor) -> None:
-    """q fp32 [T, NH, D] = rope(q heads of qkv); k (rotated) and v heads written into the fp32
+    """q fp32 [T, NH, D] = rope(q heads of qkv); k (rotated) and v heads written into the bf16
     caches [.., NKV, D] at `slots` (int64 [T]). qkv bf16 [T, (NH + 2 NKV) D] (+ bias fp32);
     `positions` int64 [T] index the rope tables fp32 [P, D] (sin with its sign folded in)."""
     rows, nh, d = q.shape
@@ -115,12 +174,27 @@ def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, 
                           v_cache.data_ptr())
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, block_size: int, scale: float,
+def row_lists(nseq: int, row0: torch.Tensor, nnew: torch.Tensor, ctx: torch.Tensor, table0: torch.Tensor,
+              tables: torch.Tensor, mask0: torch.Tensor, masks: torch.Tensor, block_size: int, per_unit: int,
+              count: torch.Tensor, start: torch.Tensor, keys: torch.Tensor, units: torch.Tensor) -> int:
+    """Fill a forward's key lists and units (see `row_lists` in decode_ops.c); units int64
+    [2, T] gets each unit's first row and row count. Returns the units."""
+    return _library().row_lists(nseq, row0.data_ptr(), nnew.data_ptr(), ctx.data_ptr(), table0.data_ptr(),
+                                tables.data_ptr(), mask0.data_ptr(), masks.data_ptr(), block_size, per_unit,
+                                count.data_ptr(), start.data_ptr(), keys.data_ptr(), units[0].data_ptr(),
+                                units[1].data_ptr())
+
+
+def attend(hd: Heads, rows: Rows, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            out: torch.Tensor) -> None:
-    """out bf16 [T, NH * D] = attention of q fp32 [T, NH, D] over the fp32 caches; `plan` (a
-    RowPlan) describes the sequences."""
-    rows, nh, d = q.shape
-    _library().attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.num_seqs, plan.row0.data_ptr(),
-                      plan.num_new.data_ptr(), plan.ctx.data_ptr(), plan.table0.data_ptr(), plan.tables.data_ptr(),
-                      plan.mask0.data_ptr(), plan.masks.data_ptr(), block_size, nh, k_cache.shape[-2], d, scale,
+    """out bf16 [T, NH * D] = attention of q fp32 [T, NH, D] over the bf16 caches [.., NKV, D]."""
+    _library().attend(ctypes.byref(hd), ctypes.byref(rows), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       out.data_ptr())
+
+
+def attention(hd: Heads, rows: Rows, qkv: torch.Tensor, bias: torch.Tensor | None, q_ws: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    """One layer's attention from its qkv projection: `rope_store` into q_ws fp32 [T, NH, D]
+    and the caches, then `attend` into out bf16 [T, NH * D]."""
+    _library().attention(ctypes.byref(hd), ctypes.byref(rows), qkv.data_ptr(), _ptr(bias), q_ws.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())

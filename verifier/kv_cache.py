@@ -18,9 +18,11 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # each layer's (k, v) views, made once: indexing a tensor costs microseconds, 60 per step
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Move K/V of physical slots src[i] -> dst[i] in every layer (tree commit).

@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verifier import cpu_ops
 from verifier.linear import onednn_available
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, per_channel
 
 DENSE_PATHS = ("bf16", "fp32")
-# Overloads looked up once: resolving torch.ops.aten.<name> costs about a microsecond a call.
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+# torch's own bindings of the kernels: a call through torch.ops.aten costs 1.5 us more.
+_INT4_MM = torch._weight_int4pack_mm_for_cpu
+_INT8_MM = torch._weight_int8pack_mm
 _ONEDNN = onednn_available()
 _N_ALIGN = 16          # the int4 packer needs a multiple of 16 output channels
 
@@ -136,6 +137,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids [T] -> [T, hidden] fp32: only the looked-up rows are dequantized
+        if self._kind is Int8Weight and ids.device.type == "cpu" and cpu_ops.available():
+            return cpu_ops.embed_int8(ids.contiguous(), self.q, self.scale)
         rows = self._kind(*(torch.index_select(getattr(self, f), 0, ids) for f in self._fields))
         return rows.dequantize()
 
@@ -156,26 +159,16 @@ class RescoredHead(nn.Module):
         super().__init__()
         self.scan = scan
         self.table = table          # may be the model's embedding module too (tied weights)
+        # an int8 table (Q8_0, the default model's) is rescored in one C call
+        self._c_rescore = (table._kind is Int8Weight and table.embedding_dim % 8 == 0
+                           and (table.embedding_dim // table.scale.shape[1]) % 8 == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, hidden] -> logits [M, vocab] fp32
-        logits = self.scan.run(self.scan.kind, x).float()
-        top = top_indices(logits, self.RESCORE_K)                                        # [M, k]
+        logits, top = cpu_ops.scan_topk(self.scan.run(self.scan.kind, x), self.RESCORE_K)  # [M, V], [M, k]
+        x = x.float().contiguous()
+        if self._c_rescore:
+            cpu_ops.rescore_int8(x, top, self.table.q, self.table.scale, logits)
+            return logits
         rows = self.table(top.view(-1)).view(*top.shape, self.table.embedding_dim)       # [M, k, hidden]
-        return logits.scatter_(1, top, (rows * x.float()[:, None, :]).sum(-1))
-
-
-def top_indices(x: torch.Tensor, k: int, chunk: int = 128) -> torch.Tensor:
-    """The indices of the k largest entries of each row of x [M, V] (in no order).
-
-    torch.topk over a 49k row is scalar (110 us); the maxima of 128-wide chunks are one
-    vectorized reduction, and the k largest entries lie in the k chunks with the largest
-    maxima, so topk runs over k * 128 candidates instead (about 20 us)."""
-    m, v = x.shape
-    if v % chunk or v // chunk <= k:
-        return x.topk(k, dim=-1, sorted=False).indices
-    chunks = x.view(m, v // chunk, chunk)
-    best = chunks.amax(-1).topk(k, dim=-1, sorted=False).indices                        # [M, k] chunks
-    cand = torch.gather(chunks, 1, best[..., None].expand(m, k, chunk)).view(m, k * chunk)
-    pick = cand.topk(k, dim=-1, sorted=False).indices                                    # [M, k] in cand
-    return torch.gather(best, 1, pick // chunk) * chunk + pick % chunk
+        return logits.scatter_(1, top, (rows * x[:, None, :]).sum(-1))

@@ -64,10 +64,11 @@ class TargetModel:
             quantization = auto_quantization(self.model_dir, self.device)
         check_quantization(quantization, self.device)
         self.quantization = quantization
-        # Quantized kernels take bf16 inputs; the residual stream and the KV cache stay fp32 (a
-        # bf16 cache made the fused attention slower: 2.4 against 2.0 ms per decode step at a
-        # 300-token context, 13.7 against 5.8 ms per layer for a 512-token prefill).
+        # Quantized kernels take bf16 inputs and the residual stream stays fp32. Their KV cache is
+        # bf16, as vLLM's is for a bf16 model: v is a bf16 matmul output already, and decode
+        # attention is bound by reading the cache (see docs/quantization.md).
         self.dtype = dtype or (torch.float32 if quantization != "none" else default_dtype(self.device))
+        self.kv_dtype = torch.bfloat16 if quantization != "none" else self.dtype
         self.tokenizer = load_tokenizer(self.model_dir) if load_tokenizer_files else None
         with torch.device("meta"):
             net = LlamaForCausalLM(self.config)
@@ -94,11 +95,11 @@ class TargetModel:
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         c = self.config
         self.kv = KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                          self.dtype, self.device)
+                          self.kv_dtype, self.device)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.config
-        return KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.kv_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
@@ -131,7 +132,8 @@ class TargetModel:
 
     def _forward_rows(self, batch: ForwardBatch, own: bool) -> ForwardOutput:
         ids, _, rows, offsets = _flatten(batch)
-        plan = row_plan(batch.seqs, self.kv.block_size)
+        cfg = self.net.cfg
+        plan = row_plan(batch.seqs, self.kv.block_size, cfg.num_heads // cfg.num_kv_heads)
         logits, taps = forward_rows(self.net, self._cpu_layers, torch.tensor(ids), plan, self.kv,
                                     torch.tensor(rows, dtype=torch.long), batch.capture_layers, own)
         return ForwardOutput(logits, offsets, taps)

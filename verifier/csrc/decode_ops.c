@@ -10,12 +10,13 @@
  * Layouts (all contiguous, row-major):
  *   activations   x fp32 [T, H]; bf16 tensors are uint16 bit patterns
  *   qkv           bf16 [T, (NH + 2 * NKV) * D]   (q heads, then k heads, then v heads)
- *   KV cache      fp32 [slots, NKV, D]            (slot = block * block_size + offset)
+ *   KV cache      bf16 [slots, NKV, D]            (slot = block * block_size + offset)
  *   rope tables   fp32 [positions, D]; sin has its first half negated (see verifier/rope.py)
  * Invariance comes from structure, not from the compiler: every loop's trip count is a
  * model dimension or a key count whose remainder is padded, never the batch.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,6 +143,7 @@ static inline v8f exp_neg8(v8f x) {
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef int8_t v8c __attribute__((vector_size(8), aligned(1)));
 
 static inline v8f load_bf16x8(const bf16 *p) {
     v8h h;
@@ -153,6 +155,77 @@ static inline void store_bf16x8(bf16 *p, v8f f) {       /* round to nearest even
     v8u u = (v8u)f;
     v8h h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, v8h);
     memcpy(p, &h, sizeof h);
+}
+
+/* Put y[c] into the k largest so far (best, idx; low: the smallest of them) if above it. */
+static inline void offer(float y, int64_t c, float *best, int64_t *idx, int64_t k, int64_t *low) {
+    if (!(y > best[*low])) return;
+    best[*low] = y;
+    idx[*low] = c;
+    for (int64_t j = 0; j < k; j++) *low = best[j] < best[*low] ? j : *low;
+}
+
+/* out fp32 [M, V] = scan bf16 [M, V]; top[m] = the indices of the k (<= 64) largest entries of
+ * row m, in no order (of equal entries, the first). One pass: blocks of 64 are converted, and
+ * only a block whose maximum beats the k-th largest so far is looked at entry by entry. */
+void scan_topk(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out, int64_t *top) {
+    for (int64_t m = 0; m < rows; m++) {
+        const bf16 *x = scan + m * v;
+        float *y = out + m * v, best[64];
+        int64_t *idx = top + m * k, low = 0, i = 0;
+        for (; i < k; i++) {
+            y[i] = best[i] = bf16_to_f32(x[i]);
+            idx[i] = i;
+            low = best[i] < best[low] ? i : low;
+        }
+        for (; i < v && (i % 64 || i + 64 > v); i++) offer(y[i] = bf16_to_f32(x[i]), i, best, idx, k, &low);
+        for (; i + 64 <= v; i += 64) {
+            v8f mx = load_bf16x8(x + i);
+            for (int c = 0; c < 64; c += 8) {
+                v8f f = load_bf16x8(x + i + c);
+                store8(y + i + c, f);
+                v8i gt = f > mx;
+                mx = (v8f)(((v8i)f & gt) | ((v8i)mx & ~gt));
+            }
+            float top8 = mx[0];
+            for (int j = 1; j < 8; j++) top8 = mx[j] > top8 ? mx[j] : top8;
+            if (top8 > best[low])
+                for (int c = 0; c < 64; c++) offer(y[i + c], i + c, best, idx, k, &low);
+        }
+        for (; i < v; i++) offer(y[i] = bf16_to_f32(x[i]), i, best, idx, k, &low);
+    }
+}
+
+/* out[m, top[m, j]] = x[m] . w[top[m, j]] in fp32 for an int8 table w = q * scale (q int8
+ * [V, H], scale fp32 [V, H / g], H % 8 == 0, g % 8 == 0): the exact logits of each row's
+ * candidates. The k rows are requested from memory before the first is read. */
+void rescore_int8(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows, int64_t k,
+                  int64_t h, int64_t g, float *out, int64_t v) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < k; j++)
+            for (int64_t e = 0; e < h; e += 64) __builtin_prefetch(q + top[m * k + j] * h + e);
+    for (int64_t m = 0; m < rows; m++) {
+        const float *xm = x + m * h;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t t = top[m * k + j];
+            const int8_t *qt = q + t * h;
+            const float *st = scale + t * (h / g);
+            v8f acc = {0};
+            for (int64_t e = 0; e < h; e += 8) {
+                v8f w = __builtin_convertvector(*(const v8c *)(qt + e), v8f) * st[e / g];
+                acc += w * load8(xm + e);
+            }
+            out[m * v + t] = sum8(acc);
+        }
+    }
+}
+
+/* out fp32 [T, H] = rows ids of the int8 table w = q * scale (q int8 [V, H], scale fp32
+ * [V, H / g]): the token embedding. */
+void embed_int8(const int64_t *ids, int64_t rows, const int8_t *q, const float *scale, int64_t h, int64_t g,
+                float *out) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t e = 0; e < h; e++) out[t * h + e] = (float)q[ids[t] * h + e] * scale[ids[t] * (h / g) + e / g];
 }
 
 /* out[t, i] = bf16(silu(g) * u) for gu[t] = [g (inter) | u (inter)]; inter % 8 == 0 */
@@ -185,11 +258,11 @@ static inline void rotate(const bf16 *x, const float *bias, const float *c, cons
     }
 }
 
-/* q_out[t] = rope(q heads); k_cache[slot[t]] = rope(k heads), v_cache[slot[t]] = v heads (all
- * fp32). bias (fp32 [(NH + 2 NKV) D]) may be NULL. */
+/* q_out[t] = rope(q heads) fp32; k_cache[slot[t]] = bf16(rope(k heads)), v_cache[slot[t]] =
+ * bf16(v heads + bias). bias (fp32 [(NH + 2 NKV) D]) may be NULL. */
 void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const float *sin_tab,
                 const int64_t *pos, const int64_t *slot, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
-                float *q_out, float *k_cache, float *v_cache) {
+                float *q_out, bf16 *k_cache, bf16 *v_cache) {
     int64_t width = (nh + 2 * nkv) * d;
     v8f r[32];
     for (int64_t t = 0; t < rows; t++) {
@@ -197,159 +270,349 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
         const float *c = cos_tab + pos[t] * d, *s = sin_tab + pos[t] * d;
         for (int64_t h = 0; h < nh + nkv; h++) {
             rotate(x + h * d, bias ? bias + h * d : NULL, c, s, d, r);
-            float *dst = h < nh ? q_out + (t * nh + h) * d : k_cache + (slot[t] * nkv + h - nh) * d;
-            for (int64_t i = 0; i < d; i += 8) store8(dst + i, r[i / 8]);
+            if (h < nh)
+                for (int64_t i = 0; i < d; i += 8) store8(q_out + (t * nh + h) * d + i, r[i / 8]);
+            else
+                for (int64_t i = 0; i < d; i += 8) store_bf16x8(k_cache + (slot[t] * nkv + h - nh) * d + i, r[i / 8]);
         }
         for (int64_t h = 0; h < nkv; h++) {
             const bf16 *v = x + (nh + nkv + h) * d;
             const float *vb = bias ? bias + (nh + nkv + h) * d : NULL;
-            for (int64_t i = 0; i < d; i += 8)
-                store8(v_cache + (slot[t] * nkv + h) * d + i, vb ? load_bf16x8(v + i) + load8(vb + i) : load_bf16x8(v + i));
+            bf16 *dst = v_cache + (slot[t] * nkv + h) * d;
+            if (vb)
+                for (int64_t i = 0; i < d; i += 8) store_bf16x8(dst + i, load_bf16x8(v + i) + load8(vb + i));
+            else
+                memcpy(dst, v, sizeof(bf16) * d);
         }
     }
 }
 
-#define ROWS 4          /* query rows of one sequence and head attended together */
-#define KEYS 64         /* keys per block: a block's K and V rows stay in L1 across the rows */
+#define QV 16            /* query vectors attended together: a unit's rows x a KV head's query heads */
+#define CH 256           /* keys per chunk: a row's keys are split at multiples of CH from its first */
+#define PF 32            /* keys ahead that K rows are prefetched */
 
-/* Query rows q[r] (r < nrows) of one head, each over the first n[r] keys of its slot list
- * lists[r]: softmax(q . k * scale) v -> out[r] (bf16). The rows are of one sequence, whose
- * cached prefix heads every list (a causal row's list is even a prefix of the next row's),
- * so a K or V row of the prefix is read once for all of them. Each row's arithmetic is what it would be alone: a key's score is sum8x8 over its
- * 8-lane partial products (keys in groups of 8, a short last group padded with its first
- * key and masked), the exp sum keeps key i in lane i % 8, and v is accumulated in key order.
- * So a row's bits depend only on its query and its keys. score holds ROWS rows of the
- * longest count rounded up to 8. D, the head size, is a constant in each instance (64, 128
- * or any multiple of 8 up to 256) so that the output accumulators stay in registers. */
-static inline void attend_rows(const float *const *q, int nrows, const int64_t *n, const float *k_cache,
-                               const float *v_cache, const int64_t *const *lists, int64_t nkv, int64_t kvh,
-                               const int64_t D, float scale, float *score, int64_t stride, bf16 *const *out) {
-    int64_t most = 0;
-    for (int r = 0; r < nrows; r++) most = n[r] > most ? n[r] : most;
-    for (int64_t kb = 0; kb < most; kb += KEYS)
-        for (int r = 0; r < nrows; r++)
-            for (int64_t i = kb; i < kb + KEYS && i < n[r]; i += 8) {
-                const int64_t *slots = lists[r];
-                const float *k[8];
-                for (int j = 0; j < 8; j++) k[j] = k_cache + (slots[i + j < n[r] ? i + j : i] * nkv + kvh) * D;
-                v8f acc[8] = {{0}};
-                for (int64_t e = 0; e < D; e += 8) {
-                    v8f qe = load8(q[r] + e);
-                    for (int j = 0; j < 8; j++) acc[j] += qe * load8(k[j] + e);
+/* Attention's vectors are as wide as the machine's: W lanes (the dot products' lane split,
+ * hence a row's bits, depend on W, but never on the batch). HB query heads of a row share each
+ * K/V load: 8 keys x 3 heads of accumulators fit AVX-512's 32 vector registers. */
+#if defined(__AVX512F__)
+#define W 16
+#define HB 3
+#else
+#define W 8
+#define HB 1
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
+static inline vf loadw(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+
+static inline vf load_bf16w(const bf16 *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline v8f fold8(vf a) {        /* lane i + lane i + 8 (W = 16) */
+    v8f lo;
+    memcpy(&lo, &a, sizeof lo);
+#if W == 16
+    v8f hi;
+    memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
+    return lo + hi;
+#else
+    return lo;
+#endif
+}
+
+/* The query vectors of one work item: rows of one sequence times query heads of one KV head.
+ * Vectors of the same row are consecutive and share one key list: list[r][0 .. n[r]). */
+typedef struct {
+    int nq;
+    const float *q[QV];
+    const int64_t *list[QV];
+    int64_t n[QV];
+    bf16 *out[QV];
+    int64_t kvh;
+} Item;
+
+/* score[r][i - c0] = q[r] . k[i] * scale for keys [c0, to) (c0 % 8 == 0) and the nb vectors
+ * r0.. of one row: keys in groups of 8 (a short last group padded with its first key), each
+ * K row read once for all nb vectors, and K rows PF keys ahead (and these keys' V rows)
+ * requested from memory while these are summed. */
+static inline void scores(const Item *it, int r0, const int nb, int64_t c0, int64_t to, const bf16 *kc,
+                          const bf16 *vc, int64_t nkv, const int64_t D, float scale, float *score) {
+    const int64_t *list = it->list[r0], n = it->n[r0];
+    for (int64_t i = c0; i < to; i += 8) {
+        const bf16 *k[8];
+        for (int j = 0; j < 8; j++) k[j] = kc + (list[i + j < to ? i + j : i] * nkv + it->kvh) * D;
+        if (r0 == 0)
+            for (int j = 0; j < 8; j++) {
+                const bf16 *kn = kc + (list[i + PF + j < n ? i + PF + j : i] * nkv + it->kvh) * D;
+                const bf16 *vn = vc + (list[i + j < to ? i + j : i] * nkv + it->kvh) * D;
+                for (int64_t e = 0; e < D; e += 32) {
+                    __builtin_prefetch(kn + e);
+                    __builtin_prefetch(vn + e);
                 }
-                store8(score + r * stride + i, sum8x8(acc) * scale);
             }
-    float inv[ROWS];
-    for (int r = 0; r < nrows; r++) {
-        float *sc = score + r * stride, m = -INFINITY;
-        for (int64_t i = 0; i < n[r]; i++) m = sc[i] > m ? sc[i] : m;
-        v8f total = {0};
-        for (int64_t i = 0; i < n[r]; i += 8) {
-            v8f e = exp_neg8(load8(sc + i) - m);
-            for (int j = 0; j < 8; j++) e[j] = i + j < n[r] ? e[j] : 0.0f;
-            store8(sc + i, e);
-            total += e;
-        }
-        inv[r] = 1.0f / sum8(total);
-    }
-    v8f o[ROWS][32];
-    for (int r = 0; r < nrows; r++)
-        for (int64_t e = 0; e < D / 8; e++) o[r][e] = (v8f){0};
-    for (int64_t kb = 0; kb < most; kb += KEYS)
-        for (int r = 0; r < nrows; r++) {
-            const float *sc = score + r * stride;
-            v8f acc[32];
-            for (int64_t e = 0; e < D / 8; e++) acc[e] = o[r][e];
-            for (int64_t i = kb; i < kb + KEYS && i < n[r]; i++) {
-                const float *v = v_cache + (lists[r][i] * nkv + kvh) * D;
-                for (int64_t e = 0; e < D / 8; e++) acc[e] += sc[i] * load8(v + 8 * e);
+        vf acc[HB][8] = {{{0}}};
+        for (int64_t e = 0; e < D; e += W)
+            for (int j = 0; j < 8; j++) {
+                vf kv = load_bf16w(k[j] + e);
+                for (int b = 0; b < nb; b++) acc[b][j] += loadw(it->q[r0 + b] + e) * kv;
             }
-            for (int64_t e = 0; e < D / 8; e++) o[r][e] = acc[e];
+        for (int b = 0; b < nb; b++) {
+            v8f folded[8];
+            for (int j = 0; j < 8; j++) folded[j] = fold8(acc[b][j]);
+            store8(score + (r0 + b) * CH + i - c0, sum8x8(folded) * scale);
         }
-    for (int r = 0; r < nrows; r++)
-        for (int64_t e = 0; e < D; e++) out[r][e] = f32_to_bf16(o[r][e / 8][e % 8] * inv[r]);
-}
-
-static void attend_rows_d64(const float *const *q, int nrows, const int64_t *n, const float *kc, const float *vc,
-                            const int64_t *const *slots, int64_t nkv, int64_t kvh, float scale, float *score,
-                            int64_t stride, bf16 *const *out) {
-    attend_rows(q, nrows, n, kc, vc, slots, nkv, kvh, 64, scale, score, stride, out);
-}
-
-static void attend_rows_d128(const float *const *q, int nrows, const int64_t *n, const float *kc, const float *vc,
-                            const int64_t *const *slots, int64_t nkv, int64_t kvh, float scale, float *score,
-                             int64_t stride, bf16 *const *out) {
-    attend_rows(q, nrows, n, kc, vc, slots, nkv, kvh, 128, scale, score, stride, out);
-}
-
-/* Attention of every new row of every sequence, out bf16 [T, NH * D].
- * Sequence b: rows [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table
- * tables[tab0[b]...], new-token mask masks[msk0[b]...] ([nnew, nnew] uint8, msk0 < 0:
- * causal). A unit of work is a head and up to ROWS rows of one sequence. head_dim: a
- * multiple of 8, at most 256. */
-void attend(const float *q, const float *k_cache, const float *v_cache, int64_t nseq, const int64_t *row0,
-            const int64_t *nnew, const int64_t *ctx, const int64_t *tab0, const int32_t *tables,
-            const int64_t *msk0, const uint8_t *masks, int64_t bs, int64_t nh, int64_t nkv, int64_t d,
-            float scale, bf16 *out) {
-    /* work units: up to ROWS rows of one sequence (first row, count); each row's slot list */
-    int64_t rows = row0[nseq - 1] + nnew[nseq - 1], units = 0, total = 0, longest = 0;
-    for (int64_t b = 0; b < nseq; b++) {
-        units += (nnew[b] + ROWS - 1) / ROWS;
-        total += msk0[b] < 0 ? ctx[b] + nnew[b] : nnew[b] * (ctx[b] + nnew[b]);
-        longest = ctx[b] + nnew[b] > longest ? ctx[b] + nnew[b] : longest;
     }
-    int64_t *first = malloc(sizeof(int64_t) * units), *width = malloc(sizeof(int64_t) * units);
-    int64_t *count = malloc(sizeof(int64_t) * rows), *slots = malloc(sizeof(int64_t) * total), u = 0, at = 0;
-    const int64_t **list = malloc(sizeof(int64_t *) * rows);
+}
+
+/* o[r] = sum over keys [c0, to) of p[r][i - c0] v[i] for the nb vectors r0.. of one row (p in
+ * score), keys in order; W lanes x 8 at a time, each V row read once for all nb vectors. */
+static inline void weigh_values(const Item *it, int r0, const int nb, int64_t c0, int64_t to, const bf16 *vc,
+                                int64_t nkv, const int64_t D, const float *score, vf (*o)[256 / W]) {
+    const int64_t *list = it->list[r0];
+    for (int64_t g0 = 0; g0 < D / W; g0 += 8) {
+        const int64_t w = D / W - g0 < 8 ? D / W - g0 : 8;
+        vf acc[HB][8];
+        for (int b = 0; b < nb; b++)
+            for (int64_t g = 0; g < w; g++) acc[b][g] = (vf){0};
+        for (int64_t i = c0; i < to; i++) {
+            const bf16 *v = vc + (list[i] * nkv + it->kvh) * D + W * g0;
+            for (int64_t g = 0; g < w; g++) {
+                vf vv = load_bf16w(v + W * g);
+                for (int b = 0; b < nb; b++) acc[b][g] += score[(r0 + b) * CH + i - c0] * vv;
+            }
+        }
+        for (int b = 0; b < nb; b++)
+            for (int64_t g = 0; g < w; g++) o[r0 + b][g0 + g] = acc[b][g];
+    }
+}
+
+/* Vectors r0.. that share r0's row, at most HB */
+static inline int row_block(const Item *it, int r0) {
+    int nb = 1;
+    while (nb < HB && r0 + nb < it->nq && it->list[r0 + nb] == it->list[r0] && it->n[r0 + nb] == it->n[r0]) nb++;
+    return nb;
+}
+
+/* p = exp(s - m) over one vector's cnt scores (the rest of their group of 8 zeroed); returns
+ * m, the largest score, and puts the sum of p (key i's term in lane i % 8) in *l. */
+static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    v8f mv = load8(sc);                  /* a short last group's pads are copies of a visible key */
+    for (int64_t i = 8; i < cnt; i += 8) {
+        v8f s = load8(sc + i);
+        v8i gt = s > mv;
+        mv = (v8f)(((v8i)s & gt) | ((v8i)mv & ~gt));
+    }
+    float m = mv[0];
+    for (int j = 1; j < 8; j++) m = mv[j] > m ? mv[j] : m;
+    v8f total = {0};
+    for (int64_t i = 0; i < cnt; i += 8) {
+        v8f e = (v8f)((v8i)exp_neg8(load8(sc + i) - m) & (lane + (int32_t)i < (int32_t)cnt));
+        store8(sc + i, e);
+        total += e;
+    }
+    *l = sum8(total);
+    return m;
+}
+
+/* One chunk of keys, [c0, c0 + CH), for every vector of an item: part[r] = (o [D], m, l), the
+ * chunk's unnormalized output, largest score and exp sum (m = -inf, l = 0 where the vector has
+ * no key in the chunk). score: QV x CH floats. */
+static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
+                                const int64_t D, float scale, float *score, float *part) {
+    int64_t to[QV];
+    for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
+    for (int r = 0, nb; r < it->nq; r += nb) {
+        nb = row_block(it, r);
+        if (to[r] <= c0) continue;
+        if (nb == 3)
+            scores(it, r, 3, c0, to[r], kc, vc, nkv, D, scale, score);
+        else if (nb == 2)
+            scores(it, r, 2, c0, to[r], kc, vc, nkv, D, scale, score);
+        else
+            scores(it, r, 1, c0, to[r], kc, vc, nkv, D, scale, score);
+    }
+    vf o[QV][256 / W];
+    for (int r = 0, nb; r < it->nq; r += nb) {
+        nb = row_block(it, r);
+        if (to[r] <= c0) continue;
+        for (int b = 0; b < nb; b++) {
+            float *pr = part + (r + b) * (D + 2);
+            pr[D] = chunk_softmax(score + (r + b) * CH, to[r] - c0, pr + D + 1);
+        }
+        if (nb == 3)
+            weigh_values(it, r, 3, c0, to[r], vc, nkv, D, score, o);
+        else if (nb == 2)
+            weigh_values(it, r, 2, c0, to[r], vc, nkv, D, score, o);
+        else
+            weigh_values(it, r, 1, c0, to[r], vc, nkv, D, score, o);
+    }
+    for (int r = 0; r < it->nq; r++) {
+        float *pr = part + r * (D + 2);
+        if (to[r] <= c0) {
+            pr[D] = -INFINITY;
+            pr[D + 1] = 0.0f;
+            continue;
+        }
+        for (int64_t g = 0; g < D / W; g++) memcpy(pr + g * W, &o[r][g], sizeof(vf));
+    }
+}
+
+static void attend_chunk_d64(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv, float scale,
+                             float *score, float *part) {
+    attend_chunk(it, c0, kc, vc, nkv, 64, scale, score, part);
+}
+
+static void attend_chunk_d128(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
+                              float scale, float *score, float *part) {
+    attend_chunk(it, c0, kc, vc, nkv, 128, scale, score, part);
+}
+
+/* out[r] = bf16(sum_c o_c e^(m_c - m) / sum_c l_c e^(m_c - m)), m = max_c m_c, over one
+ * vector's chunk results part[c] (stride floats apart), merged in chunk order. */
+static void merge_chunks(const float *part, int64_t chunks, int64_t stride, int64_t D, bf16 *out) {
+    float m = -INFINITY, l = 0.0f, o[256];
+    for (int64_t c = 0; c < chunks; c++) m = part[c * stride + D] > m ? part[c * stride + D] : m;
+    for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *pc = part + c * stride;
+        if (pc[D + 1] == 0.0f) continue;
+        float f = exp_neg8((v8f){0} + (pc[D] - m))[0];
+        l += pc[D + 1] * f;
+        for (int64_t e = 0; e < D; e += 8) store8(o + e, load8(o + e) + load8(pc + e) * f);
+    }
+    float inv = 1.0f / l;
+    for (int64_t e = 0; e < D; e++) out[e] = f32_to_bf16(o[e] * inv);
+}
+
+/* The attention heads of a model (mirrored by verifier.cpu_ops.Heads). */
+typedef struct {
+    int64_t nh, nkv, d;
+    float scale;
+    const float *cos, *sin;     /* rope tables fp32 [positions, D], sin with its first half negated */
+} Heads;
+
+/* The rows of one forward, shared by all its layers (mirrored by verifier.cpu_ops.Rows).
+ * A unit is up to `per_unit` consecutive rows of one sequence, attended together. */
+typedef struct {
+    int64_t rows, units, longest;
+    const int64_t *pos, *slot;                  /* [rows] RoPE position; KV slot the row writes */
+    const int64_t *count, *start;               /* [rows] the row's visible keys: keys[start .. start + count) */
+    const int64_t *keys;                        /* KV slots, in logical order */
+    const int64_t *unit_first, *unit_width;     /* [units] */
+} Rows;
+
+/* Rows a unit holds: its query vectors (rows x the query heads of a KV head) fill QV. */
+int64_t rows_per_unit(int64_t group) { return group >= QV ? 1 : QV / group; }
+
+/* Fill a forward's key lists and units (see Rows) from its sequences. Sequence b: rows
+ * [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table tables[tab0[b]...],
+ * new-token mask masks[msk0[b]...] ([nnew, nnew] uint8; msk0 < 0: causal, and all its rows
+ * share one list). keys holds sum over causal sequences of ctx + nnew, over trees of
+ * nnew (ctx + nnew); unit_first and unit_width hold up to `rows` entries. Returns the units. */
+int64_t row_lists(int64_t nseq, const int64_t *row0, const int64_t *nnew, const int64_t *ctx, const int64_t *tab0,
+                  const int32_t *tables, const int64_t *msk0, const uint8_t *masks, int64_t bs, int64_t per_unit,
+                  int64_t *count, int64_t *start, int64_t *keys, int64_t *unit_first, int64_t *unit_width) {
+    int64_t u = 0, at = 0;
     for (int64_t b = 0; b < nseq; b++) {
-        for (int64_t r = 0; r < nnew[b]; r += ROWS, u++) {
-            first[u] = row0[b] + r;
-            width[u] = nnew[b] - r < ROWS ? nnew[b] - r : ROWS;
+        for (int64_t r = 0; r < nnew[b]; r += per_unit, u++) {
+            unit_first[u] = row0[b] + r;
+            unit_width[u] = nnew[b] - r < per_unit ? nnew[b] - r : per_unit;
         }
         if (msk0[b] < 0) {          /* causal: row r sees the first ctx + r + 1 keys of one list */
-            visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], nnew[b] - 1, NULL, slots + at);
+            visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], nnew[b] - 1, NULL, keys + at);
             for (int64_t r = 0; r < nnew[b]; r++) {
                 count[row0[b] + r] = ctx[b] + r + 1;
-                list[row0[b] + r] = slots + at;
+                start[row0[b] + r] = at;
             }
             at += ctx[b] + nnew[b];
         } else {                    /* a tree: each node its own list (the prefix, then its ancestors) */
             for (int64_t r = 0; r < nnew[b]; r++) {
                 const uint8_t *mask = masks + msk0[b] + r * nnew[b];
-                count[row0[b] + r] = visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], r, mask, slots + at);
-                list[row0[b] + r] = slots + at;
+                count[row0[b] + r] = visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], r, mask, keys + at);
+                start[row0[b] + r] = at;
                 at += ctx[b] + nnew[b];
             }
         }
     }
-    int64_t stride = longest + 8;
-    #pragma omp parallel if (rows * longest * nh > 1024)
-    {
-        float *score = malloc(sizeof(float) * ROWS * stride);
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < units * nh; it++) {
-            int64_t w = it / nh, h = it % nh, t = first[w], kvh = h / (nh / nkv);
-            const float *qs[ROWS];
-            bf16 *os[ROWS];
-            for (int r = 0; r < width[w]; r++) {
-                qs[r] = q + ((t + r) * nh + h) * d;
-                os[r] = out + ((t + r) * nh + h) * d;
-            }
-            if (d == 64)
-                attend_rows_d64(qs, width[w], count + t, k_cache, v_cache, list + t, nkv, kvh, scale, score, stride,
-                                os);
-            else if (d == 128)
-                attend_rows_d128(qs, width[w], count + t, k_cache, v_cache, list + t, nkv, kvh, scale, score, stride,
-                                 os);
-            else
-                attend_rows(qs, width[w], count + t, k_cache, v_cache, list + t, nkv, kvh, d, scale, score, stride,
-                            os);
+    return u;
+}
+
+/* The query vectors of unit u, KV head kvh, query heads [h0, h0 + nhq). */
+static Item unit_item(const Heads *hd, const Rows *rw, const float *q, int64_t u, int64_t kvh, int64_t h0,
+                      int64_t nhq, bf16 *out) {
+    Item it = {.nq = 0, .kvh = kvh};
+    for (int64_t t = rw->unit_first[u]; t < rw->unit_first[u] + rw->unit_width[u]; t++)
+        for (int64_t h = h0; h < h0 + nhq; h++, it.nq++) {
+            it.q[it.nq] = q + (t * hd->nh + h) * hd->d;
+            it.out[it.nq] = out + (t * hd->nh + h) * hd->d;
+            it.list[it.nq] = rw->keys + rw->start[t];
+            it.n[it.nq] = rw->count[t];
         }
-        free(score);
+    return it;
+}
+
+/* Attention of every row, out bf16 [T, NH * D], for q fp32 [T, NH, D] over the bf16 caches,
+ * flash-decoding style: a work item is one chunk of keys of a unit's rows for one KV head's
+ * query heads (a single decode row at a 300-token context is 9 items for 3 KV heads), and
+ * each vector's chunks are merged in order once all are done. A chunk's bounds depend only
+ * on the row's own key count, so the work split never changes a row's bits. */
+void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache, const bf16 *v_cache, bf16 *out) {
+    const int64_t d = hd->d, group = hd->nh / hd->nkv, heads = group < QV ? group : QV;
+    const int64_t splits = (group + heads - 1) / heads, per_unit = hd->nkv * splits, stride = d + 2;
+    int64_t *first = malloc(sizeof(int64_t) * (rw->units + 1));     /* first item of each unit */
+    first[0] = 0;
+    for (int64_t u = 0; u < rw->units; u++) {
+        int64_t most = 0;
+        for (int64_t t = rw->unit_first[u]; t < rw->unit_first[u] + rw->unit_width[u]; t++)
+            most = rw->count[t] > most ? rw->count[t] : most;
+        first[u + 1] = first[u] + per_unit * ((most + CH - 1) / CH);
     }
+    float *parts = malloc(sizeof(float) * first[rw->units] * QV * stride);
+    #pragma omp parallel if (rw->rows * rw->longest * hd->nh > 1024)
+    {
+        float score[QV * CH];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < first[rw->units]; i++) {
+            int64_t u = 0;
+            while (first[u + 1] <= i) u++;
+            int64_t j = i - first[u], chunks = (first[u + 1] - first[u]) / per_unit;
+            int64_t kvh = j / chunks / splits, h0 = kvh * group + j / chunks % splits * heads;
+            int64_t nhq = h0 + heads <= (kvh + 1) * group ? heads : (kvh + 1) * group - h0;
+            Item it = unit_item(hd, rw, q, u, kvh, h0, nhq, out);
+            float *part = parts + i * QV * stride;
+            if (d == 64)
+                attend_chunk_d64(&it, j % chunks * CH, k_cache, v_cache, hd->nkv, hd->scale, score, part);
+            else if (d == 128)
+                attend_chunk_d128(&it, j % chunks * CH, k_cache, v_cache, hd->nkv, hd->scale, score, part);
+            else
+                attend_chunk(&it, j % chunks * CH, k_cache, v_cache, hd->nkv, d, hd->scale, score, part);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < rw->units * per_unit; g++) {
+            int64_t u = g / per_unit, kvh = g % per_unit / splits, h0 = kvh * group + g % splits * heads;
+            int64_t nhq = h0 + heads <= (kvh + 1) * group ? heads : (kvh + 1) * group - h0;
+            int64_t chunks = (first[u + 1] - first[u]) / per_unit;
+            Item it = unit_item(hd, rw, q, u, kvh, h0, nhq, out);
+            const float *part = parts + (first[u] + g % per_unit * chunks) * QV * stride;
+            for (int r = 0; r < it.nq; r++) merge_chunks(part + r * stride, chunks, QV * stride, d, it.out[r]);
+        }
+    }
+    free(parts);
     free(first);
-    free(width);
-    free(list);
-    free(count);
-    free(slots);
+}
+
+/* One layer's attention from its qkv projection: q = rope(q heads) into the workspace
+ * q_ws fp32 [T, NH, D]; the cache's slots get rope(k heads) and the v heads; then out =
+ * attention. qkv bf16 [T, (NH + 2 NKV) D]; bias fp32 [(NH + 2 NKV) D] or NULL. */
+void attention(const Heads *hd, const Rows *rw, const bf16 *qkv, const float *bias, float *q_ws, bf16 *k_cache,
+               bf16 *v_cache, bf16 *out) {
+    rope_store(qkv, bias, hd->cos, hd->sin, rw->pos, rw->slot, rw->rows, hd->nh, hd->nkv, hd->d, q_ws, k_cache,
+               v_cache);
+    attend(hd, rw, q_ws, k_cache, v_cache, out);
 }
