@@ -124,9 +124,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, speculate: bool = True,
                     speculation: SpecConfig | None = None) -> Request:
-        """`speculate=False` decodes this request plainly; `speculation` caps its tree
-        (depth, top-k, budget) below the engine's own SpecConfig."""
-        """Validate and queue; ValueError (naming the problem) leaves no state behind."""
+        """Validate and queue; ValueError (naming the problem) leaves no state behind.
+        `speculate=False` decodes this request plainly; `speculation` caps its tree (depth,
+        top-k, budget) below the engine's own SpecConfig."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -136,7 +136,7 @@ class LLMEngine:
         req = Request(request_id, ids, params,
                       IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
                       prompt=prompt if isinstance(prompt, str) else None,
-                      generator=make_generator(seed))
+                      generator=make_generator(seed, self.target.device))
         req.speculate = speculate
         req.speculation = self._cap_speculation(speculation)
         self.requests[request_id] = req

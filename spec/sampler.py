@@ -78,7 +78,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's generator, on the device of the logits it samples from: torch refuses a
+    generator on another device (every T > 0 request would fail on CUDA)."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
