@@ -9,6 +9,8 @@ through `verifier.cpu_forward` instead of `LlamaForCausalLM.forward`.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,26 @@ from verifier.config import ModelConfig
 from verifier.kv_cache import KVCache
 from verifier.linear import Linear
 from verifier.rope import RotaryEmbedding, apply_rotary
+
+
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+          "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextmanager
+def uninitialized():
+    """Modules built inside skip torch's random initialisation, for weights that are loaded
+    next. On the meta device the init functions run through torch._refs, whose import of
+    torch._dynamo imports triton: 1.3 s, and leak warnings from its bindings at exit, on CPU
+    runs that never use it."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 class RMSNorm(nn.Module):

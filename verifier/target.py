@@ -13,7 +13,7 @@ from verifier.config import ModelConfig
 from verifier.kernels import KernelPlan, KernelTimings, engine_rows
 from verifier.kv_cache import KVCache
 from verifier.loader import cache_root, resolve_model_dir
-from verifier.model import LlamaForCausalLM
+from verifier.model import LlamaForCausalLM, uninitialized
 from verifier.quantize import auto_quantization, check_quantization, quantize_model, tune
 from verifier.tokenizer import NullTokenizer, Tokenizer
 from verifier.weights import load_safetensors
@@ -70,7 +70,7 @@ class TargetModel:
         self.dtype = dtype or (torch.float32 if quantization != "none" else default_dtype(self.device))
         self.kv_dtype = torch.bfloat16 if quantization != "none" else self.dtype
         self.tokenizer = load_tokenizer(self.model_dir) if load_tokenizer_files else None
-        with torch.device("meta"):
+        with torch.device("meta"), uninitialized():
             net = LlamaForCausalLM(self.config)
         net = net.to_empty(device=self.device).to(self.dtype)
         if self.config.tie_word_embeddings:
