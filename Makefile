@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test test-slow bench clean
+.PHONY: install serve chat test test-slow test-gpu bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The CUDA suite (tests/gpu), in a process of its own; it skips without a GPU.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests/gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

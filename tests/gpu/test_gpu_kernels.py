@@ -1,0 +1,56 @@
+"""The Triton kernels on a CUDA GPU against the torch reference in fp32, in fp32, bf16 and fp16.
+
+Run with `make test-gpu` (a process of its own: tests/test_triton_kernels.py turns the Triton
+interpreter on for the CPU). Tolerances, on outputs of unit-variance inputs: fp32 1e-4; bf16
+3e-2 (8 mantissa bits: inputs, the P.V product and the output are rounded); fp16 4e-3.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the Triton interpreter is on in this process: run `make test-gpu`", allow_module_level=True)
+
+from attention_cases import make_case  # noqa: E402
+from verifier.attention import triton_kernels as tk  # noqa: E402
+from verifier.attention.torch_backend import TorchBackend  # noqa: E402
+from verifier.attention.triton_backend import TritonBackend  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=4e-3, rtol=4e-3)}
+MIXED = [("causal", 11, 13), ("causal", 230, 1), ("tree", 90, 9), ("causal", 5, 1), ("tree", 0, 6),
+         ("causal", 0, 200)]
+CUDA = torch.device("cuda")
+
+
+def run(backend, batch, q, k, v, k_cache, v_cache):
+    kc, vc = k_cache.clone(), v_cache.clone()
+    meta = backend.plan(batch, kc.shape[1], CUDA)
+    return backend.forward(q, k, v, kc, vc, meta, q.shape[-1] ** -0.5), kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (32, 8, 128), (4, 1, 32), (14, 2, 64)])
+def test_paged_tree_attention_matches_torch(dtype, h, kvh, d):
+    batch, q, k, v, kc, vc = make_case(MIXED, h, kvh, d, 16, seed=h + d, device="cuda", dtype=dtype)
+    f32 = lambda *ts: [t.float() for t in ts]  # noqa: E731
+    ref, ref_k, ref_v = run(TorchBackend(), batch, *f32(q, k, v, kc, vc))
+    out, out_k, out_v = run(TritonBackend(), batch, q, k, v, kc, vc)
+    assert out.dtype == dtype
+    assert torch.equal(out_k.float(), ref_k) and torch.equal(out_v.float(), ref_v)   # KV writes are copies
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_kv_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(2)
+    shape = (4, 6, 16, 2, 64)
+    k, v = (torch.randn(shape, generator=gen).to(CUDA, dtype) for _ in range(2))
+    src, dst = [13, 6, 17, 9, 40], [9, 10, 11, 12, 13]
+    ref_k, ref_v = k.clone(), v.clone()
+    tk.commit_kv_torch(ref_k, ref_v, src, dst)
+    tk.commit_kv(k, v, torch.tensor(src, device=CUDA), torch.tensor(dst, device=CUDA))
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
