@@ -133,6 +133,30 @@ def test_small_end_to_end(tiny_llama_dir, tiny_data, tmp_path):
     assert len(o.token_ids) == 10 and o.stats.draft_tokens > 0
 
 
+def test_the_gpu_recipe_is_one_invocation(tiny_llama_dir, tiny_data, tmp_path, capsys):
+    """Regenerate the replies with the target, train an EAGLE-3 head in bf16 with 3 test-time
+    steps, evaluate on MT-bench questions: one command, with tokens/s on the progress bars."""
+    out = tmp_path / "recipe"
+    assert train_main(_args(tiny_llama_dir, tiny_data, out, "--regenerate", "--regen-max-tokens", "8",
+                            "--draft-vocab", "49152", "--ttt-steps", "3", "--dtype", "bf16", "--max-tokens", "600",
+                            "--eval-data", str(SHARED_DATA / "mtbench" / "question.jsonl"), "--eval-prompts", "2",
+                            "--eval-tokens", "8")) == 0
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["data"]["regenerated"] and (out / "regenerated.jsonl").is_file()
+    assert summary["heldout"]["prompts"] == 2 and summary["heldout"]["verify_steps"] > 0
+    err = capsys.readouterr().err
+    assert "regenerate" in err and "tok/s" in err
+
+
+def test_eval_prompts_from_conversations_and_question_files(tmp_path):
+    from training.data import load_prompts
+    path = write_jsonl(tmp_path / "mixed.jsonl", [CONV, {"question_id": 1, "turns": ["first?", "second?"]},
+                                                  "{broken", {"turns": []}])
+    prompts = load_prompts(str(path), 10)
+    assert prompts == [[CONV["conversations"][0]], [{"role": "user", "content": "first?"}]]
+    assert load_prompts(str(path), 1) == prompts[:1]
+
+
 def test_regenerate_writes_the_targets_own_replies(tiny_llama_dir, tiny_data, tmp_path):
     from training.regenerate import regenerate
     convs, _ = load_conversations([str(tiny_data)])

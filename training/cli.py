@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=100, help="optimiser steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-data", default=None, help="held-out JSONL: report mean accepted length")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out JSONL (conversations, or MT-bench / Spec-Bench questions): report the "
+                        "mean accepted length")
     p.add_argument("--eval-prompts", type=int, default=20)
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -126,10 +128,9 @@ def _regenerate(cfg: TrainConfig, convs, out: Path):
 
 
 def _evaluate(cfg: TrainConfig, drafter: str) -> dict:
-    from training.data import load_conversations
+    from training.data import load_prompts
     from training.evaluate import evaluate_drafter
-    convs, _ = load_conversations([cfg.eval_data])
-    res = evaluate_drafter(cfg.target, drafter, convs, cfg.eval_prompts, cfg.eval_tokens)
+    res = evaluate_drafter(cfg.target, drafter, load_prompts(cfg.eval_data, cfg.eval_prompts), cfg.eval_tokens)
     log.info("held-out: mean accepted length %.2f over %d prompts", res.mean_accepted_length, res.prompts)
     return res.as_dict()
 

@@ -128,6 +128,31 @@ def load_conversations(paths: list[str], limit_per_source: int | None = None,
     return convs, report
 
 
+def load_prompts(path: str, limit: int) -> list[list[dict]]:
+    """Up to `limit` held-out prompts from one JSONL file: each conversation's turns before its
+    first assistant turn (Tercel's schema or ShareGPT), or a benchmark question's first turn
+    (MT-bench and Spec-Bench question files: {"turns": ["...", ...]}). Lines that are neither
+    are skipped."""
+    prompts = []
+    for p in expand_paths([path]):
+        for line in p.read_text(encoding="utf-8").splitlines():
+            if len(prompts) == limit:
+                return prompts
+            try:
+                obj = json.loads(line)
+                turns = obj.get("turns") if isinstance(obj, dict) else None
+                if isinstance(turns, list) and turns and isinstance(turns[0], str):
+                    prompts.append([{"role": "user", "content": turns[0]}])
+                    continue
+                messages = [parse_message(t, i) for i, t in enumerate(obj.get("conversations", obj.get("messages")))]
+            except (ValueError, TypeError, AttributeError):
+                continue
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            if any(m["role"] == "user" for m in messages[:first]):
+                prompts.append(messages[:first])
+    return prompts
+
+
 def _sample_per_source(convs: list[Conversation], limit: int, seed: int) -> list[Conversation]:
     by_source: dict[str, list[Conversation]] = {}
     for c in convs:

@@ -1,6 +1,7 @@
 """Held-out evaluation of a trained drafter with the real engine and tree verifier.
 
-Greedy decoding of held-out prompts (first user turns) with speculation; reports the
+Greedy decoding of held-out prompts (the turns before the first reply, or a benchmark
+question's first turn) with speculation; reports the
 mean accepted length per verify step (tokens emitted per target forward, the bonus
 token included) and the acceptance at each tree depth.
 """
@@ -21,22 +22,12 @@ class EvalResult:
         return asdict(self)
 
 
-def evaluate_drafter(target: str, drafter: str, conversations, num_prompts: int, new_tokens: int,
+def evaluate_drafter(target: str, drafter: str, prompts: list[list[dict]], new_tokens: int,
                      speculation=None, llm=None) -> EvalResult:
+    """`prompts`: chat turns (see `training.data.load_prompts`)."""
     from spec.llm import LLM
     from spec.sampling_params import SamplingParams
     llm = llm or LLM(target, drafter=drafter, **({"speculation": speculation} if speculation else {}))
-    prompts = []
-    for conv in conversations:
-        turns = []
-        for m in conv.messages:
-            if m["role"] == "assistant":
-                break
-            turns.append(dict(m))
-        if turns:
-            prompts.append(turns)
-        if len(prompts) == num_prompts:
-            break
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     outs = [llm.chat(p, params)[0] for p in prompts]       # batch 1, as the figures are quoted
     steps = sum(o.stats.verify_steps for o in outs)

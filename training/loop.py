@@ -153,8 +153,9 @@ class Trainer:
         st.batch_in_epoch += 1
         st.tokens += result.tokens
         loss = float(result.loss.detach())
+        rate = f" {st.tokens / st.seconds:.0f} tok/s" if st.seconds > 0 else ""     # tqdm adds the time left
         bar.set_postfix_str(f"loss={loss:.3f} " + " ".join(
-            f"{k}={v:.2f}" for k, v in result.metrics.items()) + f" lr={lr:.1e}", refresh=False)
+            f"{k}={v:.2f}" for k, v in result.metrics.items()) + f" lr={lr:.1e}" + rate, refresh=False)
         bar.update(1)
         if st.step % 10 == 0 or st.step == 1:
             log.info("step %d/%d loss %.4f %s tokens %d", st.step, self.total_steps, loss,

@@ -16,6 +16,8 @@ import logging
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from training.data import Conversation
 
 log = logging.getLogger("tercel.training")
@@ -37,6 +39,7 @@ def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
     pending = {f"regen-{i}": c for i, c in enumerate(todo)}
     queue = list(pending.items())
     out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(todo), desc="regenerate", unit="reply", dynamic_ncols=True, mininterval=2.0)
     with open(out, "a", encoding="utf-8") as f:
         while queue or engine.has_unfinished:
             # Keep the engine full without queueing everything (the scheduler sorts nothing).
@@ -54,6 +57,9 @@ def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
                 f.flush()
                 tokens += len(o.token_ids)
                 done[conv.id] = True
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+                bar.update(1)                       # tqdm adds the time left
+        bar.close()
         log.info("regenerated %d replies, %d tokens in %.0f s", len(todo), tokens, time.perf_counter() - start)
     return todo
 
