@@ -62,6 +62,17 @@ def _get(body: dict, key: str, kinds, default=None, check=None, rule: str = ""):
     return v
 
 
+def _text(value: str, param: str) -> str:
+    """Text the tokenizer can take: JSON may carry a lone UTF-16 surrogate ("\\ud800"), which is
+    no character and cannot be encoded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(param, f"'{param}' holds a lone surrogate (\\u{ord(value[e.start]):04x}) at character "
+                         f"{e.start}: not text") from None
+    return value
+
+
 def _kind_name(kinds) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
              dict: "an object"}
@@ -79,6 +90,8 @@ def _sampling(body: dict) -> dict:
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise bad("stop", "'stop' must be a non-empty string or an array of non-empty strings")
+    for s in stop:
+        _text(s, "stop")
     return dict(
         temperature=float(_get(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
         top_p=float(_get(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
@@ -168,7 +181,7 @@ def _message(m, i: int) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-    return {"role": role, "content": content}
+    return {"role": role, "content": _text(content, f"messages[{i}].content")}
 
 
 def parse_completion(body) -> ParsedRequest:
@@ -184,6 +197,9 @@ def parse_completion(body) -> ParsedRequest:
         raise bad("prompt", "'prompt' is required: a string, an array of token ids, or an array of those")
     if any(x == "" for x in prompts):
         raise bad("prompt", "'prompt' must not be empty")
+    for x in prompts:
+        if isinstance(x, str):
+            _text(x, "prompt")
     return _common(body, prompts)
 
 

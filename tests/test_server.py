@@ -155,6 +155,8 @@ BAD = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"gamma": 99}}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"drafter": "small:/x"}}, 400,
      "speculation.drafter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["\udfff"]}, 400, "stop"),
 ]
 
 
@@ -170,6 +172,14 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, bod
     if param:
         assert err["param"] == param
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_lone_surrogate_in_a_completion_prompt_is_a_400_and_the_connection_stays_usable(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:       # one connection for both requests
+        r = c.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_speculation_field_off_auto_object(client):
@@ -220,15 +230,17 @@ def test_client_disconnect_frees_blocks(server):
 
 
 def test_drafter_error_falls_back_to_plain_decoding(server, client, monkeypatch):
-    """A drafter that raises is logged; the request completes with the plain-decoding output."""
+    """A drafter that raises is logged and counted; the request completes with the plain-decoding output."""
     ref = chat(client, "fallback please", max_tokens=12, temperature=0, extra_body={"speculation": "off"})
 
     def boom(reqs):
         raise RuntimeError("drafter exploded")
 
+    before = server.metric("tercel_drafter_errors_total")
     monkeypatch.setattr(server.engine.drafter, "propose", boom)
     r = chat(client, "fallback please", max_tokens=12, temperature=0)
     assert r.choices[0].message.content == ref.choices[0].message.content
+    assert server.metric("tercel_drafter_errors_total") > before          # counted in /metrics
 
 
 def test_engine_failure_is_an_openai_error_and_the_server_recovers(server, client, monkeypatch):
