@@ -32,7 +32,8 @@ def add_serve_args(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("TERCEL_API_KEY"), help="require Bearer auth")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--profile", default=None, help="a tuned profile from `tercel bench grid` (JSON)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds to finish requests on SIGTERM (30: what Kubernetes waits before it kills)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     from spec.cli import add_quantization_arg
     add_quantization_arg(p)
