@@ -32,6 +32,9 @@ class Metrics:
         self.spec_draft_budget = Gauge("tercel_spec_draft_budget",
                                        "draft tokens each request may propose per step (0 while off)", registry=r)
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
+        self.drafter_errors = Counter("tercel_drafter_errors", "drafter exceptions (the requests decoded plainly)",
+                                      registry=r)
+        self._drafter_errors_seen = 0
         self._recent: list[tuple[int, int]] = []   # (emitted, verify steps) of recent finished requests
         self._prefix_seen = (0, 0)
 
@@ -49,6 +52,8 @@ class Metrics:
         self.prefix_queries.inc(q - self._prefix_seen[0])
         self.prefix_hits.inc(h - self._prefix_seen[1])
         self._prefix_seen = (q, h)
+        self.drafter_errors.inc(engine.drafter_errors - self._drafter_errors_seen)
+        self._drafter_errors_seen = engine.drafter_errors
         on = engine.drafter is not None and engine.adaptive.state
         self.spec_enabled.set(1 if on else 0)
         self.spec_draft_budget.set(engine.draft_budget if on else 0)

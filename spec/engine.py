@@ -73,6 +73,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
+        self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
         self.drafter = None
         timings = self.target.kernel_timings      # decode rows run on the quantization's own kernel
         self.adaptive = AdaptiveController(config.adaptive, timings.rows_before_cliff(self.target.quantization)
@@ -252,6 +253,7 @@ class LLMEngine:
         try:
             props = self.drafter.propose(views)
         except Exception:  # a drafter bug must not fail requests: decode plainly this step
+            self.drafter_errors += 1
             log.exception("drafter %s failed; decoding %d requests plainly this step",
                           self.drafter.name, len(views))
             return {}
@@ -272,6 +274,7 @@ class LLMEngine:
             try:
                 self.drafter.prefill(chunks)
             except Exception:   # the drafter catches up later from its own bookkeeping
+                self.drafter_errors += 1
                 log.exception("drafter %s failed to prefill", self.drafter.name)
 
     def _drafter_observe(self, fwd: ForwardOutput, kept: list) -> None:
@@ -288,6 +291,7 @@ class LLMEngine:
         try:
             self.drafter.observe([TargetHidden(req.seq_id, start, h) for (req, start, _), h in zip(kept, parts)])
         except Exception:   # a drafter bug must not fail requests
+            self.drafter_errors += 1
             log.exception("drafter %s failed to observe target states", self.drafter.name)
 
     def _forward_batch(self, sched: SchedulerOutput, proposals: dict) -> ForwardBatch:
