@@ -559,7 +559,7 @@ static Item unit_item(const Heads *hd, const Rows *rw, const float *q, int64_t u
 
 /* Attention of every row, out bf16 [T, NH * D], for q fp32 [T, NH, D] over the bf16 caches,
  * flash-decoding style: a work item is one chunk of keys of a unit's rows for one KV head's
- * query heads (a single decode row at a 300-token context is 9 items for 3 KV heads), and
+ * query heads (a single decode row at a 300-token context: 2 chunks x 3 KV heads), and
  * each vector's chunks are merged in order once all are done. A chunk's bounds depend only
  * on the row's own key count, so the work split never changes a row's bits. */
 void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache, const bf16 *v_cache, bf16 *out) {
