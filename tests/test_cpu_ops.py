@@ -118,7 +118,7 @@ def test_attention_matches_a_dense_reference_for_chains_trees_and_batches(d, ctx
             SeqInput([1, 2, 3], 2 + ctx, tables[2])]                            # causal chain
     q = torch.randn(8, nh, d, generator=G)
     got = torch.empty(8, nh * d, dtype=torch.bfloat16)
-    cpu_ops.attend(_heads(nh, nkv, d, d ** -0.5), row_plan(seqs, block, nh // nkv).c, q, kc, vc, got)
+    cpu_ops.attend(_heads(nh, nkv, d, d ** -0.5), row_plan(seqs, block, nh // nkv), q, kc, vc, got)
     got = got.float()
     row = 0
     for s in seqs:
@@ -139,11 +139,11 @@ def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ances
     in_tree = torch.empty(4, nh * d, dtype=torch.bfloat16)
     hd = _heads(nh, nkv, d, 0.125)
     tree_plan = row_plan([SeqInput([0] * 4, ctx, table, mask=tree, logits_indices=[0, 1, 2, 3])], block, nh // nkv)
-    cpu_ops.attend(hd, tree_plan.c, q, kc, vc, in_tree)
+    cpu_ops.attend(hd, tree_plan, q, kc, vc, in_tree)
     # the decode: ancestors 0 and 1 committed at positions ctx and ctx + 1, node 3 at ctx + 2
     slot = lambda p: table[p // block] * block + p % block  # noqa: E731
     kc2, vc2 = kc.clone(), vc.clone()
     kc2[slot(ctx + 2)], vc2[slot(ctx + 2)] = kc[slot(ctx + 3)], vc[slot(ctx + 3)]   # node 3 into node 2's slot
     alone = torch.empty(1, nh * d, dtype=torch.bfloat16)
-    cpu_ops.attend(hd, row_plan([SeqInput([0], ctx + 2, table)], block, nh // nkv).c, q[3:4], kc2, vc2, alone)
+    cpu_ops.attend(hd, row_plan([SeqInput([0], ctx + 2, table)], block, nh // nkv), q[3:4], kc2, vc2, alone)
     assert torch.equal(in_tree[3], alone[0])

@@ -28,24 +28,11 @@ from verifier.kv_cache import KVCache, slots_for
 from verifier.qlinear import QuantLinear
 
 
-@dataclass(frozen=True)
-class RowPlan:
-    """The rows of one forward as the C kernels read them, built once for all its layers
-    (int64 tensors; rows are laid out sequence after sequence)."""
-    positions: torch.Tensor    # [T] RoPE position of each row
-    slots: torch.Tensor        # [T] KV slot each row's k and v are written to
-    count: torch.Tensor        # [T] keys each row attends to
-    start: torch.Tensor        # [T] where each row's key list starts in `keys`
-    keys: torch.Tensor         # KV slots of the key lists, in logical order
-    units: torch.Tensor        # [2, U] first row and row count of each unit: rows of one
-                               # sequence attended together
-    c: cpu_ops.Rows            # the same, as pointers
-
-
-def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> RowPlan:
-    """`group`: query heads per KV head. A causal sequence's rows share one key list (each
-    row reads a prefix of it); a tree's nodes each get their own (the prefix, then the
-    node's ancestors)."""
+def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> cpu_ops.Rows:
+    """The rows of one forward as the C kernels read them, built once for all its layers;
+    rows are laid out sequence after sequence. `group`: query heads per KV head. A causal
+    sequence's rows share one key list (each row reads a prefix of it); a tree's nodes each
+    get their own (the prefix, then the node's ancestors)."""
     positions, slots, row0, table0, tables, mask0, masks, num_keys = [], [], [], [], [], [], [], 0
     for s in seqs:
         row0.append(len(positions))
@@ -72,7 +59,7 @@ def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> RowPlan:
     rows = cpu_ops.Rows(t, n, max(s.kv_len for s in seqs), positions.data_ptr(), slots.data_ptr(), count.data_ptr(),
                         start.data_ptr(), keys.data_ptr(), units[0].data_ptr(), units[1].data_ptr())
     rows.keep = (positions, slots, count, start, keys, units)
-    return RowPlan(positions, slots, count, start, keys, units, rows)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -89,6 +76,11 @@ class CpuLayer:
     down: QuantLinear
 
 
+def cpu_heads(net) -> cpu_ops.Heads:
+    c = net.cfg
+    return cpu_ops.heads(c.num_heads, c.num_kv_heads, c.head_dim, net.scale, net.rotary.cos, net.rotary.sin_signed)
+
+
 def cpu_layers(net) -> list[CpuLayer]:
     return [CpuLayer(l.input_layernorm.weight, l.input_layernorm.eps, l.post_attention_layernorm.weight,
                      l.post_attention_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj,
@@ -96,13 +88,13 @@ def cpu_layers(net) -> list[CpuLayer]:
 
 
 @torch.inference_mode()
-def forward_rows(net, layers: list[CpuLayer], ids: torch.Tensor, plan: RowPlan, kv: KVCache,
+def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.Tensor, plan: cpu_ops.Rows,
+                 kv: KVCache,
                  logits_rows: torch.Tensor, capture_layers: tuple[int, ...] = (),
                  own: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them."""
     c, t = net.cfg, ids.shape[0]
-    heads = cpu_ops.heads(c.num_heads, c.num_kv_heads, c.head_dim, net.scale, net.rotary.cos, net.rotary.sin_signed)
     mm = _own if own else _planned
     bf16 = torch.bfloat16
     h = torch.empty(t, c.hidden_size, dtype=bf16)                      # normed input of each matmul block
@@ -116,7 +108,7 @@ def forward_rows(net, layers: list[CpuLayer], ids: torch.Tensor, plan: RowPlan, 
         if i in capture_layers:
             taps[i] = x.clone()
         k_cache, v_cache = kv.layer(i)
-        cpu_ops.attention(heads, plan.c, mm(layer.qkv, h, bias=False), layer.qkv.bias, q, k_cache, v_cache, o)
+        cpu_ops.attention(heads, plan, mm(layer.qkv, h, bias=False), layer.qkv.bias, q, k_cache, v_cache, o)
         cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
         cpu_ops.silu_mul(mm(layer.gate_up, h), a)
         y = mm(layer.down, a)

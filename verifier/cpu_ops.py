@@ -92,8 +92,11 @@ class Heads(ctypes.Structure):
 
 
 class Rows(ctypes.Structure):
-    """One forward's rows as the kernels read them (`Rows` in decode_ops.c); it keeps the
-    tensors it points to alive (`keep`). Built by `verifier.cpu_forward.row_plan`."""
+    """One forward's rows as the kernels read them (`Rows` in decode_ops.c): int64 arrays of
+    each row's RoPE position, the KV slot it writes, its key count and where its key list
+    starts in `keys` (KV slots in logical order), and each unit's first row and row count (a
+    unit: rows of one sequence attended together). It keeps the tensors it points to alive
+    (`keep`). Built by `verifier.cpu_forward.row_plan`."""
     _fields_ = [("rows", _I), ("units", _I), ("longest", _I), ("pos", _P), ("slot", _P), ("count", _P),
                 ("start", _P), ("keys", _P), ("unit_first", _P), ("unit_width", _P)]
 
