@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from tree.token_tree import TokenTree
 from verifier.attention import get_backend
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel
@@ -27,13 +28,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def random_tree(n: int, gen: torch.Generator) -> torch.Tensor:
-    """Ancestor mask (self included) of a random n-node tree: [n, n] bool."""
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        if i:
-            mask[i] = mask[int(torch.randint(0, i, (1,), generator=gen))]
-        mask[i, i] = True
-    return mask
+    """Ancestor mask (self included) of a random n-node tree: each node's parent is an earlier node."""
+    parents = (-1, *(int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)))
+    return TokenTree(tuple(range(n)), parents).ancestor_mask()
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
