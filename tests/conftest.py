@@ -100,6 +100,30 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), smollm2_dir)
 
 
+def spec_drafters() -> dict:
+    """Every drafter kind on SmolLM2, as the T=0 identity tests run them: name -> (drafter
+    spec, SpecConfig or None). {head} (an EAGLE-3 head directory) and {corpus} (a datastore
+    corpus) are filled in by the test."""
+    from spec.config import SpecConfig
+    return {
+        "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
+        "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
+        "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
+        "eagle3": ("eagle3:{head}", None),        # a random SmolLM2-shaped head, default dynamic tree
+        "datastore": ("datastore:{corpus}", None),   # its default best-first tree of 5 nodes
+    }
+
+
+def write_reply_corpus(path: Path, llm, replies: list[list[int]]) -> Path:
+    """Replies (token ids) as a conversation file: a datastore drafter's corpus."""
+    with open(path, "w") as f:
+        for ids in replies:
+            reply = llm.tokenizer.decode(ids, skip_special_tokens=True)
+            f.write(json.dumps({"conversations": [{"role": "user", "content": "q"},
+                                                  {"role": "assistant", "content": reply}]}) + "\n")
+    return path
+
+
 def drive_random_requests(engine, rng, total: int, make_request, add_p: float, abort_p: float) -> tuple[int, int]:
     """Add `total` requests at random steps (make_request(i) -> (prompt ids, params)), abort live
     ones at random, check the block pool after every step. Returns (finished, preemptions seen)."""

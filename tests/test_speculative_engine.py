@@ -8,19 +8,13 @@ import random
 
 import pytest
 
-from conftest import drive_random_requests, mtbench_prompts
+from conftest import drive_random_requests, mtbench_prompts, spec_drafters, write_reply_corpus
 from spec import LLM, SamplingParams
 from spec.config import SpecConfig
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-DRAFTERS = {
-    "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
-    "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
-    "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
-    "eagle3": ("eagle3:{smol_head}", None),   # a random SmolLM2-shaped head, default dynamic tree
-    "datastore": ("datastore:{corpus}", None),    # its default best-first tree of 5 nodes
-}
+DRAFTERS = spec_drafters()
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +41,7 @@ def smol_head(tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, plain, reference):
     """The plain replies as a conversation file: the datastore drafter's corpus."""
-    path = tmp_path_factory.mktemp("corpus") / "replies.jsonl"
-    with open(path, "w") as f:
-        for ids in reference:
-            reply = plain.tokenizer.decode(ids, skip_special_tokens=True)
-            f.write(json.dumps({"conversations": [{"role": "user", "content": "q"},
-                                                  {"role": "assistant", "content": reply}]}) + "\n")
-    return path
+    return write_reply_corpus(tmp_path_factory.mktemp("corpus") / "replies.jsonl", plain, reference)
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
@@ -61,7 +49,7 @@ def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_he
     """8 MT-bench prompts x 64 tokens, one at a time and as a batch of 8: the same tokens as
     plain greedy decoding; the drafter is really used (tokens accepted)."""
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(smol_head=smol_head, corpus=corpus), speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
     alone = [llm.generate(p, GREEDY)[0] for p in prompts]
     batch = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in alone] == reference

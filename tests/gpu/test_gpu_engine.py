@@ -15,19 +15,14 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the Triton interpreter is on in this process: run `make test-gpu`", allow_module_level=True)
 
-from conftest import drive_random_requests, make_random_eagle_head, mtbench_prompts  # noqa: E402
+from conftest import (drive_random_requests, make_random_eagle_head, mtbench_prompts, spec_drafters,  # noqa: E402
+                      write_reply_corpus)
 from spec import LLM, SamplingParams  # noqa: E402
 from spec.config import SpecConfig  # noqa: E402
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-DRAFTERS = {
-    "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
-    "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
-    "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
-    "eagle3": ("eagle3:{head}", None),
-    "datastore": ("datastore:{corpus}", None),
-}
+DRAFTERS = spec_drafters()
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +45,7 @@ def reference(plain, prompts):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, plain, reference):
-    import json
-    path = tmp_path_factory.mktemp("corpus") / "replies.jsonl"
-    with open(path, "w") as f:
-        for ids in reference:
-            reply = plain.tokenizer.decode(ids, skip_special_tokens=True)
-            f.write(json.dumps({"conversations": [{"role": "user", "content": "q"},
-                                                  {"role": "assistant", "content": reply}]}) + "\n")
-    return path
+    return write_reply_corpus(tmp_path_factory.mktemp("corpus") / "replies.jsonl", plain, reference)
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
