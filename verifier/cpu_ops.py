@@ -141,6 +141,8 @@ def scan_topk(scan: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scan bf16 [M, V] (k <= 64 < V) -> (the same in fp32, int64 [M, k] the indices of each
     row's k largest entries, in no order)."""
     rows, v = scan.shape
+    if not 0 < k <= 64 < v:                 # the kernel keeps the k best in a 64-entry buffer
+        raise ValueError(f"scan_topk takes 0 < k <= 64 < V, got k={k}, V={v}")
     out, top = torch.empty(rows, v), torch.empty(rows, k, dtype=torch.int64)
     _library().scan_topk(scan.data_ptr(), rows, v, k, out.data_ptr(), top.data_ptr())
     return out, top
