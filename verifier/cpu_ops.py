@@ -138,11 +138,11 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def scan_topk(scan: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scan bf16 [M, V] (k <= 64 < V) -> (the same in fp32, int64 [M, k] the indices of each
+    """scan bf16 [M, V] (k <= 64, k <= V) -> (the same in fp32, int64 [M, k] the indices of each
     row's k largest entries, in no order)."""
     rows, v = scan.shape
-    if not 0 < k <= 64 < v:                 # the kernel keeps the k best in a 64-entry buffer
-        raise ValueError(f"scan_topk takes 0 < k <= 64 < V, got k={k}, V={v}")
+    if not 0 < k <= min(64, v):             # the kernel keeps the k best in a 64-entry buffer
+        raise ValueError(f"scan_topk takes 0 < k <= min(64, V), got k={k}, V={v}")
     out, top = torch.empty(rows, v), torch.empty(rows, k, dtype=torch.int64)
     _library().scan_topk(scan.data_ptr(), rows, v, k, out.data_ptr(), top.data_ptr())
     return out, top
