@@ -49,8 +49,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p, idx = probs.sort(dim=-1, descending=True)
-    # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
+    # Drop a token when the mass strictly before it already reaches top_p. The top one always
+    # stays: a top_p below fp32's smallest value (5e-324) compares as 0, and 0 >= 0.
     drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
     return probs.masked_fill(drop, 0.0)
 

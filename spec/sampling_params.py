@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0          # 0 means greedy (argmax after penalties)
@@ -31,7 +34,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5 (vLLM's cut-off) logits / T overflows fp32 and softmax has no answer; the
+        # distribution is the argmax to within fp32 anyway.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -1,0 +1,39 @@
+"""The logits transform at the edges of its ranges: every accepted SamplingParams yields a
+distribution (finite, summing to 1, holding the most likely token). The server fuzz test
+found top_p=5e-324 and temperature=1e-300 breaking this."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from spec.sampler import sample_token, target_probs
+from spec.sampling_params import SamplingParams
+
+
+def logits(seed: int = 0, vocab: int = 512) -> torch.Tensor:
+    return torch.randn(3, vocab, generator=torch.Generator().manual_seed(seed)) * 8
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k, min_p", list(itertools.product(
+    [1e-5, 0.7, 2.0], [5e-324, 1e-12, 0.5, 1.0], [0, 1, 50], [0.0, 1.0])))
+def test_every_accepted_setting_gives_a_distribution_with_the_argmax_in_it(temperature, top_p, top_k, min_p):
+    x = logits()
+    p = target_probs(x, SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(3))
+    assert (p.gather(-1, x.argmax(-1, keepdim=True)) > 0).all()
+
+
+def test_a_top_p_below_fp32_keeps_only_the_top_token():
+    x = logits(1)
+    p = target_probs(x, SamplingParams(max_tokens=1, top_p=5e-324))
+    assert torch.equal(p, torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float())
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 9.9e-6])
+def test_a_temperature_below_1e_5_samples_the_argmax(temperature):
+    x = logits(2)[0]
+    params = SamplingParams(max_tokens=1, temperature=temperature, seed=0)
+    assert params.greedy
+    assert sample_token(x, params, [], [], torch.Generator().manual_seed(0)) == int(x.argmax())
