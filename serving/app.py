@@ -13,8 +13,10 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.bridge import EngineBridge, QueueFullError, RequestStream, Submission
+from serving.middleware import ServerErrors
 from serving.protocol import (APIError, ParsedRequest, bad, envelope, new_id, parse_chat, parse_completion,
-                              tercel_stats, usage)
+                              resolve_speculation, tercel_stats, usage, validation_error)
+from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
 from spec.sampling_params import SamplingParams
 
 log = logging.getLogger("tercel.serve")
@@ -39,7 +41,8 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
-        return JSONResponse(bad(None, f"invalid request: {e.errors()[:1]}").body(), status_code=400)
+        err = validation_error(e.errors())
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
@@ -76,9 +79,9 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "tercel"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        req = parse_chat(await _json(request))
+    @app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion))
+    async def chat(request: Request, body: ChatCompletionRequest):
+        req = parse_chat(body)
         _check_model(req.model)
         try:
             ids = tokenizer.apply_chat_template(req.prompts[0])
@@ -86,9 +89,9 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             raise bad("messages", str(e)) from None
         return await _generate(request, req, [ids], chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse_completion(await _json(request))
+    @app.post("/v1/completions", response_model=None, responses=_responses(Completion))
+    async def completions(request: Request, body: CompletionRequest):
+        req = parse_completion(body)
         _check_model(req.model)
         try:
             ids = [engine.tokenize(p) for p in req.prompts]
@@ -101,7 +104,7 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}",
                            param="model", type_="not_found_error", code="model_not_found")
 
-    def _params(req: ParsedRequest, ids: list[int], choice: int) -> SamplingParams:
+    def _params(req: ParsedRequest, ids: list[int], choice: int, chat: bool) -> SamplingParams:
         max_tokens = req.max_tokens or max(1, engine.max_model_len - len(ids))
         seed = req.sampling["seed"]
         sampling = {**req.sampling, "seed": None if seed is None else seed + choice}
@@ -109,27 +112,21 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             params = SamplingParams(max_tokens=max_tokens, **sampling)
             engine.validate(ids, params)          # context length, token ids: before any stream starts
         except ValueError as e:
-            param = "max_tokens" if "max_tokens" in str(e) else "messages" if "prompt" in str(e) else None
+            prompt = "messages" if chat else "prompt"
+            param = "max_tokens" if "max_tokens" in str(e) else prompt if "prompt" in str(e) else None
             code = "context_length_exceeded" if "context length" in str(e) else None
             raise APIError(400, str(e), param=param, code=code) from None
         return params
 
-    def _check_drafter(req: ParsedRequest) -> None:
-        """A request may name the server's drafter (its kind or full spec), or 'none'."""
-        mine = engine.config.drafter
-        if req.drafter is not None and req.drafter not in (mine, (mine or "").partition(":")[0]):
-            raise APIError(400, f"this server drafts with {mine or 'no drafter'!r}; 'speculation.drafter' "
-                                f"can name that drafter or 'none', not {req.drafter!r}",
-                           param="speculation.drafter", code="unsupported_drafter")
-
     async def _generate(request: Request, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
-        _check_drafter(req)
+        # Everything a request can get wrong is refused here, before the response starts.
+        spec = resolve_speculation(req.speculation, engine.spec_config, engine.config.drafter)
         jobs = [(p, i * req.n + c) for i, p in enumerate(prompt_ids) for c in range(req.n)]
-        params = [_params(req, ids, idx) for ids, idx in jobs]
+        params = [_params(req, ids, idx, chat) for ids, idx in jobs]
         streams: list[RequestStream] = []
         try:
             for (ids, _), p in zip(jobs, params):
-                streams.append(bridge.submit(Submission(ids, p, req.speculate, req.speculation)))
+                streams.append(bridge.submit(Submission(ids, p, spec.speculate, spec.tree)))
         except QueueFullError as e:
             for s in streams:
                 s.cancel()
@@ -171,7 +168,7 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
                 i, out = await merged.get()
                 if isinstance(out, Exception):
                     yield _data({"error": APIError(500, str(out), type_="server_error").body()["error"]})
-                    return
+                    break
                 if out.delta_text:
                     yield _data(envelope(kind, rid, served, [_delta(i, out.delta_text, None, chat)]))
                 if out.finished:
@@ -190,14 +187,9 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
             for t in tasks:
                 t.cancel()
 
+    app.add_middleware(ServerErrors)   # added last: the outermost layer
+    app.openapi = lambda: _openapi(app)
     return app
-
-
-async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(None, f"the request body is not valid JSON: {e}") from None
 
 
 async def _last(stream: RequestStream):
@@ -213,6 +205,32 @@ async def _pump(i: int, stream: RequestStream, merged: asyncio.Queue) -> None:
             await merged.put((i, out))
     except Exception as e:   # noqa: BLE001 - forwarded to the client as an error event
         await merged.put((i, e))
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422: validation errors are answered 400 (`validation_error`)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for route in schema["paths"].values():
+            for op in route.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return app.openapi_schema
+
+
+def _responses(ok_model) -> dict:
+    """The statuses a generation route answers, for /openapi.json: the 200 body (or an SSE
+    stream when "stream" is true) and the OpenAI error body of every refusal."""
+    # Before OpenAPI 3.2 (FastAPI writes 3.1), a text/event-stream schema describes one event.
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    sse = {"text/event-stream": {"schema": event}}
+    errors = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+              429: "queue full (Retry-After)", 500: "unexpected server error", 503: "engine unavailable"}
+    return {200: {"model": ok_model, "content": sse},
+            **{code: {"model": ErrorResponse, "description": text} for code, text in errors.items()}}
 
 
 def _data(obj: dict) -> dict:

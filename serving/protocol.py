@@ -1,8 +1,8 @@
-"""OpenAI request parsing and response shapes.
+"""OpenAI request handling between validation and the engine, and the response shapes.
 
-Bodies are validated by hand, so every problem becomes one OpenAI-style error
-`{"error": {"message", "type", "param", "code"}}` with status 400 (404 for an unknown
-model); FastAPI's own 422 body never reaches a client.
+FastAPI validates bodies against serving/schemas.py; `validation_error` turns its errors into
+one OpenAI-style error `{"error": {"message", "type", "param", "code"}}` with status 400, so
+FastAPI's own 422 never reaches a client.
 """
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculation, request_field_names
 from spec.config import SpecConfig
-from spec.sampling_params import SamplingParams
 
-ROLES = ("system", "user", "assistant")
-MAX_N = 16
+FIELD_NAMES = request_field_names()
 
 
 class APIError(Exception):
@@ -32,175 +31,128 @@ def bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParsedRequest:
-    """What the handlers need from a chat or completion body."""
+    """What the handlers need from a validated chat or completion body."""
     prompts: list                  # chat: [messages]; completions: [str | list[int], ...]
-    params: SamplingParams | None  # built once the prompt length is known (default max_tokens)
-    max_tokens: int | None
-    sampling: dict
+    max_tokens: int | None         # None: what the context length leaves after each prompt
+    sampling: dict                 # SamplingParams fields but max_tokens
     n: int
     stream: bool
     include_usage: bool
-    speculate: bool
-    speculation: SpecConfig | None
+    speculation: Speculation | None
     model: str
-    drafter: str | None = None     # speculation.drafter as asked; the app checks it is the server's
 
 
-# ---- field readers ------------------------------------------------------------------------
-def _get(body: dict, key: str, kinds, default=None, check=None, rule: str = ""):
-    if key not in body or body[key] is None:
-        return default
-    v = body[key]
-    if isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise bad(key, f"'{key}' must be {rule or _kind_name(kinds)}, got {v!r}")
-    if not isinstance(v, kinds):
-        raise bad(key, f"'{key}' must be {rule or _kind_name(kinds)}, got {type(v).__name__}")
-    if check is not None and not check(v):
-        raise bad(key, f"'{key}' must be {rule}, got {v!r}")
-    return v
+def parse_chat(body: ChatCompletionRequest) -> ParsedRequest:
+    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                 else "".join(p.text for p in m.content)} for m in body.messages]
+    return _parsed(body, [messages], body.max_completion_tokens or body.max_tokens)
 
 
-def _text(value: str, param: str) -> str:
-    """Text the tokenizer can take: JSON may carry a lone UTF-16 surrogate ("\\ud800"), which is
-    no character and cannot be encoded."""
+def parse_completion(body: CompletionRequest) -> ParsedRequest:
+    p = body.prompt
+    # One prompt (a string or one array of ids) or a batch of them.
+    prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    return _parsed(body, prompts, body.max_tokens)
+
+
+def _parsed(body, prompts: list, max_tokens: int | None) -> ParsedRequest:
+    opts = body.stream_options
+    return ParsedRequest(prompts, max_tokens, _sampling(body), _or(body.n, 1), bool(body.stream),
+                         bool(opts and opts.include_usage), body.speculation, body.model)
+
+
+def _sampling(body) -> dict:
+    stop = body.stop if body.stop is not None else ()
+    return dict(temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
+                top_k=max(0, _or(body.top_k, 0)), min_p=_or(body.min_p, 0.0),
+                presence_penalty=_or(body.presence_penalty, 0.0),
+                frequency_penalty=_or(body.frequency_penalty, 0.0),
+                repetition_penalty=_or(body.repetition_penalty, 1.0), seed=body.seed,
+                stop=(stop,) if isinstance(stop, str) else tuple(stop), ignore_eos=bool(body.ignore_eos))
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+# ---- speculation ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpeculationChoice:
+    """The request's `speculation` field resolved against the server's own settings."""
+    speculate: bool
+    tree: SpecConfig | None        # None: the server's tree (and the adaptive controller's caps)
+
+
+def resolve_speculation(field: Speculation | None, server: SpecConfig, drafter: str | None) -> SpeculationChoice:
+    """Raise APIError (400) for a drafter the server does not run or a cap above the server's;
+    an omitted field of the object is the server's own setting."""
+    if field in (None, "auto"):
+        return SpeculationChoice(True, None)
+    if field == "off" or field.drafter in ("none", "off"):
+        return SpeculationChoice(False, None)
+    if field.drafter is not None and field.drafter not in (drafter, (drafter or "").partition(":")[0]):
+        raise APIError(400, f"this server drafts with {drafter or 'no drafter'!r}; 'speculation.drafter' "
+                            f"can name that drafter or 'none', not {field.drafter!r}",
+                       param="speculation.drafter", code="unsupported_drafter")
+    caps = {"gamma": server.num_speculative_tokens, "topk": server.topk, "budget": server.max_nodes}
+    for name, cap in caps.items():
+        asked = getattr(field, name)
+        if asked is not None and asked > cap:
+            raise bad(f"speculation.{name}", f"'speculation.{name}' is {asked}; this server's limit is {cap}")
+    if (field.gamma, field.topk, field.budget) == (None, None, None):
+        return SpeculationChoice(True, None)
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad(param, f"'{param}' holds a lone surrogate (\\u{ord(value[e.start]):04x}) at character "
-                         f"{e.start}: not text") from None
-    return value
+        return SpeculationChoice(True, SpecConfig(num_speculative_tokens=_or(field.gamma, caps["gamma"]),
+                                                  topk=_or(field.topk, caps["topk"]),
+                                                  budget=_or(field.budget, server.budget)))
+    except ValueError as e:     # budget below the depth
+        raise bad("speculation.budget", str(e)) from None
 
 
-def _kind_name(kinds) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
-             dict: "an object"}
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    return " or ".join(names.get(k, k.__name__) for k in kinds if not (k is int and float in kinds))
+# ---- validation errors ----------------------------------------------------------------------
+# What a union field takes, for a message when no branch of it matched.
+EXPECTED = {
+    "prompt": "a non-empty string, an array of token ids (integers >= 0), or an array of either",
+    "speculation": '"auto", "off" or an object {"drafter", "gamma", "topk", "budget"}',
+    "stop": "a non-empty string or an array of non-empty strings",
+    "content": "a string or an array of text parts",
+}
+TEXT_ERRORS = ("value_error", "string_unicode")     # our lone-surrogate check, pydantic's own
 
 
-def _sampling(body: dict) -> dict:
-    num = (int, float)
-    top_k = _get(body, "top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0 disables)")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise bad("stop", "'stop' must be a non-empty string or an array of non-empty strings")
-    for s in stop:
-        _text(s, "stop")
-    return dict(
-        temperature=float(_get(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
-        top_p=float(_get(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-        top_k=max(0, top_k),
-        min_p=float(_get(body, "min_p", num, 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")),
-        presence_penalty=float(_get(body, "presence_penalty", num, 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]")),
-        frequency_penalty=float(_get(body, "frequency_penalty", num, 0.0, lambda v: -2 <= v <= 2,
-                                     "a number in [-2, 2]")),
-        repetition_penalty=float(_get(body, "repetition_penalty", num, 1.0, lambda v: 0 < v <= 10,
-                                      "a number in (0, 10]")),
-        seed=_get(body, "seed", int, None, lambda v: -2**63 <= v < 2**63, "a 64-bit integer"),
-        stop=tuple(stop),
-        ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
-    )
+def validation_error(errors: list[dict]) -> APIError:
+    """FastAPI's validation errors as one OpenAI-style 400 naming the first field at fault."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad(None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    if tuple(first["loc"]) == ("body",):
+        return bad(None, "the request body must be a JSON object")
+    best = min(errors, key=lambda e: (e["type"] not in TEXT_ERRORS, -len(_path(e["loc"]))))
+    param = _param(best["loc"])
+    if best["type"] == "missing":
+        return bad(param, f"'{param}' is required")
+    if best["type"] in TEXT_ERRORS:
+        return bad(param, f"'{param}' holds a lone surrogate (a UTF-16 half, not text)"
+                   if best["type"] == "string_unicode" else f"'{param}' {best['msg'].removeprefix('Value error, ')}")
+    siblings = [e for e in errors if _param(e["loc"]) == param]
+    field = _path(best["loc"])[-1]
+    if len(siblings) > 1 and field in EXPECTED:        # no branch of a union matched
+        return bad(param, f"'{param}' must be {EXPECTED[field]}")
+    return bad(param, f"'{param}' {best['msg'].removeprefix('Input ')}")
 
 
-def _speculation(body: dict) -> tuple[bool, SpecConfig | None, str | None]:
-    v = body.get("speculation", "auto")
-    if v in ("auto", None):
-        return True, None, None
-    if v == "off":
-        return False, None, None
-    if not isinstance(v, dict):
-        raise bad("speculation", "'speculation' must be \"off\", \"auto\" or an object "
-                                 "{\"drafter\", \"gamma\", \"topk\", \"budget\"}")
-    unknown = set(v) - {"drafter", "gamma", "topk", "budget"}
-    if unknown:
-        raise bad("speculation", f"unknown speculation field(s): {', '.join(sorted(unknown))}")
-    for key in ("gamma", "topk", "budget"):
-        if key in v and (isinstance(v[key], bool) or not isinstance(v[key], int) or v[key] < 1):
-            raise bad(f"speculation.{key}", f"'speculation.{key}' must be an integer >= 1")
-    try:
-        spec = SpecConfig(num_speculative_tokens=v.get("gamma", 4), topk=v.get("topk", 1), budget=v.get("budget"))
-    except ValueError as e:
-        raise bad("speculation", str(e)) from None
-    drafter = v.get("drafter")
-    if drafter is not None and not isinstance(drafter, str):
-        raise bad("speculation.drafter", "'speculation.drafter' must be a string")
-    if drafter in ("none", "off"):
-        return False, None, None
-    return True, spec, drafter
+def _path(loc) -> list:
+    """The field names and indices of a pydantic location, without "body" and union-branch tags."""
+    return [x for x in loc[1:] if isinstance(x, int) or x in FIELD_NAMES]
 
 
-def _common(body, prompts) -> ParsedRequest:
-    n = _get(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
-    max_tokens = _get(body, "max_completion_tokens", int, None, lambda v: v >= 1, "an integer >= 1")
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int, None, lambda v: v >= 1, "an integer >= 1")
-    stream = _get(body, "stream", bool, False)
-    opts = _get(body, "stream_options", dict, {})
-    include_usage = bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False
-    _get(body, "user", str, None)
-    speculate, speculation, drafter = _speculation(body)
-    return ParsedRequest(prompts, None, max_tokens, _sampling(body), n, stream, include_usage, speculate,
-                         speculation, body["model"], drafter)
-
-
-def _require_model(body) -> None:
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    if "model" not in body:
-        raise bad("model", "'model' is required")
-    if not isinstance(body["model"], str):
-        raise bad("model", "'model' must be a string")
-
-
-def parse_chat(body) -> ParsedRequest:
-    _require_model(body)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list):
-        raise bad("messages", "'messages' is required and must be an array")
-    if not msgs:
-        raise bad("messages", "'messages' must not be empty")
-    return _common(body, [[_message(m, i) for i, m in enumerate(msgs)]])
-
-
-def _message(m, i: int) -> dict:
-    if not isinstance(m, dict):
-        raise bad(f"messages[{i}]", f"messages[{i}] must be an object")
-    role, content = m.get("role"), m.get("content")
-    if role not in ROLES:
-        raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-    if isinstance(content, list):   # content parts: only text is supported
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise bad(f"messages[{i}].content", "only text content parts are supported")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-    return {"role": role, "content": _text(content, f"messages[{i}].content")}
-
-
-def parse_completion(body) -> ParsedRequest:
-    _require_model(body)
-    p = body.get("prompt")
-    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                  for t in p)):
-        prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and x and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x)) for x in p):
-        prompts = list(p)
-    else:
-        raise bad("prompt", "'prompt' is required: a string, an array of token ids, or an array of those")
-    if any(x == "" for x in prompts):
-        raise bad("prompt", "'prompt' must not be empty")
-    for x in prompts:
-        if isinstance(x, str):
-            _text(x, "prompt")
-    return _common(body, prompts)
+def _param(loc) -> str | None:
+    out = ""
+    for x in _path(loc):
+        out += f"[{x}]" if isinstance(x, int) else f".{x}" if out else x
+    return out or None
 
 
 # ---- response shapes ----------------------------------------------------------------------

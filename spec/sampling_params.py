@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 
 GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
+# A logit divided by a smaller penalty (and then by the temperature) can overflow fp32 to inf,
+# and softmax over several infs has no answer.
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,9 @@ def _check_top(p: SamplingParams) -> None:
 
 
 def _check_penalties(p: SamplingParams) -> None:
-    if _number("repetition_penalty", p.repetition_penalty) <= 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1 disables), got {p.repetition_penalty}")
+    if _number("repetition_penalty", p.repetition_penalty) < MIN_REPETITION_PENALTY:
+        raise ValueError(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY} (1 disables), "
+                         f"got {p.repetition_penalty}")
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= _number(name, getattr(p, name)) <= 2.0:
             raise ValueError(f"{name} must be in [-2, 2], got {getattr(p, name)}")

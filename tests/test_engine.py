@@ -52,7 +52,7 @@ def test_bad_prompts_are_refused_and_leave_no_state(llm, prompt, params, message
     (dict(top_k=-1), "top_k must be an int >= 0"),
     (dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
     (dict(presence_penalty=3.0), r"presence_penalty must be in \[-2, 2\]"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be >= 0.01"),
 ])
 def test_bad_sampling_params_name_the_allowed_range(kwargs, message):
     """Out-of-range sampling parameters raise ValueError with the allowed range."""

@@ -37,3 +37,19 @@ def test_a_temperature_below_1e_5_samples_the_argmax(temperature):
     params = SamplingParams(max_tokens=1, temperature=temperature, seed=0)
     assert params.greedy
     assert sample_token(x, params, [], [], torch.Generator().manual_seed(0)) == int(x.argmax())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+@pytest.mark.parametrize("penalty", [0.01, 10.0])
+def test_the_strongest_penalties_still_give_a_token(temperature, penalty):
+    """repetition_penalty=5e-324 made logits / penalty inf: the floor is 0.01."""
+    x = logits(3)[0] * 4
+    params = SamplingParams(max_tokens=1, temperature=temperature, repetition_penalty=penalty, presence_penalty=2.0,
+                            frequency_penalty=-2.0, seed=0)
+    token = sample_token(x, params, list(range(0, 512, 2)), [1, 1, 3], torch.Generator().manual_seed(0))
+    assert 0 <= token < x.shape[0]
+
+
+def test_a_repetition_penalty_below_the_floor_is_refused():
+    with pytest.raises(ValueError, match="repetition_penalty must be >= 0.01"):
+        SamplingParams(max_tokens=1, repetition_penalty=5e-324)

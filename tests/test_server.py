@@ -152,11 +152,12 @@ BAD = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "max_tokens"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": "sometimes"}, 400,
      "speculation"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"gamma": 99}}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"gamma": 99}}, 400,
+     "speculation.gamma"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculation": {"drafter": "small:/x"}}, 400,
      "speculation.drafter"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["\udfff"]}, 400, "stop"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["\udfff"]}, 400, "stop[0]"),
 ]
 
 

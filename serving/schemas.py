@@ -1,0 +1,188 @@
+"""The request and response bodies of the OpenAI-compatible routes, as pydantic models.
+
+FastAPI validates every body against these before a handler runs, and `/openapi.json`
+publishes them. Field names, types and ranges are OpenAI's; `speculation`, `top_k`, `min_p`,
+`repetition_penalty` and `ignore_eos` are the extensions vLLM and SGLang clients already send.
+
+Validation is strict, as JSON Schema reads the published schema: a string is not an integer,
+`true` is not a number, and 2.0 is the integer 2. `null` means "the default" wherever OpenAI's own API allows it.
+
+Text: JSON can carry a lone UTF-16 surrogate ("\\ud800"), which is no character and which no
+tokenizer can encode, so it is refused (400, naming the field). NUL ("\\u0000") is a character
+like any other: the byte-level tokenizer encodes it as its byte token, and it is kept.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from spec.sampling_params import MIN_REPETITION_PENALTY
+
+MAX_N = 16                      # choices per request (OpenAI's limit is 128; ours is the batch)
+Role = Literal["system", "user", "assistant"]
+
+
+def _encodable(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate (\\u{ord(value[e.start]):04x}) at character {e.start}: "
+                         f"not text") from None
+    return value
+
+
+def _whole(value):
+    """JSON Schema counts 2.0 as an integer (json.loads makes it a float); 2.5 and "2" stay wrong."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+Text = Annotated[str, AfterValidator(_encodable)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
+TokenId = Annotated[Int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored, as OpenAI's own API does for fields it does not use.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SpeculationOptions(BaseModel):
+    """Caps on this request's draft tree; an omitted field is the server's own setting."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    drafter: str | None = Field(None, description="the server's drafter (its kind or full spec), "
+                                                  "or 'none'/'off' to decode this request plainly")
+    gamma: Int | None = Field(None, ge=1, description="draft depth, at most the server's")
+    topk: Int | None = Field(None, ge=1, description="children per draft node, at most the server's")
+    budget: Int | None = Field(None, ge=1, description="draft nodes per step, at most the server's")
+
+
+Speculation = Union[Literal["auto", "off"], SpeculationOptions]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Generation(_Strict):
+    """The sampling and speculation fields both routes share."""
+    model: str
+    max_tokens: Int | None = Field(None, ge=1, description="default: what the context length leaves")
+    n: Int | None = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: Int | None = Field(0, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10)
+    seed: Int | None = Field(None, ge=-2**63, lt=2**63)
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    ignore_eos: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    speculation: Speculation | None = Field(
+        "auto", description='"auto" (the server decides), "off", or caps on the draft tree')
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Role
+    content: Text | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+
+
+Prompt = Union[NonEmptyText, Annotated[list[TokenId], Field(min_length=1)],
+               Annotated[list[NonEmptyText], Field(min_length=1)],
+               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+
+
+class CompletionRequest(_Generation):
+    prompt: Prompt = Field(description="a string, an array of token ids, or an array of either")
+
+
+# ---- responses (documented in /openapi.json) ------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TercelStats(BaseModel):
+    """How the speculation went, summed over the choices."""
+    proposed: int
+    accepted: int
+    verify_steps: int
+    mean_accepted_length: float | None
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    tercel: TercelStats
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    tercel: TercelStats
+
+
+def request_field_names() -> frozenset[str]:
+    """Every field name of the request models: what a validation error's location can name."""
+    models = (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions, StreamOptions)
+    return frozenset(name for m in models for name in m.model_fields)
