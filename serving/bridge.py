@@ -147,6 +147,12 @@ class EngineBridge:
         self._inbox.put(("abort", request_id, None, None))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """Abort every request now: each ends with finish_reason "abort", which its handler
+        sends as a normal reply, and the engine frees its KV blocks (shutdown's grace is over)."""
+        self._inbox.put(("abort_all", None, None, None))
+        self._wake.set()
+
     async def reset_prefix_cache(self) -> int:
         """Drop the unused cached blocks; returns how many."""
         return await self._on_engine_thread(lambda engine: engine.blocks.reset_prefix_cache())
@@ -165,7 +171,7 @@ class EngineBridge:
         deadline = time.monotonic() + grace_s
         while self._in_flight and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
-        self._inbox.put(("abort_all", None, None, None))
+        self.abort_all()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)

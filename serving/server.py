@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
-import signal
 from pathlib import Path
 
 log = logging.getLogger("tercel.serve")
@@ -77,10 +77,13 @@ def run_serve(args) -> int:
     import uvicorn
 
     from serving.app import ServerConfig, build_app
+    from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
     from serving.bridge import EngineBridge
     from serving.metrics import Metrics
     from spec.engine import LLMEngine
 
+    if args.grace < 0:
+        raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
@@ -88,8 +91,8 @@ def run_serve(args) -> int:
     names = (args.model, Path(args.model).name)
     app = build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
 
-    # SIGTERM: uvicorn stops accepting and waits up to --grace for open requests. sse-starlette
-    # would cut streams at once; let them finish instead (uvicorn cancels them after the grace).
+    # SIGTERM: uvicorn stops accepting and waits for open requests. sse-starlette would cut
+    # streams at once; let them run until the grace is over instead (GracefulServer).
     from sse_starlette.sse import AppStatus
     AppStatus.disable_automatic_graceful_drain()
 
@@ -97,10 +100,10 @@ def run_serve(args) -> int:
     def _stop():
         bridge.shutdown(1.0)   # connections are closed by now; abort anything left
 
-    # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully; the handler it
-    # restores first is this no-op, so a graceful stop exits with status 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    http = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=math.ceil(args.grace) + BACKSTOP_S)
+    server = GracefulServer(http, bridge, args.grace)
     log.info("serving on http://%s:%d", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=max(1, int(args.grace)))
-    return 0
+    with signals_resent_as_no_ops():
+        server.run()
+    return 0 if server.started else 1
