@@ -30,8 +30,13 @@ def detect_style(config: dict) -> str:
 
 
 def load_head(path: str | Path, target: ModelConfig | None = None,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """Load a head directory (or its config.json's folder) in either layout."""
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              aux_layer_convention: str | None = None) -> Eagle3Head:
+    """Load a head directory (or its config.json's folder) in either layout.
+
+    `aux_layer_convention`: how the config's `eagle_aux_hidden_state_layer_ids` count when
+    the config does not say: "vllm" (layer inputs, the default) or "sglang" (layer
+    outputs; a head trained for SGLang, e.g. by SpecForge). See drafters/eagle3/config.py."""
     root = Path(path)
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
@@ -40,7 +45,10 @@ def load_head(path: str | Path, target: ModelConfig | None = None,
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise HeadMismatchError(f"malformed {cfg_path}: {e}") from None
-    cfg = Eagle3Config.from_dict(raw, target.num_layers if target else None)
+    try:
+        cfg = Eagle3Config.from_dict(raw, target.num_layers if target else None, aux_layer_convention)
+    except ValueError as e:      # a flag the forward does not implement, a missing key, ...
+        raise HeadMismatchError(f"{cfg_path}: {e}") from None
     tensors = _read_tensors(root)
     if target is not None:
         _check_config(cfg, target)

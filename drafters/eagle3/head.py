@@ -4,11 +4,15 @@ Shapes (H = head width, Ht = target width, Vd = draft vocabulary):
 - `fuse(aux [T, 3·Ht]) -> g [T, H]`: the three tapped target layers through `fc`.
 - `project(emb [T, H], hid [T, H], positions)`: attention inputs from
   cat(input_layernorm(emb), hidden_norm(hid)) [T, 2H] -> q [T, nh, D], k/v [T, kvh, D].
-- `finish(residual [T, H], attn [T, nh·D]) -> out [T, H]`: o_proj, residual, MLP.
-- `draft_logits(out) -> [T, Vd]`; draft id i is target id `i + d2t[i]`.
+- `finish(residual [T, H], attn [T, nh·D]) -> out [T, H]`: o_proj, residual, MLP, giving
+  the layer output h; `out` is h, or norm(h) when `cfg.norm_output`.
+- `draft_logits(out) -> [T, Vd]`: lm_head(norm(h)) either way; draft id i is target id
+  `i + d2t[i]`.
 
-`out` (before the final norm) is the hidden state the next draft step consumes. The
-pair at position t is (target hidden at t, embedding of token t+1); it predicts token
+`out` is the hidden state the next draft step consumes: h before the final norm (EAGLE-3),
+or norm(h) with `norm_output` (EAGLE-3.1 / speculators, which feed the post-norm state back
+to damp the magnitude drift over steps). The first step never sees it: it consumes fc(aux).
+The pair at position t is (target hidden at t, embedding of token t+1); it predicts token
 t+2. Draft step k of the same chain sits at position t+k.
 """
 from __future__ import annotations
@@ -120,10 +124,12 @@ class Eagle3Head(nn.Module):
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         layer = self.midlayer
         x = residual + layer.self_attn.o_proj(attn_out)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        h = x + layer.mlp(layer.post_attention_layernorm(x))
+        # Normed here, once, so every caller (drafter, training unroll) carries the same state.
+        return self.norm(h) if self.cfg.norm_output else h
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out))
+        return self.lm_head(out if self.cfg.norm_output else self.norm(out))   # out is norm(h) already
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
