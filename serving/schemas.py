@@ -39,10 +39,15 @@ def _whole(value):
     return value
 
 
-Int = Annotated[int, BeforeValidator(_whole)]
+def whole(**limits):
+    """An integer field within `limits` (ge, le, lt) that also takes 2.0. The limits sit inside
+    the validator, so that /openapi.json shows them as minimum/maximum."""
+    return Annotated[int, Field(**limits), BeforeValidator(_whole)]
+
+
 Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
-TokenId = Annotated[Int, Field(ge=0)]
+TokenId = whole(ge=0)
 
 
 class _Strict(BaseModel):
@@ -55,9 +60,9 @@ class SpeculationOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     drafter: str | None = Field(None, description="the server's drafter (its kind or full spec), "
                                                   "or 'none'/'off' to decode this request plainly")
-    gamma: Int | None = Field(None, ge=1, description="draft depth, at most the server's")
-    topk: Int | None = Field(None, ge=1, description="children per draft node, at most the server's")
-    budget: Int | None = Field(None, ge=1, description="draft nodes per step, at most the server's")
+    gamma: whole(ge=1) | None = Field(None, description="draft depth, at most the server's")
+    topk: whole(ge=1) | None = Field(None, description="children per draft node, at most the server's")
+    budget: whole(ge=1) | None = Field(None, description="draft nodes per step, at most the server's")
 
 
 Speculation = Union[Literal["auto", "off"], SpeculationOptions]
@@ -70,16 +75,16 @@ class StreamOptions(_Strict):
 class _Generation(_Strict):
     """The sampling and speculation fields both routes share."""
     model: str
-    max_tokens: Int | None = Field(None, ge=1, description="default: what the context length leaves")
-    n: Int | None = Field(1, ge=1, le=MAX_N)
+    max_tokens: whole(ge=1) | None = Field(None, description="default: what the context length leaves")
+    n: whole(ge=1, le=MAX_N) | None = 1
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: Int | None = Field(0, ge=-1, description="-1 or 0: off")
+    top_k: whole(ge=-1) | None = Field(0, description="-1 or 0: off")
     min_p: float | None = Field(0.0, ge=0, le=1)
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10)
-    seed: Int | None = Field(None, ge=-2**63, lt=2**63)
+    seed: whole(ge=-2**63, lt=2**63) | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     ignore_eos: bool | None = False
     stream: bool | None = False
@@ -102,7 +107,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    max_completion_tokens: whole(ge=1) | None = Field(None, description="OpenAI's newer name for max_tokens")
 
 
 Prompt = Union[NonEmptyText, Annotated[list[TokenId], Field(min_length=1)],

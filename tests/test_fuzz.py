@@ -49,12 +49,26 @@ def seen():
     print(f"\nfuzz: {sum(statuses.values())} cases, statuses {dict(sorted(statuses.items()))}")
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("route", ROUTES)
 def test_fuzzed_bodies_get_documented_answers_and_never_a_5xx(server, schema, seen, route, mode):
-    op = schema[route]["POST"]
+    fuzz(server, schema[route]["POST"], seen, mode, EXAMPLES, derandomize=True)   # the same cases every run
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("route", ROUTES)
+def test_longer_fuzz_with_fresh_cases(server, schema, seen, route, mode):
+    fuzz(server, schema[route]["POST"], seen, mode, 10 * EXAMPLES, derandomize=False)
+
+
+def fuzz(server, op, seen, mode: GenerationMode, examples: int, derandomize: bool) -> None:
+    route = op.path
+
+    @settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode), splice=st.none() | st.sampled_from(SPLICES),
            foreign_model=st.integers(0, 3).map(lambda i: i == 3))
