@@ -33,7 +33,7 @@ import torch
 from verifier.machine import machine_key
 from verifier.qlinear import DENSE_PATHS, QuantLinear
 
-FORMAT = 4
+FORMAT = 5           # 5: probes with several inputs per row count
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (an int4 kernel at 512 rows takes a second per run where oneDNN takes 0.2 s).
 SKIP_FACTOR, SKIP_MS = 3.0, 100.0
@@ -110,12 +110,14 @@ def invariant_tiles(lins: list[QuantLinear], path: str) -> list[int]:
     return [t for t in TILES if same(t, (1, 7, 16), 2 * t)]
 
 
-def _rows_match(lins: list[QuantLinear], path: str, m: int) -> bool:
-    """The first m rows of a 64-row call equal an m-row call."""
+def _rows_match(lins: list[QuantLinear], path: str, m: int, seeds: int = 4) -> bool:
+    """The first m rows of a 64-row call equal an m-row call, for several inputs: a path whose
+    sums run in another order for m rows shows it only now and then after bf16 rounding."""
     for lin in lins:
-        x = torch.randn(64, lin.in_features, generator=torch.Generator().manual_seed(m))
-        if not torch.equal(lin.run(path, x[:m]), lin.run(path, x)[:m]):
-            return False
+        for seed in range(seeds):
+            x = torch.randn(64, lin.in_features, generator=torch.Generator().manual_seed(1000 * m + seed))
+            if not torch.equal(lin.run(path, x[:m]), lin.run(path, x)[:m]):
+                return False
     return True
 
 

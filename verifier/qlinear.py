@@ -110,9 +110,15 @@ class QuantLinear(nn.Module):
         """x [M, K] through one path -> bf16 [M, N]."""
         if path == self.kind:
             return self.run_own(x.to(torch.bfloat16).contiguous())
+        m = x.shape[0]
+        if m == 1:
+            # oneDNN's one-row product (a GEMV) sums in another order than its GEMM, and on
+            # some machines (AVX-512 without AMX) a row's bf16 result then differs now and
+            # then from the same row inside a larger call: a zero row makes it a GEMM.
+            x = F.pad(x, (0, 0, 0, 1))
         if path == "fp32":
-            return self._dense_mm(x.float(), self._dense["fp32"]).to(torch.bfloat16)
-        return self._dense_mm(x.to(torch.bfloat16), self._dense["bf16"])
+            return self._dense_mm(x.float(), self._dense["fp32"]).to(torch.bfloat16)[:m]
+        return self._dense_mm(x.to(torch.bfloat16), self._dense["bf16"])[:m]
 
     @staticmethod
     def _dense_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
