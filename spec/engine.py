@@ -104,17 +104,11 @@ class LLMEngine:
         rows = 1 + (self.spec_config.max_nodes if self.drafter is not None else 0)
         seq_id = -1                                   # never a request's id
         tokens = [0] * rows
-        if not self.blocks.can_allocate(tokens):
+        if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
             return
-        counters = self.blocks.prefix_queries, self.blocks.prefix_hits
-        self.blocks.allocate(seq_id, tokens)
-        try:
-            table = self.blocks.block_table(seq_id)
+        with self.blocks.scratch(seq_id, rows) as table:   # never published, not a request's lookup
             for n in range(1, rows + 1):
                 self.target.forward(ForwardBatch([SeqInput(tokens[:n], 0, table, logits_indices=list(range(n)))]))
-        finally:
-            self.blocks.free(seq_id)           # never published: the blocks go back free
-            self.blocks.prefix_queries, self.blocks.prefix_hits = counters   # not a request's lookup
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
