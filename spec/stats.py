@@ -62,17 +62,18 @@ class PhaseTimes:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine between two steps. Counters are cumulative since the load."""
-    running: int                # requests holding KV blocks
-    waiting: int                # requests queued for admission (preempted ones included)
-    kv_blocks_total: int
-    kv_blocks_free: int         # free or evictable (cached, unused): both can be handed out now
-    prefix_cache_queries: int   # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int      # prompt tokens served from it
-    speculating: bool           # a drafter is set and the adaptive controller's last decision was on
-    draft_budget: int           # draft nodes a request could propose in the last step; 0 while not speculating
-    drafter_errors: int         # drafter exceptions caught (those requests decoded plainly)
-    preemptions: int            # running requests sent back to the queue for want of KV blocks
+    """The engine between two steps. Counters are cumulative since the load (all zero: an
+    engine that has done nothing yet)."""
+    running: int = 0                # requests holding KV blocks
+    waiting: int = 0                # requests queued for admission (preempted ones included)
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0         # free or evictable (cached, unused): both can be handed out now
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # prompt tokens served from it
+    speculating: bool = False       # a drafter is set and the adaptive controller's last decision was on
+    draft_budget: int = 0           # draft nodes a request could propose in the last step; 0 while not speculating
+    drafter_errors: int = 0         # drafter exceptions caught (those requests decoded plainly)
+    preemptions: int = 0            # running requests sent back to the queue for want of KV blocks
     timing: PhaseTimes = PhaseTimes()
 
     @property

@@ -95,7 +95,7 @@ def test_launch_builds_the_engine_on_the_engine_thread_and_raises_its_failure(ti
     assert built_on == ["tercel-engine"] and bridge.alive and bridge.engine is not None
     assert asyncio.run(bridge.reset_prefix_cache()) == 0           # a call answered by the engine thread
     with pytest.raises(ZeroDivisionError):                          # ... and a failing one, raised here
-        asyncio.run(bridge._on_engine_thread(lambda engine: 1 / 0))
+        asyncio.run(bridge.call(lambda engine: 1 / 0))
     assert bridge.alive
     bridge.shutdown(0)
 
