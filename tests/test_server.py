@@ -106,6 +106,33 @@ def test_launch_builds_the_engine_on_the_engine_thread_and_raises_its_failure(ti
         EngineBridge.launch(broken, Metrics())
 
 
+def test_idle_integrity_check_reports_a_corrupt_pool(tiny_llama_dir):
+    """With check_integrity_when_idle, the engine thread checks the KV pool each time it goes
+    idle: a corrupt pool is logged, kept in integrity_error, and /health answers 503. The
+    snapshot the bridge publishes is the engine's (limits and stats, read without a call)."""
+    from serving.app import Routes, ServerConfig
+    bridge = EngineBridge.launch(lambda: LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=64,
+                                                                num_kv_blocks=8)),
+                                 Metrics(), check_integrity_when_idle=True)
+    try:
+        assert bridge.stats.idle and bridge.stats.kv_blocks_free == bridge.limits.kv_blocks_total == 8
+        health = Routes(bridge, ServerConfig(model_names=("tiny",))).health
+        assert asyncio.run(health()) == {"status": "ok"} and bridge.integrity_error is None
+
+        def corrupt(engine):
+            engine.blocks._blocks[0].ref_count = 3      # held by no table
+
+        asyncio.run(bridge.call(corrupt))
+        deadline = time.monotonic() + 10
+        while bridge.integrity_error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "not in exactly one state" in str(bridge.integrity_error)
+        reply = asyncio.run(health())
+        assert reply.status_code == 503 and b"integrity check" in reply.body
+    finally:
+        bridge.shutdown(0)
+
+
 def test_models_and_health(server):
     """/v1/models lists the served model; /health is 200."""
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
