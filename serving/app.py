@@ -9,7 +9,6 @@ and its own state.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -24,7 +23,6 @@ from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, C
 from serving.streaming import Reply, full_reply, sse_events
 from spec.sampling_params import SamplingParams
 
-log = logging.getLogger("tercel.serve")
 OPEN_PATHS = {"/health"}
 
 
