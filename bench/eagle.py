@@ -20,7 +20,6 @@ import torch
 from bench.data import mtbench_first_turns
 from spec import LLM, SamplingParams
 from spec.config import SpecConfig
-from spec.engine import StepTiming
 
 
 def run_prompt(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, float, object]:
@@ -31,7 +30,7 @@ def run_prompt(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int
 
 def bench_temperature(plain: LLM, spec: LLM, prompts: list[list[int]], new_tokens: int,
                       temperature: float, seconds: float) -> dict:
-    spec.engine.timing = StepTiming()          # this temperature's steps only
+    start = spec.engine.stats().timing         # this temperature's steps only: the difference
     rows, deadline = [], time.perf_counter() + seconds
     for i, p in enumerate(prompts):
         if time.perf_counter() > deadline:
@@ -44,7 +43,7 @@ def bench_temperature(plain: LLM, spec: LLM, prompts: list[list[int]], new_token
     depth = max((len(r[4].accepted_per_depth) for r in rows), default=0)
     per_depth = [sum(r[4].accepted_per_depth[d] for r in rows if d < len(r[4].accepted_per_depth)) / max(1, steps)
                  for d in range(depth)]
-    timing = spec.engine.timing
+    timing = spec.engine.stats().timing - start
     plain_tps = sum(r[0] for r in rows) / sum(r[1] for r in rows)
     spec_tps = sum(r[2] for r in rows) / sum(r[3] for r in rows)
     return {

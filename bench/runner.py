@@ -97,13 +97,13 @@ class TercelGenerator:
                     st.draft_tokens, tuple(st.accepted_per_depth))
 
     def timing(self) -> tuple[int, float, float]:
-        t = self.llm.engine.timing
+        t = self.llm.engine.stats().timing
         return t.steps, t.draft_seconds, t.verify_seconds
 
     def close(self) -> None:
-        blocks = self.llm.engine.blocks
-        blocks.check_integrity()
-        if blocks.num_used_blocks:
-            raise RuntimeError(f"benchmark engine leaked {blocks.num_used_blocks} KV blocks")
+        self.llm.engine.check_integrity()
+        used = self.llm.engine.stats().kv_blocks_used
+        if used:
+            raise RuntimeError(f"benchmark engine leaked {used} KV blocks")
         del self.llm
         gc.collect()

@@ -1,11 +1,25 @@
-"""The async bridge: the engine runs in one background thread; HTTP handlers talk to it
-through a thread-safe inbox, and each request's outputs flow back into its own asyncio
-queue (handed over with `loop.call_soon_threadsafe`, the only cross-thread path).
+"""The async bridge: the engine runs in one background thread, and every call from the server
+into the engine goes through here.
 
-Lifecycle of one request: `submit()` (event loop) -> inbox -> `engine.add_request`
-(engine thread; a ValueError goes back to the stream as an error) -> each step's
-RequestOutput -> the stream's queue -> the handler. `cancel()` (client gone) puts an
-abort in the inbox; the engine thread frees the request's KV blocks before its next step.
+The event loop never calls the engine. It puts one typed message in the inbox (`Add`,
+`Abort`, `AbortAll`, `Call`) and wakes the engine thread, which handles the messages between
+two steps. Each request's outputs flow back into its own asyncio queue, handed over with
+`loop.call_soon_threadsafe`, the only path from the engine thread to the loop.
+
+What the event loop reads without a message, all of it safe on any thread: `limits` (the
+engine's EngineLimits, frozen, captured at launch) to refuse a request before it queues;
+`tokenizer`, to tokenize prompts and apply the chat template (it reads only files loaded at
+launch, no engine state); `stats`, the EngineStats snapshot the engine thread publishes after
+each step and when it goes idle; and the bridge's own counters (`in_flight`, `alive`).
+
+Lifecycle of one request: `submit()` (event loop) -> Add -> `engine.add_request` (engine
+thread; a ValueError goes back to the stream as an error) -> each step's RequestOutput -> the
+stream's queue -> the handler. `cancel()` (client gone) sends an Abort; the engine thread
+frees the request's KV blocks before its next step.
+
+With `check_integrity_when_idle` (TERCEL_DEBUG=1, `tercel serve --log-level debug`, the tests'
+LiveServer) the engine thread checks the KV block pool and the scheduler each time it goes
+idle. A failure is logged as critical, kept in `integrity_error`, and /health answers 503.
 
 `EngineBridge.launch` also builds the engine on that thread, so that one thread does all
 the tensor work. On CPU, OpenMP (libgomp) stops spin-waiting between parallel regions once
@@ -18,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,21 +43,58 @@ from spec.config import SpecConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
 from spec.sampling_params import SamplingParams
+from spec.stats import EngineLimits, EngineStats
 from serving.metrics import Metrics
 
 log = logging.getLogger("tercel.serve")
+
+
+def debug_from_env() -> bool:
+    """TERCEL_DEBUG=1 (any value but empty or 0) turns on the bridge's self-checks."""
+    return os.environ.get("TERCEL_DEBUG", "") not in ("", "0")
 
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-queue allows."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Submission:
+    """One request as the app hands it over: tokenized, and checked against the limits."""
     prompt_token_ids: list[int]
     params: SamplingParams
     speculate: bool = True
     speculation: SpecConfig | None = None
+
+
+# ---- the inbox: one message per operation, handled on the engine thread between two steps ----
+@dataclass(frozen=True)
+class Add:
+    """Queue a request; its outputs (or its refusal, an exception) go to `stream`."""
+    request_id: str
+    submission: Submission
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class Abort:
+    """End one request now (finish_reason "abort"); its KV blocks go back to the pool."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """Abort every request added so far."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run fn(engine); its result or its exception is set on `done`, a future of the event loop."""
+    fn: Callable[[LLMEngine], object]
+    done: asyncio.Future
+
+
+Message = Add | Abort | AbortAll | Call
 
 
 class RequestStream:
@@ -79,11 +131,18 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, metrics: Metrics, max_queue: int = 256):
-        """Use `launch`: it builds the engine on the bridge's own thread."""
-        self.engine: LLMEngine | None = None
+    def __init__(self, metrics: Metrics, max_queue: int = 256, check_integrity_when_idle: bool | None = None):
+        """Use `launch`: it builds the engine on the bridge's own thread.
+        `check_integrity_when_idle`: None takes it from TERCEL_DEBUG (see the module's docstring)."""
+        self.engine: LLMEngine | None = None   # the engine thread's alone (tests reach in on purpose)
+        self.limits: EngineLimits | None = None   # set at launch, frozen
+        self.tokenizer = None                    # set at launch; safe on the event loop
+        self.stats = EngineStats()               # the engine's last published snapshot
         self.metrics, self.max_queue = metrics, max_queue
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.check_integrity_when_idle = debug_from_env() if check_integrity_when_idle is None \
+            else check_integrity_when_idle
+        self.integrity_error: Exception | None = None   # the first failed idle check
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -95,15 +154,18 @@ class EngineBridge:
 
     # ---- event-loop side --------------------------------------------------------------
     @classmethod
-    def launch(cls, make_engine: Callable[[], LLMEngine], metrics: Metrics, max_queue: int = 256) -> "EngineBridge":
+    def launch(cls, make_engine: Callable[[], LLMEngine], metrics: Metrics, max_queue: int = 256,
+               check_integrity_when_idle: bool | None = None) -> "EngineBridge":
         """Build the engine on the engine thread, start stepping it there, and return once it
         is loaded; a failure to build is raised here."""
-        bridge = cls(metrics, max_queue)
+        bridge = cls(metrics, max_queue, check_integrity_when_idle)
         ready, failed = threading.Event(), []
 
         def main() -> None:
             try:
-                bridge.engine = make_engine()
+                engine = bridge.engine = make_engine()
+                bridge.limits, bridge.tokenizer = engine.limits(), engine.tokenizer
+                bridge._publish()
             except BaseException as e:   # handed to the caller, which reports it
                 failed.append(e)
                 return
@@ -123,20 +185,28 @@ class EngineBridge:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     @property
+    def problem(self) -> str | None:
+        """Why the engine cannot be trusted to serve (/health answers 503 with it), or None."""
+        if not self.alive:
+            return "engine stopped"
+        if self.integrity_error is not None:
+            return f"KV block pool failed its integrity check: {self.integrity_error}"
+        return None
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
 
     def submit(self, sub: Submission) -> RequestStream:
         # Capacity = the running slots plus the queue; counted here, on the event loop, so a
         # burst is refused before the engine thread has even seen it.
-        slots = self.engine.config.max_num_seqs
+        slots = self.limits.max_num_seqs
         if self._in_flight >= slots + self.max_queue:
             raise QueueFullError(f"{self._in_flight - slots} requests are waiting (limit {self.max_queue})")
         rid = f"req-{next(self._ids)}"
         stream = RequestStream(self, rid, asyncio.get_running_loop(), len(sub.prompt_token_ids))
         self._add_in_flight(1)
-        self._inbox.put(("add", rid, sub, stream))
-        self._wake.set()
+        self._send(Add(rid, sub, stream))
         return stream
 
     def _add_in_flight(self, delta: int) -> None:
@@ -144,27 +214,27 @@ class EngineBridge:
             self._in_flight += delta
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None, None))
-        self._wake.set()
+        self._send(Abort(request_id))
 
     def abort_all(self) -> None:
         """Abort every request now: each ends with finish_reason "abort", which its handler
         sends as a normal reply, and the engine frees its KV blocks (shutdown's grace is over)."""
-        self._inbox.put(("abort_all", None, None, None))
-        self._wake.set()
+        self._send(AbortAll())
 
     async def reset_prefix_cache(self) -> int:
         """Drop the unused cached blocks; returns how many."""
-        return await self._on_engine_thread(lambda engine: engine.blocks.reset_prefix_cache())
+        return await self.call(LLMEngine.reset_prefix_cache)
 
-    async def _on_engine_thread(self, fn: Callable[[LLMEngine], object]):
+    async def call(self, fn: Callable[[LLMEngine], object]):
         """fn(engine) between two steps, on the thread that owns the engine; its result or
         its exception comes back here."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._inbox.put(("call", None, fn, done))
-        self._wake.set()
+        done = asyncio.get_running_loop().create_future()
+        self._send(Call(fn, done))
         return await done
+
+    def _send(self, msg: Message) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
 
     def shutdown(self, grace_s: float) -> None:
         """Stop after in-flight requests finish, or abort them once grace_s has passed."""
@@ -178,44 +248,67 @@ class EngineBridge:
 
     # ---- engine thread ----------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
+        engine, idle_seen = self.engine, False
         while True:
-            self._drain_inbox()
+            if self._drain_inbox():
+                idle_seen = False            # a call may have changed the pool
             if self._stop.is_set() and not engine.has_unfinished:
                 return
             if not engine.has_unfinished:
+                if not idle_seen:
+                    self._on_idle()
+                    idle_seen = True
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
                 continue
+            idle_seen = False
             try:
                 outputs = engine.step()
             except Exception as e:   # an engine bug: fail every request rather than hang them
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            self.metrics.engine_state(engine)
+            self._publish()
             for out in outputs:
                 self._deliver(out)
 
-    def _drain_inbox(self) -> None:
+    def _publish(self) -> None:
+        self.stats = self.engine.stats()     # one reference swap: readers see this or the last
+        self.metrics.engine_state(self.stats)
+
+    def _on_idle(self) -> None:
+        self._publish()
+        if not self.check_integrity_when_idle:
+            return
+        try:
+            self.engine.check_integrity()
+        except Exception as e:   # AssertionError names the inconsistency; anything else is as bad
+            log.critical("KV block pool failed its integrity check while idle: %s", e, exc_info=True)
+            self.integrity_error = self.integrity_error or e
+
+    def _drain_inbox(self) -> int:
+        """Handle every waiting message; returns how many."""
+        handled = 0
         while True:
             try:
-                # (op, request id, payload, where the answer goes): ("add", rid, Submission,
-                # RequestStream), ("abort", rid, None, None), ("call", None, fn, Future), ("abort_all", ...)
-                op, rid, payload, reply = self._inbox.get_nowait()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
-            if op == "add":
-                self._add(rid, payload, reply)
-            elif op == "abort":
-                self.engine.abort(rid)
-            elif op == "call":
-                self._call(payload, reply)
-            else:
-                for r in list(self._streams):
-                    self.engine.abort(r)
+                return handled
+            handled += 1
+            match msg:
+                case Add(rid, sub, stream):
+                    self._add(rid, sub, stream)
+                case Abort(rid):
+                    self.engine.abort(rid)
+                case AbortAll():
+                    for rid in list(self._streams):
+                        self.engine.abort(rid)
+                case Call(fn, done):
+                    self._call(fn, done)
+                case _:
+                    raise TypeError(f"not a bridge message: {msg!r}")
 
-    def _call(self, fn, done: asyncio.Future) -> None:
+    def _call(self, fn: Callable[[LLMEngine], object], done: asyncio.Future) -> None:
         try:
             result = fn(self.engine)
         except Exception as e:   # the caller gets it; the engine thread carries on

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from spec.stats import EngineStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -34,29 +36,25 @@ class Metrics:
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
         self.drafter_errors = Counter("tercel_drafter_errors", "drafter exceptions (the requests decoded plainly)",
                                       registry=r)
-        self._drafter_errors_seen = 0
         self._recent: list[tuple[int, int]] = []   # (emitted, verify steps) of recent finished requests
-        self._prefix_seen = (0, 0)
+        # The snapshot counted so far: counters grow by the difference to the next one.
+        self._seen = EngineStats()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def engine_state(self, engine) -> None:
-        """Gauges and prefix counters, read on the engine thread after each step."""
-        s = engine.scheduler
-        self.running.set(len(s.running))
-        self.waiting.set(len(s.waiting))
-        self.blocks_used.set(engine.blocks.num_used_blocks)
-        self.blocks_free.set(engine.blocks.num_free_blocks)
-        q, h = engine.blocks.prefix_queries, engine.blocks.prefix_hits
-        self.prefix_queries.inc(q - self._prefix_seen[0])
-        self.prefix_hits.inc(h - self._prefix_seen[1])
-        self._prefix_seen = (q, h)
-        self.drafter_errors.inc(engine.drafter_errors - self._drafter_errors_seen)
-        self._drafter_errors_seen = engine.drafter_errors
-        on = engine.drafter is not None and engine.adaptive.state
-        self.spec_enabled.set(1 if on else 0)
-        self.spec_draft_budget.set(engine.draft_budget if on else 0)
+    def engine_state(self, s: EngineStats) -> None:
+        """Gauges and counters from the engine's snapshot after a step (engine thread)."""
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.blocks_used.set(s.kv_blocks_used)
+        self.blocks_free.set(s.kv_blocks_free)
+        self.prefix_queries.inc(s.prefix_cache_queries - self._seen.prefix_cache_queries)
+        self.prefix_hits.inc(s.prefix_cache_hits - self._seen.prefix_cache_hits)
+        self.drafter_errors.inc(s.drafter_errors - self._seen.drafter_errors)
+        self._seen = s
+        self.spec_enabled.set(1 if s.speculating else 0)
+        self.spec_draft_budget.set(s.draft_budget)
 
     def finished(self, out, num_prompt_tokens: int) -> None:
         st = out.stats

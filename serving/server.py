@@ -78,7 +78,7 @@ def run_serve(args) -> int:
 
     from serving.app import ServerConfig, build_app
     from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
-    from serving.bridge import EngineBridge
+    from serving.bridge import EngineBridge, debug_from_env
     from serving.metrics import Metrics
     from spec.engine import LLMEngine
 
@@ -87,7 +87,8 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
-    bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue)
+    bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue,
+                                 check_integrity_when_idle=args.log_level == "debug" or debug_from_env())
     names = (args.model, Path(args.model).name)
     app = build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
 

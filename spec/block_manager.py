@@ -36,6 +36,8 @@ Lifecycle of one sequence:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -291,6 +293,24 @@ class BlockManager:
             self._free[block_id] = None
         self._evictable.clear()
         return len(dropped)
+
+    @contextmanager
+    def scratch(self, seq_id: int, num_tokens: int) -> Iterator[list[int]]:
+        """Fresh blocks for num_tokens slots, lent as a block table for work that is no
+        request's (the engine's warm-up forwards) and freed on exit. They bypass the prefix
+        cache: no lookup (the counters stay as they were), never published. Raises
+        ValueError if seq_id is allocated, NoFreeBlocksError (state unchanged) if the pool is short.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id} is already allocated")
+        self._require_free(_cdiv(num_tokens, self.block_size), f"scratch seq {seq_id}")
+        seq = self._seqs[seq_id] = _Seq()
+        for _ in range(_cdiv(num_tokens, self.block_size)):
+            self._grow(seq)
+        try:
+            yield seq.block_table
+        finally:
+            self.free(seq_id)
 
     # ----- integrity ---------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from spec.rejection import accept_greedy, accept_tree
 from spec.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
 from spec.sampling_params import SamplingParams
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
@@ -104,17 +105,11 @@ class LLMEngine:
         rows = 1 + (self.spec_config.max_nodes if self.drafter is not None else 0)
         seq_id = -1                                   # never a request's id
         tokens = [0] * rows
-        if not self.blocks.can_allocate(tokens):
+        if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
             return
-        counters = self.blocks.prefix_queries, self.blocks.prefix_hits
-        self.blocks.allocate(seq_id, tokens)
-        try:
-            table = self.blocks.block_table(seq_id)
+        with self.blocks.scratch(seq_id, rows) as table:   # never published, not a request's lookup
             for n in range(1, rows + 1):
                 self.target.forward(ForwardBatch([SeqInput(tokens[:n], 0, table, logits_indices=list(range(n)))]))
-        finally:
-            self.blocks.free(seq_id)           # never published: the blocks go back free
-            self.blocks.prefix_queries, self.blocks.prefix_hits = counters   # not a request's lookup
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -156,20 +151,29 @@ class LLMEngine:
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this prompt and these params can never run here (read-only)."""
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.target.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        total = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len or total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the context length max_model_len={self.max_model_len}")
-        # Tree verification needs room for the draft nodes on top of the tokens themselves.
-        slots = total + (self.spec_config.max_nodes if self.drafter is not None else 0)
-        if self.blocks.blocks_needed(None, slots) > self.blocks.num_total_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens needs more KV blocks than the "
-                             f"pool has ({self.blocks.num_total_blocks} of {self.blocks.block_size})")
+        self.limits().validate(ids, params)
+
+    def limits(self) -> EngineLimits:
+        """What a request may ask of this engine; fixed once it is loaded."""
+        return EngineLimits(self.max_model_len, self.config.max_num_seqs, self.target.config.vocab_size,
+                            self.blocks.block_size, self.blocks.num_total_blocks,
+                            self.config.drafter or None, self.spec_config)
+
+    def stats(self) -> EngineStats:
+        """A snapshot between two steps, for readers outside the engine (metrics, benchmarks)."""
+        on = self.drafter is not None and self.adaptive.state
+        t = self.timing
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.blocks.num_total_blocks, kv_blocks_free=self.blocks.num_free_blocks,
+            prefix_cache_queries=self.blocks.prefix_queries, prefix_cache_hits=self.blocks.prefix_hits,
+            speculating=on, draft_budget=self.draft_budget if on else 0, drafter_errors=self.drafter_errors,
+            preemptions=self.scheduler.num_preemptions,
+            timing=PhaseTimes(t.steps, t.draft_seconds, t.verify_seconds, t.accept_seconds))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached blocks no request holds; returns how many."""
+        return self.blocks.reset_prefix_cache()
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)

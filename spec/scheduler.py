@@ -54,6 +54,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []     # in admission order: the last is the newest
+        self.num_preemptions = 0             # since the start (metrics)
 
     @property
     def has_work(self) -> bool:
@@ -115,6 +116,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:

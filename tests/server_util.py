@@ -22,8 +22,9 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, config, model_name: str, api_key: str | None = None, max_queue: int = 256):
-        self.bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=max_queue)
-        self.engine = self.bridge.engine
+        self.bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=max_queue,
+                                          check_integrity_when_idle=True)
+        self.engine = self.bridge.engine     # for tests that patch the engine; reads go through bridge.stats
         app = build_app(self.bridge, ServerConfig(model_names=(model_name,), api_key=api_key))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -45,16 +46,23 @@ class LiveServer:
         raise KeyError(name)
 
     def wait_idle(self, timeout: float = 20.0) -> None:
-        """Until no request holds KV blocks (bounded; the engine frees within a step)."""
+        """Until no request holds KV blocks (bounded; the engine frees within a step), and the
+        pool has passed the bridge's idle integrity checks so far."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.engine.blocks.num_used_blocks == 0 and not self.engine.scheduler.running \
-                    and self.bridge.in_flight == 0:
+            stats = self.bridge.stats
+            if stats.kv_blocks_used == 0 and stats.running == 0 and self.bridge.in_flight == 0:
+                self.check_integrity()
                 return
             time.sleep(0.05)
         raise AssertionError("requests still hold KV blocks")
+
+    def check_integrity(self) -> None:
+        if self.bridge.integrity_error is not None:
+            raise AssertionError(f"the idle integrity check failed: {self.bridge.integrity_error}")
 
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.bridge.shutdown(0)
+        self.check_integrity()

@@ -152,6 +152,28 @@ def test_publish_is_a_no_op_with_the_cache_disabled():
     assert not set(bm.block_table(1)) & set(bm.block_table(2))
 
 
+def test_scratch_blocks_are_lent_uncounted_and_freed():
+    """scratch() lends fresh blocks (no lookup, no publish, counters unchanged) and frees them on
+    exit, even when the work inside raises; a pool too short refuses with nothing changed."""
+    bm = make(num_blocks=4)
+    admit(bm, 1, list(range(8)))                     # two cached blocks, then held
+    counters = (bm.prefix_queries, bm.prefix_hits)
+    with pytest.raises(RuntimeError, match="inside"):
+        with bm.scratch(-1, 7) as table:
+            assert len(table) == 2 and not set(table) & set(bm.block_table(1))
+            bm.check_integrity()
+            raise RuntimeError("inside")
+    assert not bm.has(-1) and (bm.prefix_queries, bm.prefix_hits) == counters and len(bm._cache) == 2
+    with pytest.raises(NoFreeBlocksError):
+        with bm.scratch(-1, 9):
+            pass
+    with pytest.raises(ValueError, match="already allocated"):
+        with bm.scratch(1, 1):
+            pass
+    bm.check_integrity()
+    assert bm.num_free_blocks == 2
+
+
 def test_hit_after_free_reuses_the_evictable_block():
     """A freed seq's published blocks stay cached at ref 0 and serve the next equal prefix."""
     bm = make(num_blocks=8, block_size=4)

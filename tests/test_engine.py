@@ -2,6 +2,7 @@
 streaming, chunked prefill, preemption, prefix reuse, and a stress run with integrity checks."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -186,7 +187,21 @@ def test_preemption_by_recompute_keeps_greedy_output(tiny_llama_dir, llm):
     outs = small.generate(ps, params)
     assert [o.token_ids for o in outs] == ref
     assert preempted, "the small pool should have forced at least one preemption"
+    assert small.engine.stats().preemptions == len(preempted)
     assert_pool_whole(small)
+
+
+def test_stats_and_limits_are_frozen_snapshots(llm):
+    """stats() and limits() are values for readers outside the engine: one taken before a
+    request does not change under it, and the limits are the configured ones."""
+    before = llm.engine.stats()
+    llm.generate(prompts(1, seed=3, lo=40, hi=40)[0], GREEDY)
+    after = llm.engine.stats()
+    assert after.prefix_cache_queries > before.prefix_cache_queries and after.idle and after.kv_blocks_used == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.running = 1
+    lim = llm.engine.limits()
+    assert (lim.max_model_len, lim.max_num_seqs, lim.kv_blocks_total, lim.drafter, lim.tree_slots) == (256, 8, 64, None, 0)
 
 
 def test_prefix_cache_reuses_a_shared_system_prompt(tiny_llama_dir):
@@ -199,8 +214,9 @@ def test_prefix_cache_reuses_a_shared_system_prompt(tiny_llama_dir):
     second = with_cache.generate(b, GREEDY)[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 96
     assert second.token_ids == no_cache.generate(b, GREEDY)[0].token_ids
-    blocks = with_cache.engine.blocks
-    assert blocks.prefix_hits == 96 and blocks.num_used_blocks == 0
+    stats = with_cache.engine.stats()          # the warm-up's scratch blocks were no lookup
+    assert (stats.prefix_cache_hits, stats.prefix_cache_queries) == (96, 96 + 96)
+    assert stats.kv_blocks_used == 0 and stats.idle
 
 
 def test_stress_random_requests_cancellations_preemptions(tiny_llama_dir):

@@ -95,7 +95,7 @@ def test_launch_builds_the_engine_on_the_engine_thread_and_raises_its_failure(ti
     assert built_on == ["tercel-engine"] and bridge.alive and bridge.engine is not None
     assert asyncio.run(bridge.reset_prefix_cache()) == 0           # a call answered by the engine thread
     with pytest.raises(ZeroDivisionError):                          # ... and a failing one, raised here
-        asyncio.run(bridge._on_engine_thread(lambda engine: 1 / 0))
+        asyncio.run(bridge.call(lambda engine: 1 / 0))
     assert bridge.alive
     bridge.shutdown(0)
 
@@ -104,6 +104,33 @@ def test_launch_builds_the_engine_on_the_engine_thread_and_raises_its_failure(ti
 
     with pytest.raises(ValueError, match="nowhere"):
         EngineBridge.launch(broken, Metrics())
+
+
+def test_idle_integrity_check_reports_a_corrupt_pool(tiny_llama_dir):
+    """With check_integrity_when_idle, the engine thread checks the KV pool each time it goes
+    idle: a corrupt pool is logged, kept in integrity_error, and /health answers 503. The
+    snapshot the bridge publishes is the engine's (limits and stats, read without a call)."""
+    from serving.app import Routes, ServerConfig
+    bridge = EngineBridge.launch(lambda: LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=64,
+                                                                num_kv_blocks=8)),
+                                 Metrics(), check_integrity_when_idle=True)
+    try:
+        assert bridge.stats.idle and bridge.stats.kv_blocks_free == bridge.limits.kv_blocks_total == 8
+        health = Routes(bridge, ServerConfig(model_names=("tiny",))).health
+        assert asyncio.run(health()) == {"status": "ok"} and bridge.integrity_error is None
+
+        def corrupt(engine):
+            engine.blocks._blocks[0].ref_count = 3      # held by no table
+
+        asyncio.run(bridge.call(corrupt))
+        deadline = time.monotonic() + 10
+        while bridge.integrity_error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "not in exactly one state" in str(bridge.integrity_error)
+        reply = asyncio.run(health())
+        assert reply.status_code == 503 and b"integrity check" in reply.body
+    finally:
+        bridge.shutdown(0)
 
 
 def test_models_and_health(server):

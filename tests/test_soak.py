@@ -319,7 +319,7 @@ def test_soak_mixed_load(server, monkeypatch):
                      for r in replies if r != alone]
 
     server.wait_idle()
-    asyncio.run(server.bridge._on_engine_thread(lambda engine: engine.check_integrity()))
+    asyncio.run(server.bridge.call(lambda engine: engine.check_integrity()))
     engine = server.engine
     after = dict(used_blocks=engine.blocks.num_used_blocks, running=len(engine.scheduler.running),
                  waiting=len(engine.scheduler.waiting), engine_requests=len(engine.requests),

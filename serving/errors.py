@@ -1,0 +1,77 @@
+"""Errors as OpenAI sends them: every refusal is `{"error": {"message", "type", "param",
+"code"}}` with its status, and no exception handler of FastAPI's own answers a client.
+
+The statuses, all decided before a reply starts (a stream that fails later ends with an
+error event, see serving/streaming.py): 400 a request the server can never run, 401 a
+missing or wrong API key, 404 an unknown model or path, 429 a full queue (Retry-After),
+503 an engine that failed or is stopping. Anything else escapes to serving/middleware.py,
+which answers 500.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.protocol import APIError, validation_error
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """APIError as its own body; FastAPI's 422 as a 400; Starlette's 404/405 in OpenAI's shape."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+
+
+async def _api_error(_, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _validation(_, e: RequestValidationError) -> JSONResponse:
+    err = validation_error(e.errors())
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _http(_, e: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(e.status_code, str(e.detail), type_=kind).body(), status_code=e.status_code)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                    type_="authentication_error", code="invalid_api_key")
+
+
+def unknown_model(name: str, served: str) -> APIError:
+    return APIError(404, f"model {name!r} does not exist; this server serves {served!r}",
+                    param="model", type_="not_found_error", code="model_not_found")
+
+
+def refused(e: ValueError, chat: bool) -> APIError:
+    """A prompt and sampling params the engine can never run (EngineLimits.validate, SamplingParams):
+    400, naming the parameter at fault where the message does."""
+    message = str(e)
+    prompt = "messages" if chat else "prompt"
+    param = "max_tokens" if "max_tokens" in message else prompt if "prompt" in message else None
+    code = "context_length_exceeded" if "context length" in message else None
+    return APIError(400, message, param=param, code=code)
+
+
+def queue_full(e: Exception) -> APIError:
+    return APIError(429, f"server busy: {e}", type_="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": "1"})
+
+
+def engine_unavailable(e: Exception) -> APIError:
+    """The engine failed the request, or the server is stopping: a 503, not a bare 500."""
+    return APIError(503, str(e), type_="server_error", code="engine_unavailable")
+
+
+def engine_stopped() -> APIError:
+    return APIError(503, "the engine is not running", type_="server_error")
+
+
+def stream_error(e: Exception) -> dict:
+    """The `error` object of the event that ends a stream whose request failed once under way."""
+    return APIError(500, str(e), type_="server_error").body()["error"]
