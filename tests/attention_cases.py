@@ -40,3 +40,12 @@ def make_case(specs, h, kvh, d, bs, seed=0, device: str = "cpu", dtype: torch.dt
     k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(**to)
     v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(**to)
     return ForwardBatch(seqs), q, k, v, k_cache, v_cache
+
+
+def snapshot_commit(cache: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
+    """Commit semantics spelled out: every dst slot gets what its src slot held before the commit."""
+    layers, nb, bs, kvh, d = cache.shape
+    old, new = cache.reshape(layers, nb * bs, kvh, d).clone(), cache.reshape(layers, nb * bs, kvh, d).clone()
+    for s, t in zip(src, dst):
+        new[:, t] = old[:, s]
+    return new.view(cache.shape)

@@ -17,8 +17,8 @@ from verifier.attention import triton_kernels as tk  # noqa: E402
 from verifier.attention.torch_backend import TorchBackend  # noqa: E402
 from verifier.attention.triton_backend import TritonBackend  # noqa: E402
 from verifier.batch import ForwardBatch, SeqInput  # noqa: E402
-from verifier.kv_cache import slots_for  # noqa: E402
-from attention_cases import make_case  # noqa: E402
+from verifier.kv_cache import KVCache, slots_for  # noqa: E402
+from attention_cases import make_case, snapshot_commit  # noqa: E402
 
 assert tk.INTERPRETED, "triton_kernels was imported before TRITON_INTERPRET=1 was set"
 
@@ -103,30 +103,23 @@ def test_write_kv_stores_strided_tokens_at_their_slots():
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
-def snapshot_commit(cache: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
-    """Commit semantics spelled out: every dst slot gets what its src slot held before the commit."""
-    layers, nb, bs, kvh, d = cache.shape
-    old, new = cache.reshape(layers, nb * bs, kvh, d).clone(), cache.reshape(layers, nb * bs, kvh, d).clone()
-    for s, t in zip(src, dst):
-        new[:, t] = old[:, s]
-    return new.view(cache.shape)
-
-
 @pytest.mark.parametrize("src,dst", [
     ([5, 7, 9], [5, 6, 7]),              # accepted tree path compacted leftwards (dst <= src)
     ([2, 3, 4], [3, 4, 5]),              # shifted right: every source is another pair's destination
     ([13, 6, 17, 9], [9, 10, 11, 12]),   # across blocks, unordered sources, one source reused as dst
 ])
 def test_commit_kv_with_overlap_matches_torch(src, dst):
-    """commit_kv over all layers equals commit_kv_torch and the snapshot semantics, also when src and dst overlap."""
+    """commit_kv over all layers equals the snapshot semantics and the CPU path (KVCache.copy_slots),
+    also when src and dst overlap."""
     gen = torch.Generator().manual_seed(2)
     shape = (3, 6, 4, 2, 32)                    # [L, num_blocks, bs, KVH, D]
     k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     want_k, want_v = snapshot_commit(k, src, dst), snapshot_commit(v, src, dst)
-    ref_k, ref_v = k.clone(), v.clone()
-    tk.commit_kv_torch(ref_k, ref_v, src, dst)
+    cpu = KVCache(*shape, dtype=k.dtype, device="cpu")       # the CPU engine's commit path
+    cpu.k.copy_(k), cpu.v.copy_(v)
+    cpu.copy_slots(src, dst)
     tk.commit_kv(k, v, torch.tensor(src), torch.tensor(dst))
-    assert torch.equal(ref_k, want_k) and torch.equal(ref_v, want_v)
+    assert torch.equal(cpu.k, want_k) and torch.equal(cpu.v, want_v)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
@@ -134,10 +127,9 @@ def test_commit_kv_one_layer():
     """commit_kv also takes one layer's [num_blocks, bs, KVH, D] caches and touches nothing else."""
     gen = torch.Generator().manual_seed(4)
     k, v = torch.randn(5, 4, 2, 32, generator=gen), torch.randn(5, 4, 2, 32, generator=gen)
-    ref_k, ref_v = k.clone(), v.clone()
-    tk.commit_kv_torch(ref_k, ref_v, [8, 11, 14], [8, 9, 10])
+    want_k, want_v = (snapshot_commit(c[None], [8, 11, 14], [8, 9, 10])[0] for c in (k, v))
     tk.commit_kv(k, v, [8, 11, 14], [8, 9, 10])
-    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
 def test_registry_builds_triton_backend():

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the Triton interpreter is on in this process: run `make test-gpu`", allow_module_level=True)
 
-from attention_cases import make_case  # noqa: E402
+from attention_cases import make_case, snapshot_commit  # noqa: E402
 from verifier.attention import triton_kernels as tk  # noqa: E402
 from verifier.attention.torch_backend import TorchBackend  # noqa: E402
 from verifier.attention.triton_backend import TritonBackend  # noqa: E402
@@ -50,7 +50,6 @@ def test_commit_kv_matches_torch(dtype):
     shape = (4, 6, 16, 2, 64)
     k, v = (torch.randn(shape, generator=gen).to(CUDA, dtype) for _ in range(2))
     src, dst = [13, 6, 17, 9, 40], [9, 10, 11, 12, 13]
-    ref_k, ref_v = k.clone(), v.clone()
-    tk.commit_kv_torch(ref_k, ref_v, src, dst)
+    want_k, want_v = snapshot_commit(k, src, dst), snapshot_commit(v, src, dst)
     tk.commit_kv(k, v, torch.tensor(src, device=CUDA), torch.tensor(dst, device=CUDA))
-    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)

@@ -356,13 +356,3 @@ def commit_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots, dst_slots
     rows = torch.arange(n, dtype=torch.int64, device=k_cache.device)  # temp slot i = row i (page 1)
     _launch_copy(k_cache, v_cache, tmp_k, tmp_v, src, rows)
     _launch_copy(tmp_k, tmp_v, k_cache, v_cache, rows, dst)
-
-
-def commit_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots, dst_slots) -> None:
-    """Reference for `commit_kv`, same arguments and semantics (index_select copies the
-    sources out before index_copy_ writes, so overlap is safe)."""
-    k_cache, v_cache, src, dst = _commit_args(k_cache, v_cache, src_slots, dst_slots)
-    for cache in (k_cache, v_cache):
-        layers, nb, bs, kvh, d = cache.shape
-        flat = cache.view(layers, nb * bs, kvh, d)   # a view: writes land in the cache
-        flat.index_copy_(1, dst, flat.index_select(1, src))
