@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +23,7 @@ from spec.request import Request, RequestOutput
 from spec.rejection import accept_greedy, accept_tree
 from spec.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
 from spec.sampling_params import SamplingParams
-from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.kernels import engine_rows
@@ -49,6 +49,48 @@ class StepTiming:
         self.draft_seconds += draft
         self.verify_seconds += verify
         self.accept_seconds += accept
+
+
+@dataclass(eq=False)
+class SeqPlan:
+    """One scheduled sequence on its way through a step: `_draft` makes one per scheduled
+    sequence, in the scheduler's order, which is also the forward's; each later phase fills
+    in the fields it owns. A row is one new token of the forward, flattened over the batch."""
+    seq: ScheduledSeq                   # schedule: the request, its new tokens and tree slots
+    ctx_len: int = field(init=False)    # tokens in the KV cache when scheduled: the first new token's slot
+    # A prompt chunk with more of the prompt after it: no logits, nothing sampled or emitted.
+    mid_prefill: bool = field(init=False)
+    proposal: Proposal | None = None    # draft: its tree (root = last token); None: prefill or plain decode
+    first_row: int = 0                  # verify: its first row; it owns rows first_row .. + num_rows
+    # verify: a view of the forward's fp32 logits. [tree nodes, V] for a tree, [1, V] (the last
+    # token) for a plain decode step or a prompt's last chunk, [0, V] mid-prompt.
+    logits: torch.Tensor | None = None
+    accepted: tuple[int, ...] = ()      # accept: a tree's accepted nodes, by depth (node j at slot ctx_len + j)
+    # accept: tokens to append: a tree's accepted path + one corrected or bonus token, else one
+    # sampled token; none mid-prompt
+    tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        req = self.seq.request
+        self.ctx_len = req.num_computed_tokens
+        self.mid_prefill = self.ctx_len + self.seq.num_new_tokens < req.num_tokens
+
+    @property
+    def request(self) -> Request:
+        return self.seq.request
+
+    @property
+    def num_rows(self) -> int:
+        """New tokens in the forward: every tree node, else the scheduled tokens."""
+        return self.proposal.tree.num_nodes if self.proposal is not None else self.seq.num_new_tokens
+
+    @property
+    def kept_rows(self) -> list[int] | range:
+        """Rows whose KV the commit kept, at positions ctx_len, ctx_len + 1, ...: a tree's root
+        and accepted path (after accept), every row otherwise."""
+        if self.proposal is None:
+            return range(self.first_row, self.first_row + self.num_rows)
+        return [self.first_row] + [self.first_row + j for j in self.accepted]
 
 
 class LLMEngine:
@@ -196,36 +238,47 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
+        """schedule -> draft -> verify -> accept -> commit -> emit, each phase over the batch."""
+        outputs, self._pending = self._pending, []     # aborted since the last step
         start = time.perf_counter()
+        sched = self._schedule()
+        if sched.is_empty:
+            return outputs
+        plans = self._draft(sched)
+        drafted = time.perf_counter()
+        fwd = self._verify(plans)
+        verified = time.perf_counter()
+        self._drafter_prefill(plans)
+        self._accept(plans)
+        self._commit(plans)
+        new = self._emit(plans)
+        self._drafter_observe(plans, fwd)      # after emit: finished requests are skipped
+        end = time.perf_counter()
+        speculated = any(p.proposal is not None for p in plans)
+        if speculated:
+            self.timing.add(drafted - start, verified - drafted, end - verified)
+        self._observe(sched, new, speculated, end - start)
+        return outputs + new
+
+    def _observe(self, sched: SchedulerOutput, new: list[RequestOutput], speculated: bool,
+                 seconds: float) -> None:
+        """Feed pure decode steps to the adaptive controller (prefill work would skew the rate)."""
+        if self.drafter is None or any(s.num_new_tokens > 1 for s in sched.seqs):
+            return
+        emitted = sum(len(o.delta_token_ids) for o in new)
+        self.adaptive.observe(speculated, len(sched.seqs), emitted / len(sched.seqs), seconds)
+
+    # ---- schedule -------------------------------------------------------------------------
+    def _schedule(self) -> SchedulerOutput:
+        """The adaptive controller sets this step's speculation from the running batch, then
+        the scheduler reserves each decoding request's tree slots (lookahead) with its tokens."""
         running = len(self.scheduler.running)
         self._spec_on = self.drafter is not None and self.adaptive.enabled(running)
         self._draft_cap = self.adaptive.draft_budget(running)
         sched = self.scheduler.schedule(lookahead=lambda req: self._spec_limits(req)[1])
         for req in sched.preempted:
             self._release_draft(req)
-        if sched.is_empty:
-            return outputs
-        proposals = self._draft(sched)
-        drafted = time.perf_counter()
-        fwd = self.target.forward(self._forward_batch(sched, proposals))
-        verified = time.perf_counter()
-        self._drafter_prefill(sched, proposals)
-        kept: list[tuple[int, int, range | list[int]]] = []
-        new = self._postprocess(sched, proposals, fwd, kept)
-        self._drafter_observe(fwd, kept)
-        end = time.perf_counter()
-        if proposals:
-            self.timing.add(drafted - start, verified - drafted, end - verified)
-        self._observe(sched, new, proposals, end - start)
-        return outputs + new
-
-    def _observe(self, sched: SchedulerOutput, new: list[RequestOutput], proposals: dict, seconds: float) -> None:
-        """Feed pure decode steps to the adaptive controller (prefill work would skew the rate)."""
-        if self.drafter is None or any(s.num_new_tokens > 1 for s in sched.seqs):
-            return
-        emitted = sum(len(o.delta_token_ids) for o in new)
-        self.adaptive.observe(bool(proposals), len(sched.seqs), emitted / len(sched.seqs), seconds)
+        return sched
 
     # ---- draft ----------------------------------------------------------------------------
     def _spec_limits(self, req: Request) -> tuple[int, int, int]:
@@ -246,34 +299,65 @@ class LLMEngine:
             return 0, 0, 1
         return depth, nodes, spec.topk
 
-    def _draft(self, sched: SchedulerOutput) -> dict[int, "Proposal"]:
+    def _draft(self, sched: SchedulerOutput) -> list[SeqPlan]:
+        """One plan per scheduled sequence; decoding requests given tree slots get a proposal."""
+        plans = [SeqPlan(s) for s in sched.seqs]
+        picked = [p for p in plans if p.seq.num_lookahead and not p.request.in_prefill]
+        for plan, prop in zip(picked, self._propose([p.request for p in picked])):
+            plan.proposal = prop
+        return plans
+
+    def _propose(self, reqs: list[Request]) -> list["Proposal"]:
+        """The drafter's trees for reqs, in order; none at all (plain decoding) if it raises."""
         from drafters.base import DraftRequest
-        picked = [(i, s.request) for i, s in enumerate(sched.seqs)
-                  if s.num_lookahead and not s.request.in_prefill]
-        if not picked:
-            return {}
+        if not reqs:
+            return []
         views = [DraftRequest(r.seq_id, r.token_ids, r.params, r.generator, *self._spec_limits(r))
-                 for _, r in picked]
+                 for r in reqs]
         try:
             props = self.drafter.propose(views)
         except Exception:  # a drafter bug must not fail requests: decode plainly this step
             self.drafter_errors += 1
             log.exception("drafter %s failed; decoding %d requests plainly this step",
                           self.drafter.name, len(views))
-            return {}
-        for (_, req), prop in zip(picked, props):
+            return []
+        for req, prop in zip(reqs, props):
             if prop.tree.tokens[0] != req.token_ids[-1] or prop.num_draft_nodes > self._spec_limits(req)[1]:
                 raise AssertionError(f"drafter {self.drafter.name} broke its contract for {req.request_id}")
-        return {i: p for (i, _), p in zip(picked, props)}
+        return props
 
-    def _drafter_prefill(self, sched: SchedulerOutput, proposals: dict) -> None:
+    # ---- verify ---------------------------------------------------------------------------
+    def _verify(self, plans: list[SeqPlan]) -> ForwardOutput:
+        """One target forward over every plan's new tokens (prefill chunks, plain decode tokens,
+        whole trees), ragged and flattened in plan order: plan rows first_row .. + num_rows."""
+        row = 0
+        for plan in plans:
+            plan.first_row, row = row, row + plan.num_rows
+        layers = self.drafter.capture_layers if self.drafter else ()
+        fwd = self.target.forward(ForwardBatch([self._seq_input(p) for p in plans], capture_layers=layers))
+        for i, plan in enumerate(plans):
+            plan.logits = fwd.seq_logits(i)    # a view of fwd.logits: [len(sample_indices), V]
+        return fwd
+
+    def _seq_input(self, plan: SeqPlan) -> SeqInput:
+        req, start = plan.request, plan.ctx_len
+        table = self.blocks.block_table(req.seq_id)
+        if plan.proposal is not None:
+            tree = plan.proposal.tree       # root at slot `start`, node j at start + j
+            return SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
+                            mask=tree.ancestor_mask(), logits_indices=list(range(tree.num_nodes)))
+        # Logits of the last token only; none for a chunk with more of the prompt after it.
+        return SeqInput(req.token_ids[start:start + plan.seq.num_new_tokens], start, table,
+                        logits_indices=[] if plan.mid_prefill else None)
+
+    def _drafter_prefill(self, plans: list[SeqPlan]) -> None:
+        """Hand the drafter the prompt chunks the target just ran, for its own KV."""
         if self.drafter is None:
             return
         from drafters.base import PrefillChunk
-        chunks = [PrefillChunk(s.request.seq_id, s.request.token_ids, s.request.num_computed_tokens,
-                               s.request.num_computed_tokens + s.num_new_tokens)
-                  for i, s in enumerate(sched.seqs)
-                  if i not in proposals and s.request.speculate and s.num_new_tokens > 1]
+        chunks = [PrefillChunk(p.request.seq_id, p.request.token_ids, p.ctx_len,
+                               p.ctx_len + p.seq.num_new_tokens)
+                  for p in plans if p.proposal is None and p.request.speculate and p.seq.num_new_tokens > 1]
         if chunks:
             try:
                 self.drafter.prefill(chunks)
@@ -281,75 +365,25 @@ class LLMEngine:
                 self.drafter_errors += 1
                 log.exception("drafter %s failed to prefill", self.drafter.name)
 
-    def _drafter_observe(self, fwd: ForwardOutput, kept: list) -> None:
-        """Hand the tapped hidden states of kept positions to a feature-reading drafter."""
-        if self.drafter is None or not self.drafter.capture_layers:
-            return
-        from drafters.base import TargetHidden
-        kept = [(req, start, rows) for req, start, rows in kept if req.speculate and not req.finished]
-        if not kept:
-            return
-        hidden = torch.cat([fwd.hidden[layer] for layer in self.drafter.capture_layers], dim=-1)
-        index = torch.tensor([r for _, _, rows in kept for r in rows], device=hidden.device)
-        parts = hidden.index_select(0, index).split([len(rows) for _, _, rows in kept])
-        try:
-            self.drafter.observe([TargetHidden(req.seq_id, start, h) for (req, start, _), h in zip(kept, parts)])
-        except Exception:   # a drafter bug must not fail requests
-            self.drafter_errors += 1
-            log.exception("drafter %s failed to observe target states", self.drafter.name)
+    # ---- accept ---------------------------------------------------------------------------
+    def _accept(self, plans: list[SeqPlan]) -> None:
+        """Choose each plan's tokens from the target's logits. A tree: its accepted path plus one
+        corrected or bonus token (exact rejection sampling). A plain decode step or a prompt's
+        last chunk: one token sampled from its last row. A mid-prompt chunk: none. Tokens come
+        back to the host as ints: at least one device sync per plan."""
+        for plan in plans:
+            req = plan.request
+            if plan.proposal is not None:
+                plan.accepted, plan.tokens = self._accept_proposal(req, plan.proposal, plan.logits)
+                self._count(req, plan.proposal, plan.accepted)
+            elif not plan.mid_prefill:
+                plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
+                                            req.output_token_ids, req.generator)]
 
-    def _forward_batch(self, sched: SchedulerOutput, proposals: dict) -> ForwardBatch:
-        seqs = []
-        for i, s in enumerate(sched.seqs):
-            req, start = s.request, s.request.num_computed_tokens
-            table = self.blocks.block_table(req.seq_id)
-            if i in proposals:
-                tree = proposals[i].tree       # root at slot `start`, node j at start + j
-                seqs.append(SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
-                                     mask=tree.ancestor_mask(), logits_indices=list(range(tree.num_nodes))))
-                continue
-            end = start + s.num_new_tokens
-            seqs.append(SeqInput(req.token_ids[start:end], start, table,
-                                 logits_indices=None if end == req.num_tokens else []))
-        return ForwardBatch(seqs, capture_layers=self.drafter.capture_layers if self.drafter else ())
-
-    # ---- accept, commit, emit -------------------------------------------------------------
-    def _postprocess(self, sched: SchedulerOutput, proposals: dict, fwd: ForwardOutput,
-                     kept: list) -> list[RequestOutput]:
-        """Accept, commit and emit; appends (request, first position, forward rows) of every
-        position whose KV was kept to `kept`, for drafters that read target hidden states."""
-        outputs, row = [], 0
-        for i, s in enumerate(sched.seqs):
-            req, start = s.request, s.request.num_computed_tokens
-            first = row          # this sequence's first row among the forward's new tokens
-            row += proposals[i].tree.num_nodes if i in proposals else s.num_new_tokens
-            if i in proposals:
-                tokens, accepted = self._accept_and_commit(req, proposals[i], fwd.seq_logits(i))
-                kept.append((req, start, [first] + [first + j for j in accepted]))
-            else:
-                kept.append((req, start, range(first, row)))
-                req.num_computed_tokens += s.num_new_tokens
-                if req.num_computed_tokens < req.num_tokens:   # a prefill chunk, not the last
-                    self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
-                    continue
-                tokens = [sample_token(fwd.seq_logits(i)[-1], req.params, req.prompt_token_ids,
-                                       req.output_token_ids, req.generator)]
-            added, reason = self._append_tokens(req, tokens)
-            if i in proposals and proposals[i].num_draft_nodes:
-                req.spec.emitted_tokens += len(added)
-            # Publish before a finish frees the blocks: the next turn of a chat reuses them.
-            self.blocks.publish(req.seq_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
-            if reason:
-                self.scheduler.finish(req, reason)
-                outputs.append(self._finalize(req, added))
-            else:
-                self.blocks.truncate(req.seq_id, req.num_computed_tokens)   # drop rejected tree slots
-                outputs.append(self._output(req, added))
-        return outputs
-
-    def _accept_and_commit(self, req: Request, prop, logits: torch.Tensor) -> tuple[list[int], tuple[int, ...]]:
-        """Exact acceptance over the verified tree; returns the tokens to emit and the
-        accepted tree nodes."""
+    def _accept_proposal(self, req: Request, prop: Proposal,
+                         logits: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
+        """Exact acceptance over the verified tree (logits: [tree nodes, V], raw); returns the
+        accepted tree nodes and the tokens to emit."""
         tree, p = prop.tree, req.params
         prompt, output = req.prompt_token_ids, req.output_token_ids
 
@@ -362,18 +396,7 @@ class LLMEngine:
         else:
             result = accept_tree(tree, lambda u: target_probs(node_logits(u)[None], p)[0],
                                  prop.draft, req.generator)
-        self._commit_kv(req, result.accepted)
-        self._count(req, prop, result.accepted)
-        return [tree.tokens[j] for j in result.accepted] + [result.token], result.accepted
-
-    def _commit_kv(self, req: Request, accepted: tuple[int, ...]) -> None:
-        """Accepted node j (verified at slot ctx + j) moves to slot ctx + depth; the rest is dropped."""
-        ctx, table, bs = req.num_computed_tokens, self.blocks.block_table(req.seq_id), self.blocks.block_size
-        moves = [(slot_of(table, ctx + j, bs), slot_of(table, ctx + d, bs))
-                 for d, j in enumerate(accepted, start=1) if j != d]
-        if moves:
-            self.target.kv.copy_slots([m[0] for m in moves], [m[1] for m in moves])
-        req.num_computed_tokens = ctx + 1 + len(accepted)   # the root and the accepted path
+        return result.accepted, [tree.tokens[j] for j in result.accepted] + [result.token]
 
     @staticmethod
     def _count(req: Request, prop, accepted: tuple[int, ...]) -> None:
@@ -388,6 +411,68 @@ class LLMEngine:
             st.accepted_per_depth.append(0)
         for d in range(len(accepted)):
             st.accepted_per_depth[d] += 1
+
+    # ---- commit ---------------------------------------------------------------------------
+    def _commit(self, plans: list[SeqPlan]) -> None:
+        """Advance each request's computed tokens. A tree keeps the KV of its root and accepted
+        path, moved into consecutive slots; its rejected slots are truncated in emit, after the
+        publish (or freed with the request if it finishes)."""
+        for plan in plans:
+            if plan.proposal is not None:
+                self._commit_kv(plan.request, plan.accepted)
+            else:
+                plan.request.num_computed_tokens += plan.seq.num_new_tokens
+
+    def _commit_kv(self, req: Request, accepted: tuple[int, ...]) -> None:
+        """Accepted node j (verified at slot ctx + j) moves to slot ctx + depth; the rest is dropped."""
+        ctx, table, bs = req.num_computed_tokens, self.blocks.block_table(req.seq_id), self.blocks.block_size
+        moves = [(slot_of(table, ctx + j, bs), slot_of(table, ctx + d, bs))
+                 for d, j in enumerate(accepted, start=1) if j != d]
+        if moves:
+            self.target.kv.copy_slots([m[0] for m in moves], [m[1] for m in moves])
+        req.num_computed_tokens = ctx + 1 + len(accepted)   # the root and the accepted path
+
+    def _drafter_observe(self, plans: list[SeqPlan], fwd: ForwardOutput) -> None:
+        """Hand the tapped hidden states of kept positions to a feature-reading drafter."""
+        if self.drafter is None or not self.drafter.capture_layers:
+            return
+        from drafters.base import TargetHidden
+        live = [p for p in plans if p.request.speculate and not p.request.finished]
+        if not live:
+            return
+        rows = [p.kept_rows for p in live]
+        # [new tokens, sum of tapped widths]: rows as laid out by _verify
+        hidden = torch.cat([fwd.hidden[layer] for layer in self.drafter.capture_layers], dim=-1)
+        index = torch.tensor([r for rs in rows for r in rs], device=hidden.device)
+        parts = hidden.index_select(0, index).split([len(rs) for rs in rows])
+        try:
+            self.drafter.observe([TargetHidden(p.request.seq_id, p.ctx_len, h) for p, h in zip(live, parts)])
+        except Exception:   # a drafter bug must not fail requests
+            self.drafter_errors += 1
+            log.exception("drafter %s failed to observe target states", self.drafter.name)
+
+    # ---- emit -----------------------------------------------------------------------------
+    def _emit(self, plans: list[SeqPlan]) -> list[RequestOutput]:
+        """Append, stop-check, publish, then finish or trim, one plan at a time in batch order.
+        The step's block-manager changes all happen here, in that order: which of two equal
+        blocks the prefix cache keeps, and the order blocks go back to the pool, depend on it."""
+        return [out for plan in plans if (out := self._emit_one(plan)) is not None]
+
+    def _emit_one(self, plan: SeqPlan) -> RequestOutput | None:
+        req = plan.request
+        if plan.mid_prefill:        # more prompt to come: publish its full blocks, emit nothing
+            self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
+            return None
+        added, reason = self._append_tokens(req, plan.tokens)
+        if plan.proposal is not None and plan.proposal.num_draft_nodes:
+            req.spec.emitted_tokens += len(added)
+        # Publish before a finish frees the blocks: the next turn of a chat reuses them.
+        self.blocks.publish(req.seq_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
+        if reason:
+            self.scheduler.finish(req, reason)
+            return self._finalize(req, added)
+        self.blocks.truncate(req.seq_id, req.num_computed_tokens)   # drop rejected tree slots
+        return self._output(req, added)
 
     def _release_draft(self, req: Request) -> None:
         if self.drafter is not None:
