@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from spec.rejection import DraftDistributions
-from spec.sampling_params import SamplingParams
 from tree.token_tree import TokenTree
+from verifier.sampling_params import SamplingParams
 
 
 @dataclass

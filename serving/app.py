@@ -17,7 +17,7 @@ from serving.middleware import ServerErrors
 from serving.protocol import (APIError, ParsedRequest, bad, envelope, new_id, parse_chat, parse_completion,
                               resolve_speculation, tercel_stats, usage, validation_error)
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 log = logging.getLogger("tercel.serve")
 OPEN_PATHS = {"/health"}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from spec.config import SpecConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 from serving.metrics import Metrics
 
 log = logging.getLogger("tercel.serve")

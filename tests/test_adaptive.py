@@ -5,7 +5,7 @@ import pytest
 
 from spec.adaptive import AdaptiveConfig, AdaptiveController
 from spec.config import SpecConfig
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 
 def feed(ctl: AdaptiveController, batch: int, spec: float, plain: float) -> None:
