@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from spec.adaptive import AdaptiveController
-from spec.block_manager import BlockManager, BlockManagerConfig
 from spec.config import EngineConfig, SpecConfig
 from spec.detokenizer import IncrementalDetokenizer
 from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
