@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from drafters.base import DraftRequest, register_drafter
+from drafters.config import SpecConfig
 from drafters.ngram import NgramConfig, NgramDrafter, _Index
 from tree.builders import best_first_tree
 from tree.token_tree import TokenTree
@@ -218,7 +219,6 @@ def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_di
 
 
 def _default_tree():
-    from spec.config import SpecConfig
     # 5 draft nodes: a verify forward of 4 to 6 tokens costs about the same on these CPUs
     # (32.5-32.7 ms against 28.7 for 1 token, SmolLM2 at 250 tokens of context, 2 threads).
     return SpecConfig(num_speculative_tokens=4, topk=4, budget=5)

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
-from spec.rejection import DraftDistributions
+from drafters.base import DraftDistributions, DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spec.config import SpecConfig
+from drafters.config import SpecConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
 from verifier.sampling_params import SamplingParams

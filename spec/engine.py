@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveController
-from spec.config import EngineConfig, SpecConfig
+from spec.config import EngineConfig
 from spec.detokenizer import IncrementalDetokenizer
 from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput

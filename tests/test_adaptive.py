@@ -3,8 +3,8 @@ speculative rate at the current batch size beats the plain rate at that same bat
 trees shrink as the batch grows."""
 import pytest
 
+from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig, AdaptiveController
-from spec.config import SpecConfig
 from verifier.sampling_params import SamplingParams
 
 

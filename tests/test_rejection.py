@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import spec.rejection as rejection
-from spec.rejection import (AcceptResult, DraftDistributions, accept_chain, accept_greedy,
-                            accept_tree)
+from drafters.base import DraftDistributions
+from spec.rejection import AcceptResult, accept_chain, accept_greedy, accept_tree
 from stats import chi_square_pvalue, total_variation
 from tree.token_tree import TokenTree
 

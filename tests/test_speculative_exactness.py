@@ -15,8 +15,8 @@ import torch
 
 import spec.rejection as rejection
 from conftest import make_random_eagle_head, make_tiny_model
+from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
 from stats import chi_square_pvalue, total_variation
 from verifier.sampler import target_probs
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden, register_drafter
+from drafters.config import SpecConfig
 from drafters.eagle3.format import load_head
 from drafters.eagle3.head import Eagle3Head, attend
 from tree.builders import DynamicTreeConfig, dynamic_tree
@@ -177,7 +178,6 @@ def _ensure_capacity(st: _SeqState, need: int) -> None:
 
 
 def _default_tree():
-    from spec.config import SpecConfig
     t = DynamicTreeConfig()          # tuned for the CPU verify-cost curve (tree/builders.py)
     return SpecConfig(num_speculative_tokens=t.depth, topk=t.topk, budget=t.budget)
 
