@@ -42,6 +42,7 @@ import numpy as np
 
 from drafters.base import DraftRequest, register_drafter
 from drafters.config import SpecConfig
+from drafters.conversations import expand_paths, load_conversations
 from drafters.ngram import NgramConfig, NgramDrafter, _Index
 from tree.builders import best_first_tree
 from tree.token_tree import TokenTree
@@ -191,7 +192,6 @@ class DatastoreDrafter(NgramDrafter):
 
 def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:
     """Token ids of every assistant turn in the conversation files (the target's side)."""
-    from training.data import load_conversations
     convs, report = load_conversations(paths)
     log.info("datastore: %s", report.summary())
     return [tokenizer.encode(m["content"], add_special_tokens=False)
@@ -200,7 +200,6 @@ def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:
 
 def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_dir: Path) -> NgramTable:
     """The table for these files, from the cache when the files, tokenizer and sizes match."""
-    from training.data import expand_paths
     files = expand_paths(paths)
     ident = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     vocab = sorted(tokenizer.vocab.items())

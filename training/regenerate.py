@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from training.data import Conversation
+from drafters.conversations import Conversation
 
 log = logging.getLogger("tercel.training")
 
