@@ -43,7 +43,7 @@ import numpy as np
 from drafters.base import DraftRequest, register_drafter
 from drafters.config import SpecConfig
 from drafters.conversations import expand_paths, load_conversations
-from drafters.ngram import NgramConfig, NgramDrafter, _Index
+from drafters.ngram import NgramConfig, NgramDrafter, NgramIndex
 from tree.builders import best_first_tree
 from tree.token_tree import TokenTree
 
@@ -172,7 +172,7 @@ class DatastoreDrafter(NgramDrafter):
         super().__init__(ngram)
         self.table, self.datastore = table, config
 
-    def _tree(self, index: _Index, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+    def _tree(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
         match = index.longest_match(req.token_ids) if match is None else match
         if match[0] >= self.datastore.strong_n:
             return super()._tree(index, req, match)

@@ -59,7 +59,7 @@ def _build(arg: str, target, speculation) -> TokenTreeDrafter:
         if kind == "small":
             parts.append(SmallModelDrafter(sub, target, speculation, deterministic=True))
         elif kind == "eagle3":
-            from drafters.eagle3.drafter import _build as build_eagle3
+            from drafters.eagle3.drafter import build_eagle3
             parts.append(build_eagle3(sub, target, speculation))
         elif kind == "ngram":
             parts.append(NgramDrafter(NgramConfig()))

@@ -183,7 +183,7 @@ def _default_tree():
 
 
 @register_drafter("eagle3", default_speculation=_default_tree())
-def _build(arg: str, target, speculation) -> Eagle3Drafter:
+def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
     path = Path(arg) if arg else DEFAULT_HEAD
     if not arg and not (path / "config.json").is_file():
         raise ValueError(f"no default EAGLE-3 head is shipped yet ({path}); pass eagle3:PATH "
