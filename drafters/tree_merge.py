@@ -1,4 +1,5 @@
-"""Token-tree drafter: one verification tree from several proposals.
+"""The `tree:` drafter: one verification tree merged from several drafters' proposals (the
+tree data structure and `merge_trees` are in tree/).
 
 `tree:small:PATH` expands the small model's top-k children per node (EAGLE-2-style
 dynamic tree); `tree:small:PATH+ngram` also merges the n-gram continuation into the same
