@@ -133,7 +133,7 @@ def _prompt(obj: dict, path: Path, line: int, specbench: bool, both_turns: bool)
 
 
 def _conversation_prompt(obj: dict, path: Path, pid: str) -> BenchPrompt:
-    from training.data import parse_message
+    from drafters.conversations import parse_message
     turns = obj.get("messages", obj.get("conversations"))
     if not isinstance(turns, list):
         raise ValueError("'messages'/'conversations' must be a list")

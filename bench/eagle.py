@@ -18,8 +18,8 @@ import time
 import torch
 
 from bench.data import mtbench_first_turns
+from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
 
 
 def run_prompt(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, float, object]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec.config import SpecConfig
+from drafters.config import SpecConfig
 
 PLAIN = "plain"
 TERCEL, HF_GENERATE, HF_LOOKUP, LLAMACPP = "tercel", "hf-generate", "hf-prompt-lookup", "llama.cpp"  # engines

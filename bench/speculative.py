@@ -16,8 +16,8 @@ import time
 import torch
 
 from bench.data import specbench_prompts
+from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 

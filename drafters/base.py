@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
-from spec.rejection import DraftDistributions
-from spec.sampling_params import SamplingParams
+from drafters.config import SpecConfig
 from tree.token_tree import TokenTree
+from verifier.sampling_params import SamplingParams
 
 
 @dataclass
@@ -39,6 +39,27 @@ class DraftRequest:
     max_depth: int                  # deepest draft node allowed (tokens left to emit - 1, γ)
     max_nodes: int                  # draft nodes allowed (root excluded)
     topk: int = 1                   # children per expanded node (branches) this request allows
+
+
+DraftMode = Literal["iid", "without_replacement"]
+
+
+@dataclass(frozen=True)
+class DraftDistributions:
+    """How a sampling drafter drew each node's children (a deterministic drafter passes None).
+
+    Row u of `probs` is q_u, the distribution u's children were drawn from; rows of nodes
+    without children are never read (zeros are fine). Defined here, with `Proposal`, because
+    drafters produce it; exact acceptance (spec/rejection.py) reads it."""
+    probs: torch.Tensor   # [num_nodes, V] fp32, rows sum to 1 (on the device of the target's p)
+    mode: DraftMode       # "iid": one child per node (chains); "without_replacement": siblings
+    #                       drawn in index order, each from q_u minus the earlier siblings' tokens
+
+    def __post_init__(self):
+        if self.mode not in ("iid", "without_replacement"):
+            raise ValueError(f"mode must be 'iid' or 'without_replacement', got {self.mode!r}")
+        if self.probs.dim() != 2:
+            raise ValueError(f"probs must be [num_nodes, V], got shape {tuple(self.probs.shape)}")
 
 
 @dataclass
@@ -106,7 +127,6 @@ def register_drafter(kind: str, default_speculation=None):
 def default_speculation(spec: str | None):
     """The tree shape a drafter kind is tuned for (e.g. EAGLE-3's dynamic tree), else SpecConfig()."""
     import drafters  # noqa: F401  (registers the built-in drafters)
-    from spec.config import SpecConfig
     kind = (spec or "").partition(":")[0]
     return _DEFAULT_SPECULATION.get(kind, SpecConfig())
 

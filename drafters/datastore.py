@@ -41,7 +41,9 @@ from pathlib import Path
 import numpy as np
 
 from drafters.base import DraftRequest, register_drafter
-from drafters.ngram import NgramConfig, NgramDrafter, _Index
+from drafters.config import SpecConfig
+from drafters.conversations import expand_paths, load_conversations
+from drafters.ngram import NgramConfig, NgramDrafter, NgramIndex
 from tree.builders import best_first_tree
 from tree.token_tree import TokenTree
 
@@ -170,7 +172,7 @@ class DatastoreDrafter(NgramDrafter):
         super().__init__(ngram)
         self.table, self.datastore = table, config
 
-    def _tree(self, index: _Index, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+    def _tree(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
         match = index.longest_match(req.token_ids) if match is None else match
         if match[0] >= self.datastore.strong_n:
             return super()._tree(index, req, match)
@@ -190,7 +192,6 @@ class DatastoreDrafter(NgramDrafter):
 
 def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:
     """Token ids of every assistant turn in the conversation files (the target's side)."""
-    from training.data import load_conversations
     convs, report = load_conversations(paths)
     log.info("datastore: %s", report.summary())
     return [tokenizer.encode(m["content"], add_special_tokens=False)
@@ -199,7 +200,6 @@ def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:
 
 def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_dir: Path) -> NgramTable:
     """The table for these files, from the cache when the files, tokenizer and sizes match."""
-    from training.data import expand_paths
     files = expand_paths(paths)
     ident = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     vocab = sorted(tokenizer.vocab.items())
@@ -218,7 +218,6 @@ def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_di
 
 
 def _default_tree():
-    from spec.config import SpecConfig
     # 5 draft nodes: a verify forward of 4 to 6 tokens costs about the same on these CPUs
     # (32.5-32.7 ms against 28.7 for 1 token, SmolLM2 at 250 tokens of context, 2 threads).
     return SpecConfig(num_speculative_tokens=4, topk=4, budget=5)

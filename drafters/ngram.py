@@ -42,7 +42,7 @@ class NgramConfig:
             raise ValueError(f"max_branches must be >= 1, got {self.max_branches}")
 
 
-class _Index:
+class NgramIndex:
     """Positions following every n-gram of one request, extended as tokens arrive."""
 
     def __init__(self, cfg: NgramConfig):
@@ -97,7 +97,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, config: NgramConfig = NgramConfig()):
         self.config = config
-        self._index: dict[int, _Index] = {}
+        self._index: dict[int, NgramIndex] = {}
 
     def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
         return [self._propose_one(r) for r in reqs]
@@ -106,11 +106,11 @@ class NgramDrafter(Drafter):
         root = req.token_ids[-1]
         if req.max_depth < 1 or req.max_nodes < 1:
             return Proposal(TokenTree.single(root))
-        index = self._index.setdefault(req.seq_id, _Index(self.config))
+        index = self._index.setdefault(req.seq_id, NgramIndex(self.config))
         index.update(req.token_ids)
         return Proposal(self._tree(index, req).truncated(req.max_nodes + 1))
 
-    def _tree(self, index: _Index, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+    def _tree(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
         """The continuations of the context's longest match as a trie (subclasses add other
         sources); `match` is index.longest_match(req.token_ids) if the caller has it."""
         paths = index.continuations(req.token_ids, req.max_depth, match)[:req.topk]

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
-from spec.block_manager import BlockManager, BlockManagerConfig
-from spec.rejection import DraftDistributions
-from spec.sampler import target_probs
+from drafters.base import DraftDistributions, DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.block_manager import BlockManager, BlockManagerConfig
+from verifier.sampler import target_probs
 from verifier.target import TargetModel
 
 

@@ -21,7 +21,7 @@ from serving.middleware import ServerErrors
 from serving.protocol import ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
 from serving.streaming import Reply, full_reply, sse_events
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 OPEN_PATHS = {"/health"}
 

@@ -39,11 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spec.config import SpecConfig
+from drafters.config import SpecConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
-from spec.sampling_params import SamplingParams
 from spec.stats import EngineLimits, EngineStats
+from verifier.sampling_params import SamplingParams
 from serving.metrics import Metrics
 
 log = logging.getLogger("tercel.serve")

@@ -1,4 +1,4 @@
-"""Prometheus metrics (names as in DESIGN.md), on a registry of their own per server."""
+"""Prometheus metrics (tercel_*), on a registry of their own per server."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

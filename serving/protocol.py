@@ -10,8 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from drafters.config import SpecConfig
 from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculation, request_field_names
-from spec.config import SpecConfig
 
 FIELD_NAMES = request_field_names()
 

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from spec.sampling_params import MIN_REPETITION_PENALTY
+from verifier.sampling_params import MIN_REPETITION_PENALTY
 
 MAX_N = 16                      # choices per request (OpenAI's limit is 128; ours is the batch)
 Role = Literal["system", "user", "assistant"]

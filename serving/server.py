@@ -35,15 +35,15 @@ def add_serve_args(sub) -> None:
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to finish requests on SIGTERM (30: what Kubernetes waits before it kills)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    from spec.cli import add_quantization_arg
+    from serving.cli import add_quantization_arg
     add_quantization_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def engine_config(args):
+    from serving.cli import speculation_from_args
     from spec.adaptive import AdaptiveConfig
     from spec.config import EngineConfig
-    from spec.cli import speculation_from_args
     drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
     profiled = None
     if args.profile:       # the profile's drafter and tree; explicit tree flags still apply

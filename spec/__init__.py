@@ -2,6 +2,6 @@
 from spec.config import EngineConfig
 from spec.llm import LLM
 from spec.request import RequestOutput
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
 from verifier.loader import DEFAULT_MODEL
 
@@ -48,24 +49,3 @@ class EngineConfig:
 def _positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """How far to speculate each step; each drafter reads the fields that apply to it."""
-    num_speculative_tokens: int = 4   # γ: depth of the deepest draft node
-    topk: int = 1                     # children per expanded node, n-gram branches (1 = a chain)
-    budget: int | None = None         # draft nodes per request per step; None: γ × topk
-
-    def __post_init__(self):
-        _positive_int("num_speculative_tokens", self.num_speculative_tokens)
-        _positive_int("topk", self.topk)
-        if self.budget is not None:
-            _positive_int("budget", self.budget)
-            if self.budget < self.num_speculative_tokens:
-                raise ValueError(f"budget ({self.budget}) must be >= num_speculative_tokens "
-                                 f"({self.num_speculative_tokens}) so the deepest path fits")
-
-    @property
-    def max_nodes(self) -> int:
-        return self.budget if self.budget is not None else self.num_speculative_tokens * self.topk

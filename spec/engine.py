@@ -15,19 +15,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveController
-from spec.block_manager import BlockManager, BlockManagerConfig
-from spec.config import EngineConfig, SpecConfig
+from spec.config import EngineConfig
 from spec.detokenizer import IncrementalDetokenizer
-from spec.request import Request, RequestOutput
 from spec.rejection import accept_greedy, accept_tree
-from spec.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
-from spec.sampling_params import SamplingParams
+from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
+from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
+from verifier.sampling_params import SamplingParams
 from verifier.target import TargetModel
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import Sequence
 from spec.config import EngineConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.config import SpecConfig
+from drafters.config import SpecConfig
 
 PROFILE_VERSION = 1
 

@@ -4,7 +4,7 @@ Pure functions of probabilities and tokens; no model. Node 0 of a tree is the ro
 last token already chosen); the target's distribution AT node u, p_u, is its prediction
 for u's children. A verify step walks from the root, keeps a path of accepted nodes and
 emits one more token, and the tokens emitted are distributed exactly as sampling the
-target one token at a time (DESIGN.md, "Exactness contract").
+target one token at a time (docs/design.md, "The exactness contract").
 
 The p/q maths, at one node with target p and candidate children x_1..x_k tried in order:
 
@@ -39,14 +39,13 @@ result and every call consumes the same amount of randomness whatever the path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 if TYPE_CHECKING:
+    from drafters.base import DraftDistributions
     from tree.token_tree import TokenTree
-
-DraftMode = Literal["iid", "without_replacement"]
 
 # Below this residual mass p and q agree to within fp32 rounding, so max(0, p - q) is
 # rounding noise, not a distribution. In exact arithmetic the mass is TV(p, q) > 0 after
@@ -54,23 +53,6 @@ DraftMode = Literal["iid", "without_replacement"]
 # in floating point it can only fire when the rejection itself had probability about
 # 1e-6 or less, which bounds what the fallback can change.
 _MIN_RESIDUAL_MASS = 1e-6
-
-
-@dataclass(frozen=True)
-class DraftDistributions:
-    """How a sampling drafter drew each node's children (a deterministic drafter passes None).
-
-    Row u of `probs` is q_u, the distribution u's children were drawn from; rows of nodes
-    without children are never read (zeros are fine)."""
-    probs: torch.Tensor   # [num_nodes, V] fp32, rows sum to 1 (on the device of the target's p)
-    mode: DraftMode       # "iid": one child per node (chains); "without_replacement": siblings
-    #                       drawn in index order, each from q_u minus the earlier siblings' tokens
-
-    def __post_init__(self):
-        if self.mode not in ("iid", "without_replacement"):
-            raise ValueError(f"mode must be 'iid' or 'without_replacement', got {self.mode!r}")
-        if self.probs.dim() != 2:
-            raise ValueError(f"probs must be [num_nodes, V], got shape {tuple(self.probs.shape)}")
 
 
 @dataclass(frozen=True)

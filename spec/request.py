@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from spec.detokenizer import IncrementalDetokenizer
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from spec.block_manager import BlockManager, NoFreeBlocksError
 from spec.request import Request, Status
+from verifier.block_manager import BlockManager, NoFreeBlocksError
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec.config import SpecConfig
-from spec.sampling_params import SamplingParams
+from drafters.config import SpecConfig
+from verifier.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

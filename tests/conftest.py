@@ -104,7 +104,7 @@ def spec_drafters() -> dict:
     """Every drafter kind on SmolLM2, as the T=0 identity tests run them: name -> (drafter
     spec, SpecConfig or None). {head} (an EAGLE-3 head directory) and {corpus} (a datastore
     corpus) are filled in by the test."""
-    from spec.config import SpecConfig
+    from drafters.config import SpecConfig
     return {
         "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
         "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),

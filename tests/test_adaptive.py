@@ -3,9 +3,9 @@ speculative rate at the current batch size beats the plain rate at that same bat
 trees shrink as the batch grows."""
 import pytest
 
+from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig, AdaptiveController
-from spec.config import SpecConfig
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 
 def feed(ctl: AdaptiveController, batch: int, spec: float, plain: float) -> None:

@@ -11,10 +11,11 @@ import httpx
 import pytest
 
 from server_util import LiveServer
+from drafters.config import SpecConfig
 from serving.protocol import APIError, resolve_speculation
 from serving.schemas import SpeculationOptions
 from spec.adaptive import AdaptiveConfig
-from spec.config import EngineConfig, SpecConfig
+from spec.config import EngineConfig
 
 SERVER_TREE = SpecConfig(num_speculative_tokens=2, topk=2, budget=3)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-import spec.block_manager as block_manager_module
-from spec.block_manager import BlockManager, BlockManagerConfig, NoFreeBlocksError
+import verifier.block_manager as block_manager_module
+from verifier.block_manager import BlockManager, BlockManagerConfig, NoFreeBlocksError
 
 
 def make(num_blocks: int, block_size: int = 4, enable_prefix_cache: bool = True) -> BlockManager:

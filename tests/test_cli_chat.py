@@ -8,7 +8,7 @@ import sys
 
 
 def test_chat_on_cpu_answers_and_prints_no_leak_warnings(smollm2_dir):     # the model is installed
-    code = ("import sys\nfrom spec.cli import main\nrc = main(['chat', 'hi', '--max-tokens', '4'])\n"
+    code = ("import sys\nfrom serving.cli import main\nrc = main(['chat', 'hi', '--max-tokens', '4'])\n"
             "print('triton imported' if 'triton' in sys.modules else 'no triton', file=sys.stderr)\nsys.exit(rc)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 
 from conftest import make_tiny_model, random_eagle_head
+from drafters.base import DraftRequest, TargetHidden
+from drafters.config import SpecConfig
 from drafters.eagle3 import HeadMismatchError, load_head, save_head
 from drafters.eagle3.drafter import Eagle3Drafter
-from drafters.base import DraftRequest, TargetHidden
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
 from training.ttt import Batch, ttt_forward
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel

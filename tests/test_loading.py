@@ -77,14 +77,14 @@ def test_hidden_state_taps_match_hf_hidden_states(tmp_path):
 
 def test_cli_bad_argument_exits_2(capsys):
     """`tercel chat --max-tokens 0` prints the allowed range and exits with code 2."""
-    from spec.cli import main
+    from serving.cli import main
     assert main(["chat", "--max-tokens", "0", "hi"]) == 2
     assert "max_tokens must be an int >= 1" in capsys.readouterr().err
 
 
 def test_cli_chat_streams_and_reports_speed(tiny_llama_dir, capsys):
     """`tercel chat PROMPT` streams a reply to stdout and tokens/s to stderr."""
-    from spec.cli import main
+    from serving.cli import main
     assert main(["chat", "--model", str(tiny_llama_dir), "--max-tokens", "8", "Hello"]) == 0
     captured = capsys.readouterr()
     assert "tokens/s" in captured.err and "8 tokens" in captured.err

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import spec.rejection as rejection
-from spec.rejection import (AcceptResult, DraftDistributions, accept_chain, accept_greedy,
-                            accept_tree)
-from tree.token_tree import TokenTree
+from drafters.base import DraftDistributions
+from spec.rejection import AcceptResult, accept_chain, accept_greedy, accept_tree
 from stats import chi_square_pvalue, total_variation
+from tree.token_tree import TokenTree
 
 V = 8            # vocabulary of the table model
 L = 3            # length of the emitted prefix whose distribution is compared
@@ -441,7 +441,7 @@ def test_empty_chain_samples_target():
 
 def test_greedy_token_is_the_first_argmax():
     """The chunked argmax returns torch.argmax's index, ties included (the first maximum)."""
-    from spec.sampler import greedy_token
+    from verifier.sampler import greedy_token
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         x = torch.randint(0, 50, (49152,), generator=g).float()     # many ties at the maximum

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from spec.sampler import sample_token, target_probs
-from spec.sampling_params import SamplingParams
+from verifier.sampler import sample_token, target_probs
+from verifier.sampling_params import SamplingParams
 
 
 def logits(seed: int = 0, vocab: int = 512) -> torch.Tensor:

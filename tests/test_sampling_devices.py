@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 import spec.engine
+from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
 
 
 def test_each_request_generator_is_made_on_the_target_device(tiny_llama_dir, monkeypatch):

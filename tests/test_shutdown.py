@@ -29,7 +29,7 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "spec.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
                "--max-model-len", "1024", "--kv-blocks", "256", *flags]
         with open(log_path, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from conftest import drive_random_requests, mtbench_prompts, spec_drafters, write_reply_corpus
+from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

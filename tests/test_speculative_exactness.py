@@ -15,10 +15,10 @@ import torch
 
 import spec.rejection as rejection
 from conftest import make_random_eagle_head, make_tiny_model
+from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
-from spec.config import SpecConfig
-from spec.sampler import target_probs
 from stats import chi_square_pvalue, total_variation
+from verifier.sampler import target_probs
 
 V = 32
 N_SAMPLES = 10_000

@@ -8,10 +8,11 @@ import logging
 import pytest
 
 from conftest import SHARED_DATA
+from drafters.conversations import DataError, load_conversations, parse_line
 from spec import LLM, SamplingParams
 from training.cli import main as train_main
 from training.config import TrainConfig
-from training.data import DataError, load_conversations, parse_line, tokenize_conversation
+from training.data import tokenize_conversation
 from training.loop import plan_batches
 from training.vocab import select_draft_vocab
 from verifier.tokenizer import Tokenizer

@@ -16,11 +16,11 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed, so its backend cannot be tested")
 
 from conftest import make_tiny_model  # noqa: E402
+from drafters.config import SpecConfig  # noqa: E402
 from spec import LLM, SamplingParams  # noqa: E402
-from spec.config import SpecConfig  # noqa: E402
-from spec.sampler import target_probs  # noqa: E402
 from stats import chi_square_pvalue, total_variation  # noqa: E402
 from verifier.attention import triton_kernels as tk  # noqa: E402
+from verifier.sampler import target_probs  # noqa: E402
 
 assert tk.INTERPRETED, "triton_kernels was imported before TRITON_INTERPRET=1 was set"
 

@@ -79,7 +79,8 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
     """Run one training job; `command` (the command line) goes into the model card."""
     import torch
 
-    from training.data import load_conversations, tokenize_conversation
+    from drafters.conversations import load_conversations
+    from training.data import tokenize_conversation
     from verifier.target import TargetModel
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -117,7 +118,7 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
 
 
 def _regenerate(cfg: TrainConfig, convs, out: Path):
-    from training.data import load_conversations
+    from drafters.conversations import load_conversations
     from training.regenerate import regenerate
     path = out / "regenerated.jsonl"
     regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,

@@ -26,7 +26,7 @@ def evaluate_drafter(target: str, drafter: str, prompts: list[list[dict]], new_t
                      speculation=None, llm=None) -> EvalResult:
     """`prompts`: chat turns (see `training.data.load_prompts`)."""
     from spec.llm import LLM
-    from spec.sampling_params import SamplingParams
+    from verifier.sampling_params import SamplingParams
     llm = llm or LLM(target, drafter=drafter, **({"speculation": speculation} if speculation else {}))
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     outs = [llm.chat(p, params)[0] for p in prompts]       # batch 1, as the figures are quoted

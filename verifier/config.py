@@ -95,7 +95,7 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position=int(d.get("max_position_embeddings", 4096)),
-            rope=_rope_from_hf(d),
+            rope=rope_from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bias,
             bos_token_id=d.get("bos_token_id"),
@@ -103,7 +103,7 @@ class ModelConfig:
         )
 
 
-def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+def rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     """Read both forms: transformers>=5 `rope_parameters` and older `rope_theta` + `rope_scaling`."""
     params = dict(d.get("rope_parameters") or {})
     scaling = dict(d.get("rope_scaling") or {})

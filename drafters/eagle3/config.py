@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifier.config import ModelConfig, RopeConfig, _rope_from_hf
+from verifier.config import ModelConfig, RopeConfig, rope_from_hf
 
 STYLES = ("eagle", "speculators")
 
@@ -159,7 +159,7 @@ class Eagle3Config:
             target_hidden_size=int(top.get("target_hidden_size") or layer.get("target_hidden_size") or hidden),
             aux_layer_ids=_aux_layers(top, num_target_layers, aux_convention),
             max_position=int(layer.get("max_position_embeddings", 8192)),
-            rope=_rope_from_hf(layer),
+            rope=rope_from_hf(layer),
             norm_before_residual=bool(flags.get("norm_before_residual", False)),
             norm_output=bool(flags.get("norm_output", False)),
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden, register_drafter
+from drafters.config import SpecConfig
 from drafters.eagle3.format import load_head
 from drafters.eagle3.head import Eagle3Head, attend
 from tree.builders import DynamicTreeConfig, dynamic_tree
@@ -177,13 +178,12 @@ def _ensure_capacity(st: _SeqState, need: int) -> None:
 
 
 def _default_tree():
-    from spec.config import SpecConfig
     t = DynamicTreeConfig()          # tuned for the CPU verify-cost curve (tree/builders.py)
     return SpecConfig(num_speculative_tokens=t.depth, topk=t.topk, budget=t.budget)
 
 
 @register_drafter("eagle3", default_speculation=_default_tree())
-def _build(arg: str, target, speculation) -> Eagle3Drafter:
+def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
     path = Path(arg) if arg else DEFAULT_HEAD
     if not arg and not (path / "config.json").is_file():
         raise ValueError(f"no default EAGLE-3 head is shipped yet ({path}); pass eagle3:PATH "

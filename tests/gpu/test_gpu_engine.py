@@ -17,8 +17,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from conftest import (drive_random_requests, make_random_eagle_head, mtbench_prompts, spec_drafters,  # noqa: E402
                       write_reply_corpus)
+from drafters.config import SpecConfig  # noqa: E402
 from spec import LLM, SamplingParams  # noqa: E402
-from spec.config import SpecConfig  # noqa: E402
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

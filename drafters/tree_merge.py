@@ -1,4 +1,5 @@
-"""Token-tree drafter: one verification tree from several proposals.
+"""The `tree:` drafter: one verification tree merged from several drafters' proposals (the
+tree data structure and `merge_trees` are in tree/).
 
 `tree:small:PATH` expands the small model's top-k children per node (EAGLE-2-style
 dynamic tree); `tree:small:PATH+ngram` also merges the n-gram continuation into the same
@@ -59,7 +60,7 @@ def _build(arg: str, target, speculation) -> TokenTreeDrafter:
         if kind == "small":
             parts.append(SmallModelDrafter(sub, target, speculation, deterministic=True))
         elif kind == "eagle3":
-            from drafters.eagle3.drafter import _build as build_eagle3
+            from drafters.eagle3.drafter import build_eagle3
             parts.append(build_eagle3(sub, target, speculation))
         elif kind == "ngram":
             parts.append(NgramDrafter(NgramConfig()))

@@ -1,6 +1,10 @@
 """The logits transform and plain sampling. Speculative acceptance reuses `target_probs`,
 so the distribution it preserves is exactly the one sampled here.
 
+It lives in verifier/, next to the model that produces the logits it transforms: the engine
+(spec/) samples and accepts with it, and the small drafter (drafters/) draws its proposals
+with it; both sit above verifier/, so neither imports the other for it.
+
 Order of operations (as vLLM): penalties on raw logits -> temperature -> top-k -> top-p
 -> min-p -> renormalise.
 """
@@ -8,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from spec.sampling_params import SamplingParams
+from verifier.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams,

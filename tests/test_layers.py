@@ -1,0 +1,168 @@
+"""Imports between the top-level folders run one way, downward (README, "Layout"), and no module
+imports another's private names.
+
+Every module of the seven packages is parsed with ast (nothing is imported), and every import
+counts: module level, inside functions, under TYPE_CHECKING, relative, and
+`importlib.import_module("...")` / `__import__("...")` with a literal name.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# folder -> the folders it may import: each may import any folder below it.
+MAY_IMPORT = {
+    "bench": {"serving", "training", "spec", "drafters", "tree", "verifier"},
+    "serving": {"spec", "drafters", "tree", "verifier"},
+    "training": {"spec", "drafters", "tree", "verifier"},
+    "spec": {"drafters", "tree", "verifier"},
+    "drafters": {"tree", "verifier"},
+    "tree": set(),
+    "verifier": set(),
+}
+FOLDERS = tuple(MAY_IMPORT)
+# The `tercel` entry dispatches `tercel bench`, so it alone in serving/ may import bench/. Its
+# edge still enters the cycle check: bench/ can never import serving/.
+ENTRY_POINTS = {"serving/cli.py": {"bench"}}
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str                   # the importing file, relative to the repository root
+    line: int
+    module: str                 # the imported module, absolute
+    names: tuple[str, ...]      # `from module import names`; () for `import module`
+
+
+def imports_of(source: str, path: str) -> list[Import]:
+    """Every import in one module's source, wherever it sits."""
+    package = path.removesuffix(".py").split("/")[:-1]      # the package a relative import starts from
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            found += [Import(path, node.lineno, a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.append(Import(path, node.lineno, module, tuple(a.name for a in node.names)))
+        elif isinstance(node, ast.Call) and _dynamic_import(node):
+            found.append(Import(path, node.lineno, node.args[0].value, ()))
+    return found
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    f = call.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return (name in ("import_module", "__import__") and bool(call.args)
+            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str))
+
+
+def scan() -> list[Import]:
+    found = []
+    for folder in FOLDERS:
+        for file in sorted((ROOT / folder).rglob("*.py")):
+            path = file.relative_to(ROOT).as_posix()
+            found += imports_of(file.read_text(encoding="utf-8"), path)
+    return found
+
+
+def folder_edges(imports: list[Import]) -> dict[tuple[str, str], list[str]]:
+    """(importing folder, imported folder) -> where, as "path:line"."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for imp in imports:
+        src, dst = imp.path.split("/")[0], imp.module.split(".")[0]
+        if dst in FOLDERS and dst != src:
+            edges.setdefault((src, dst), []).append(f"{imp.path}:{imp.line}")
+    return edges
+
+
+def layer_violations(imports: list[Import]) -> list[str]:
+    bad = []
+    for imp in imports:
+        src, dst = imp.path.split("/")[0], imp.module.split(".")[0]
+        if dst in FOLDERS and dst != src and dst not in MAY_IMPORT[src] | ENTRY_POINTS.get(imp.path, set()):
+            bad.append(f"{imp.path}:{imp.line}: imports {imp.module}, but {src}/ may import only "
+                       f"{', '.join(sorted(MAY_IMPORT[src])) or 'no other folder'}")
+    return bad
+
+
+def folder_cycle(edges) -> list[str] | None:
+    """A cycle of folders, e.g. ["spec", "drafters", "spec"], or None."""
+    graph: dict[str, set[str]] = {}
+    for src, dst in edges:
+        graph.setdefault(src, set()).add(dst)
+    state: dict[str, str] = {}        # "open" while on the DFS stack, then "done"
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node], path = "open", path + [node]
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, path)):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def private_imports(imports: list[Import]) -> list[str]:
+    return [f"{imp.path}:{imp.line}: from {imp.module} import {name}"
+            for imp in imports for name in imp.names
+            if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))]
+
+
+IMPORTS = scan()
+
+
+def test_every_folder_imports_only_the_folders_below_it():
+    """serving -> spec -> drafters -> tree, verifier; training -> spec, drafters; bench -> any."""
+    bad = layer_violations(IMPORTS)
+    assert not bad, "imports against the folder order:\n" + "\n".join(bad)
+
+
+def test_the_folder_graph_has_no_cycle():
+    """Module-level and lazy imports alike: a lazy import hides a cycle from Python, not from here."""
+    edges = folder_edges(IMPORTS)
+    cycle = folder_cycle(edges)
+    assert cycle is None, (" -> ".join(cycle) + ": " + "; ".join(
+        f"{a} -> {b} at {', '.join(edges[a, b][:3])}" for a, b in zip(cycle, cycle[1:])))
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """`from x import _y` reaches into x's internals: make _y public or restructure."""
+    bad = private_imports(IMPORTS)
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_every_folder_was_scanned():
+    scanned = {imp.path.split("/")[0] for imp in IMPORTS}
+    assert scanned == set(FOLDERS)
+
+
+def test_the_checks_catch_lazy_guarded_relative_dynamic_and_private_imports():
+    """The checks themselves: each kind of import that Python runs late is still an edge."""
+    source = ("import importlib\nfrom typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from serving import app\n"
+              "from .ngram import _Index\n"
+              "def f():\n    from spec.engine import LLMEngine\n    importlib.import_module('training.data')\n")
+    found = imports_of(source, "drafters/x.py")
+    assert [b.split(": ")[1] for b in layer_violations(found)] == [
+        "imports serving, but drafters/ may import only tree, verifier",
+        "imports spec.engine, but drafters/ may import only tree, verifier",
+        "imports training.data, but drafters/ may import only tree, verifier"]
+    assert private_imports(found) == ["drafters/x.py:5: from drafters.ngram import _Index"]
+    assert not private_imports(imports_of("from __future__ import annotations\n", "spec/x.py"))
+    assert folder_cycle({("spec", "drafters"), ("drafters", "tree")}) is None
+    assert folder_cycle({("spec", "drafters"), ("drafters", "tree"), ("tree", "spec")}) == [
+        "drafters", "tree", "spec", "drafters"]
+    # the entry's exception is not a way round the order: bench/ importing serving/ closes a cycle
+    assert layer_violations(imports_of("from bench.cli import run_bench\n", "serving/cli.py")) == []
+    assert layer_violations(imports_of("from bench.cli import run_bench\n", "serving/app.py"))
+    assert folder_cycle({("serving", "bench"), ("bench", "serving")})
