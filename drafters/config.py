@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verifier.checks import positive_int
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -18,10 +20,10 @@ class SpecConfig:
     budget: int | None = None         # draft nodes per request per step; None: γ × topk
 
     def __post_init__(self):
-        _positive_int("num_speculative_tokens", self.num_speculative_tokens)
-        _positive_int("topk", self.topk)
+        positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        positive_int("topk", self.topk)
         if self.budget is not None:
-            _positive_int("budget", self.budget)
+            positive_int("budget", self.budget)
             if self.budget < self.num_speculative_tokens:
                 raise ValueError(f"budget ({self.budget}) must be >= num_speculative_tokens "
                                  f"({self.num_speculative_tokens}) so the deepest path fits")
@@ -31,7 +33,3 @@ class SpecConfig:
         return self.budget if self.budget is not None else self.num_speculative_tokens * self.topk
 
 
-def _positive_int(name: str, v) -> None:
-    # The same check as spec/config.py's for EngineConfig (spec/ may not lend it down here).
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
+from verifier.checks import positive_int
 from verifier.loader import DEFAULT_MODEL
 
 QUANTIZATION_CHOICES = ("auto", "int4", "int8", "none")
@@ -33,10 +34,10 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                positive_int(name, getattr(self, name))
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
@@ -46,6 +47,3 @@ class EngineConfig:
             raise ValueError(f"speculation must be a SpecConfig, got {type(self.speculation).__name__}")
 
 
-def _positive_int(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from spec.request import Request, Status
 from verifier.block_manager import BlockManager, NoFreeBlocksError
+from verifier.checks import positive_ints
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,7 @@ class SchedulerConfig:
     max_model_len: int = 4096             # prompt + output tokens per request
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
 
 
 @dataclass

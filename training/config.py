@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verifier.checks import positive_ints
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -48,11 +50,8 @@ class TrainConfig:
             raise ValueError("give at least one --data file or directory")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
-        for name in ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens",
-                     "checkpoint_every", "eval_prompts", "eval_tokens", "small_layers", "regen_max_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
+        positive_ints(self, ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens", "checkpoint_every",
+                             "eval_prompts", "eval_tokens", "small_layers", "regen_max_tokens"), flag=True)
         if not 0 <= self.warmup < 1:
             raise ValueError(f"--warmup is a share of the steps in [0, 1), got {self.warmup}")
         if self.lr <= 0 or self.grad_clip <= 0 or not 0 < self.step_decay <= 1:

@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
 
 from tree.token_tree import TokenTree
+from verifier.checks import positive_ints
 
 # ----- merging proposals -----------------------------------------------------------------
 
@@ -193,10 +194,7 @@ class DynamicTreeConfig:
     budget: int = 4   # draft nodes kept for verification (root excluded): the verify cost
 
     def __post_init__(self):
-        for name in ("depth", "topk", "budget"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        positive_ints(self, ("depth", "topk", "budget"))
 
 
 ExpandFn = Callable[[list[list[int]]], list[tuple[list[int], list[float]]]]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verifier.checks import positive_int
+
 
 GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
 # A logit divided by a smaller penalty (and then by the temperature) can overflow fp32 to inf,
@@ -83,8 +85,7 @@ def _check_penalties(p: SamplingParams) -> None:
 
 
 def _check_lengths(p: SamplingParams) -> None:
-    if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens <= 0:
-        raise ValueError(f"max_tokens must be an int >= 1, got {p.max_tokens!r}")
+    positive_int("max_tokens", p.max_tokens)
     if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int)):
         raise ValueError(f"seed must be an int or None, got {p.seed!r}")
     if any(not isinstance(s, str) or not s for s in p.stop):
