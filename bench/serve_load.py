@@ -22,8 +22,8 @@ so they include HTTP, SSE framing and detokenization:
   tokens / all its wall time), and `round_throughput_tok_s` lists the rounds.
 - cold_cache: the server's prefix cache was dropped before every round (`POST
   /reset_prefix_cache`, Tercel and vLLM). Without it the second mode of a level would find
-  the first mode's prompts cached and skip their prefill (measured: concurrency-8 TTFT p50
-  222 ms for the second mode against 766 ms for the first, same prompts).
+  the first mode's prompts cached and skip their prefill: its TTFT came out far below the
+  first mode's on the same prompts (figures: docs/performance.md, "Serving TTFT").
 
 A request with a non-200 status, an error event, or a stream that breaks or ends without
 `[DONE]` and usage counts as an error; it is never raised.

@@ -17,15 +17,16 @@ Each step, per request:
 
 Chosen by replaying the target's greedy replies to 40 MT-bench first turns against the
 measured verify-time curve, with `../shared/data/train` as the datastore (2.7M tokens).
-Predicted speedups: n-gram alone 1.43x; datastore chains (the top follower only, up to 3
-tokens) 1.48x; the best-first tree of 5 nodes, up to 4 children each and 3 deep, 1.53x.
-The budget is set by the verify cost: a forward over 4 to 6 tokens costs about the same on
-these CPUs and 7 costs 12% more. Around a tree of 3 children per node and 4 levels (1.51x),
-budgets of 4 and 6 predicted 1.49x and 1.40x, 2 children 1.48x and 4 children 1.52x;
-expanding whole layers as EAGLE-2 does predicted 0.01x less than growing the tree best-first,
-and `max_n` 4 to 8, `min_count` 1 to 3 and `guess_prob` 0.1 to 0.3 each moved the prediction
-by less than 0.01x. Served (`tercel bench serve`, MT-bench first turns, 128 tokens,
-concurrency 1, 2 threads, 5 rounds): 1.52x against plain decoding; the chains gave 1.48x.
+The best-first tree of 5 nodes, up to 4 children each and 3 deep, predicted the largest
+speedup, ahead of datastore chains (the top follower only, up to 3 tokens), which were
+ahead of the n-gram drafter alone. The budget is set by the verify cost: a forward over 4
+to 6 tokens costs about the same on these CPUs and 7 costs more. Around a tree of 3
+children per node and 4 levels, other budgets and 2 or 4 children predicted no more than
+the tree chosen; expanding whole layers as EAGLE-2 does predicted slightly less than
+growing the tree best-first, and `max_n` 4 to 8, `min_count` 1 to 3 and `guess_prob` 0.1
+to 0.3 barely moved the prediction. Served (`tercel bench serve`, concurrency 1), the tree
+beat plain decoding and the chains. Figures and commands: docs/performance.md, "Drafters
+and tree shapes".
 Proposals are deterministic, so acceptance treats them as point masses and the output
 is exactly the target's.
 
@@ -218,8 +219,8 @@ def load_or_build(paths: list[str], tokenizer, config: DatastoreConfig, cache_di
 
 
 def _default_tree():
-    # 5 draft nodes: a verify forward of 4 to 6 tokens costs about the same on these CPUs
-    # (32.5-32.7 ms against 28.7 for 1 token, SmolLM2 at 250 tokens of context, 2 threads).
+    # 5 draft nodes: a verify forward of 4 to 6 tokens costs about the same on these CPUs,
+    # little more than one of 1 token (figures: docs/performance.md, "Drafters and tree shapes").
     return SpecConfig(num_speculative_tokens=4, topk=4, budget=5)
 
 

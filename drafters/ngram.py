@@ -7,11 +7,12 @@ as a trie. Proposals are deterministic, so acceptance treats them as point masse
 
 A weak match (a suffix of at most `weak_n` tokens) proposes a single token, the one that
 most often followed it: such matches are common and accept less often, and verifying one
-draft token costs no more than a plain decode step (2 tokens against 1 through the
-target: 31.7 against 32.5 ms per step on Spec-Bench rag, 2 threads). With min_n = 0 the
-empty suffix counts too: when nothing matches, the context's most frequent token is
-proposed (a unigram guess: 16 of 227 such steps on rag accepted it when the greedy
-outputs were replayed offline, and it costs nothing).
+draft token costs no more than a plain decode step (2 tokens through the target cost no
+more than 1 on Spec-Bench rag). With min_n = 0 the empty suffix counts too: when nothing
+matches, the context's most frequent token is proposed (a unigram guess: some such steps
+on rag accepted it when the greedy outputs were replayed offline, and it costs nothing).
+
+Figures and commands: docs/performance.md, "Drafters and tree shapes".
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tree.token_tree import TokenTree
 class NgramConfig:
     # Chosen on Spec-Bench summarization and rag (greedy outputs replayed against the
     # measured verify-time curve, then confirmed with bench.speculative): 0-5 with weak_n 1
-    # drafts on every step; 3-5 without weak matches drafted on only 8-26% of them.
+    # drafts on every step; 3-5 without weak matches drafted on only a minority of them
+    # (figures: docs/performance.md, "Drafters and tree shapes").
     min_n: int = 0           # shortest suffix matched (0: the empty suffix, a unigram guess)
     max_n: int = 5           # longest suffix tried first
     weak_n: int = 1          # matches of at most this many tokens propose their most frequent follower

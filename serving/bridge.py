@@ -24,8 +24,9 @@ idle. A failure is logged as critical, kept in `integrity_error`, and /health an
 `EngineBridge.launch` also builds the engine on that thread, so that one thread does all
 the tensor work. On CPU, OpenMP (libgomp) stops spin-waiting between parallel regions once
 more threads run them than there are cores: an engine loaded on the main thread and stepped
-on another left two OpenMP teams, and every matmul of every step paid a thread wake-up
-(SmolLM2 decode step, 2 threads: 43 ms against 28 ms with one team).
+on another left two OpenMP teams, and every matmul of every step paid a thread wake-up: a
+decode step took far longer than with one team (figures: docs/performance.md, "OpenMP thread
+teams").
 """
 from __future__ import annotations
 

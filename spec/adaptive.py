@@ -18,31 +18,30 @@ one mode leads by `wide_margin` or more, probes come 4 times less often: a lead 
 takes many steps to erode.
 
 Early steps are noisy (one rejected draft makes a slow speculative step): a slow average
-started from one step kept speculation off for 1,399 of 1,763 steps at 1 request in one
-in-process run (37.1 tok/s; the next run, 53.4), and in a server run 11 of the first
-round's 16 requests decoded at plain speed. So each batch size first measures `min_steps` steps of each mode; each
-average is the plain mean of its steps until `1 / smoothing` are in; and until then probes
-keep their normal pace.
+started from one step kept speculation off for most of an in-process run at 1 request, and
+in a server run most of the first round's requests decoded at plain speed. So each batch
+size first measures `min_steps` steps of each mode; each average is the plain mean of its
+steps until `1 / smoothing` are in; and until then probes keep their normal pace.
 
 Acceptance swings from step to step (0 to 4 draft tokens), so the averages are slow: at
-1 request (MT-bench, in-process, two rounds), a weight of 0.2 for the newest step let runs
-of rejected drafts turn speculation off for 307-593 of ~1500 steps, 43.3-44.7 tok/s against
-45.3-46.1 always on; with 0.05, 44-335 steps and 45.1-45.9 tok/s.
+1 request (MT-bench, in-process), a weight of 0.2 for the newest step let runs of rejected
+drafts turn speculation off for long stretches and lost throughput against always
+speculating; with 0.05 it turned off less and came close to always on.
 
 Below `max_batch`, the tree shrinks as the batch grows: each request may draft
 `step_draft_tokens // batch` nodes (at least 1, at most its own budget), so a step verifies
 about 6-9 tokens whatever the batch. Where the target's matmul cost jumps at some row count
 (torch's int4 kernel works in blocks of 4 rows; the jump is measured at load), the step's
-rows, one per request plus its draft nodes, stay below the jump where they can. Closed-loop in-process runs with the datastore drafter
-(its tree then had up to 3 children per node and 4 levels; MT-bench first turns, 128 tokens,
-2 threads, two rounds, speculation always on against off): at 2 requests, 3 draft nodes each
-gave 1.18-1.19x, 4 gave 1.13-1.16x and the 5 of one request gave 1.15-1.18x; at 4 requests, 1 node 1.10x, 2 nodes 1.09-1.14x, 3 nodes
-1.12-1.14x, 5 nodes 0.88-0.97x.
+rows, one per request plus its draft nodes, stay below the jump where they can. In
+closed-loop in-process runs with the datastore drafter (speculation always on against off),
+3 draft nodes each did best at 2 requests, ahead of 4 each and of the 5 a lone request
+drafts; at 4 requests 1 to 3 nodes each still paid and 5 each lost.
 
-The default `max_batch` comes from closed-loop runs in-process (MT-bench first turns, 128
-tokens, n-gram chain of 4, 2 threads, two rounds): always speculating gave 1.07x at 2
-requests, 1.03-1.07x at 4 and 0.80-0.90x at 8, where a step of 8 trees took 75-87 ms against
-51 ms for 8 plain tokens.
+The default `max_batch` comes from closed-loop runs in-process with an n-gram chain of 4:
+always speculating paid a little at 2 and 4 requests and lost at 8, where a step of 8 trees
+took much longer than a step of 8 plain tokens.
+
+Figures and commands: docs/performance.md, "Adaptive speculation".
 """
 from __future__ import annotations
 

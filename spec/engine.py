@@ -133,18 +133,18 @@ class LLMEngine:
         self._warm_up()
         # Everything loaded so far lives as long as the engine: move it out of the cyclic
         # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
-        # as n-gram indexing of a long prompt) walks every object of the process: measured
-        # in a 518k-object pytest process, tiny model, n-gram on a 660-token rag prompt,
-        # 67 tok/s with the collector on against 455 with it off (about 14 ms per step).
+        # as n-gram indexing of a long prompt) walks every object of the process: in a large
+        # test process decoding was several times slower with the collector on than with it
+        # off (figures: docs/performance.md, "Engine step").
         gc.collect()
         gc.freeze()
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.
-        oneDNN builds a kernel on the first use of a shape (SmolLM2, 2 threads: the first
-        3-token forward took 73 ms, the 4- to 6-token forwards after it 30-34 ms), which
-        would slow the first requests and skew the adaptive controller's first measurements
-        of speculation."""
+        oneDNN builds a kernel on the first use of a shape (the first forward at a new size
+        was much slower than the ones after it; figures: docs/performance.md, "Engine step"),
+        which would slow the first requests and skew the adaptive controller's first
+        measurements of speculation."""
         rows = 1 + (self.spec_config.max_nodes if self.drafter is not None else 0)
         seq_id = -1                                   # never a request's id
         tokens = [0] * rows

@@ -33,7 +33,8 @@ class TrainConfig:
     warmup: float = 0.03               # share of steps with a linear warm-up
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    dtype: str = "fp32"                # fp32 | bf16 (bf16 is for CUDA; CPUs here run it ~8x slower)
+    dtype: str = "fp32"                # fp32 | bf16 (bf16 is for CUDA; CPUs here run it much slower:
+                                       # docs/performance.md, "bf16 against fp32")
     checkpoint_every: int = 100        # optimiser steps
     resume: bool = False
     seed: int = 0

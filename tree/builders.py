@@ -185,10 +185,10 @@ class StaticTreeShape:
 
 @dataclass(frozen=True)
 class DynamicTreeConfig:
-    """Defaults are tuned for these CPUs: a target forward over 8 tree nodes costs about twice
-    a plain decode step, over 16 nodes three times (DESIGN.md), and each expansion round costs
-    draft time; on MT-bench (batch 1, T=0) depth 4 / top-k 2 / 4 nodes was the fastest of
-    the shapes tried, from 4/1/4 up to 6/3/8 and 5/3/10 (issue 4 notes)."""
+    """Defaults are tuned for these CPUs: a target forward over 8 or 16 tree nodes costs a
+    multiple of a plain decode step, and each expansion round costs draft time; on MT-bench
+    (batch 1, T=0) depth 4 / top-k 2 / 4 nodes was the fastest of the shapes tried, from
+    4/1/4 up to 6/3/8 and 5/3/10 (figures: docs/performance.md, "Drafters and tree shapes")."""
     depth: int = 4    # expansion rounds: the deepest draft token
     topk: int = 2     # children per expanded node AND frontier nodes expanded per round (EAGLE-2)
     budget: int = 4   # draft nodes kept for verification (root excluded): the verify cost

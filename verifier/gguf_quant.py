@@ -58,7 +58,8 @@ INDEX_FILE = "gguf_blocks.json"
 def block_index(reader, gguf_path: Path) -> dict:
     """Where each quantized tensor's blocks lie in the GGUF file; written beside the
     converted checkpoint so that later loads map the blocks without parsing the file's
-    metadata again (the tokenizer fields alone take GGUFReader about 6 s)."""
+    metadata again (the tokenizer fields alone take GGUFReader seconds; figures:
+    docs/performance.md, "Load and import times")."""
     tensors = [{"name": t.name, "kind": t.tensor_type.name, "rows": int(t.shape[1]), "cols": int(t.shape[0]),
                 "offset": int(t.data_offset), "nbytes": int(t.n_bytes)}
                for t in reader.tensors if t.tensor_type.name in _BLOCK_BYTES]

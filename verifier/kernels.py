@@ -35,7 +35,9 @@ from verifier.qlinear import DENSE_PATHS, QuantLinear
 
 FORMAT = 5           # 5: probes with several inputs per row count
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
-# larger counts (an int4 kernel at 512 rows takes a second per run where oneDNN takes 0.2 s).
+# larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
+# timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
+# quantized kernels").
 SKIP_FACTOR, SKIP_MS = 3.0, 100.0
 CLIFF = 1.4          # see KernelTimings.rows_before_cliff
 TILES = (32, 64, 128)  # prefill tile sizes tried, smallest first
@@ -61,8 +63,9 @@ class KernelTimings:
     def rows_before_cliff(self, path: str, jump: float = CLIFF) -> int | None:
         """The largest row count before `path`'s first cost cliff (a step of one row that
         costs `jump` times more), or None without one. torch's int4 kernel works in blocks
-        of 4 rows: 5 rows cost 1.6x 4 rows (AVX-512) and 6 rows 1.9x (AVX2), so a verify
-        step of 4 rows is much cheaper than one of 5."""
+        of 4 rows: past 4 rows its cost jumps, on AVX-512 and AVX2 machines alike (figures:
+        docs/performance.md, "Matmul paths and quantized kernels"), so a verify step of 4
+        rows is much cheaper than one of 5."""
         t = self.ms.get(path, {})
         for r in self.rows:
             if r - 1 in t and t.get(r) and t[r - 1] and t[r] > jump * t[r - 1]:

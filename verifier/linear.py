@@ -1,12 +1,9 @@
 """A Linear whose CPU matmul takes the fastest library path for each row count.
 
-Measured on these 2-vCPU machines (AMD EPYC, AVX-512; SmolLM2 shapes, fp32), the matmuls
-of all 30 layers for one step, median of 15 (`/tmp` microbenchmark, 2 threads / 1 thread):
-
-    rows                      1           2           4           8           64
-    W @ x.T (MKL)          15.6/24.6   13.6/23.1   21.1/36.6   34.9/61.8   109
-    oneDNN, packed W       17.6/28.6   20.0/34.0   13.6/23.1   17.6/30.4    76
-    F.linear (MKL)         34.2        -           46.6        41.4
+Timing the matmuls of all 30 layers for one step (SmolLM2 shapes, fp32) at 1 to 64 rows,
+MKL's `W @ x.T` was the fastest at one and two rows, oneDNN with a packed weight from four
+rows up, and F.linear was slower than both at every count timed (figures:
+docs/performance.md, "Matmul paths and quantized kernels").
 
 So one and two rows (batch-1 decode) go through MKL as `W @ x.T`, one row padded to two
 because MKL's gemv path is the slow one, and three or more rows (batched decode, tree

@@ -30,8 +30,8 @@ _INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_"
 def uninitialized():
     """Modules built inside skip torch's random initialisation, for weights that are loaded
     next. On the meta device the init functions run through torch._refs, whose import of
-    torch._dynamo imports triton: 1.3 s, and leak warnings from its bindings at exit, on CPU
-    runs that never use it."""
+    torch._dynamo imports triton: a slow import (figures: docs/performance.md, "Load and
+    import times"), and leak warnings from its bindings at exit, on CPU runs that never use it."""
     saved = {name: getattr(nn.init, name) for name in _INITS}
     for name in _INITS:
         setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)

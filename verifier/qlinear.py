@@ -22,7 +22,8 @@ from verifier.linear import onednn_available
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, per_channel
 
 DENSE_PATHS = ("bf16", "fp32")
-# torch's own bindings of the kernels: a call through torch.ops.aten costs 1.5 us more.
+# torch's own bindings of the kernels: a call through torch.ops.aten costs more (figures:
+# docs/performance.md, "Matmul paths and quantized kernels").
 _INT4_MM = torch._weight_int4pack_mm_for_cpu
 _INT8_MM = torch._weight_int8pack_mm
 _ONEDNN = onednn_available()

@@ -64,9 +64,10 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def greedy_token(logits: torch.Tensor, chunk: int = 128) -> int:
     """argmax of logits [V] (the first index of the largest value, as torch.argmax).
 
-    torch.argmax over a 49k row is a scalar loop (about 85 us on these CPUs, once per decode
-    step); the maxima of 128-wide chunks are one vectorized reduction, and the first maximum
-    lies in the first chunk holding the largest one."""
+    torch.argmax over a 49k row is a scalar loop, slow enough to matter once per decode step
+    (figures: docs/performance.md, "Sampling"); the maxima of 128-wide chunks are one
+    vectorized reduction, and the first maximum lies in the first chunk holding the largest
+    one."""
     v = logits.shape[0]
     if v % chunk or logits.device.type != "cpu":
         return int(logits.argmax())

@@ -24,7 +24,8 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    # bf16 matmuls measured ~8x slower than fp32 on these CPUs; on CUDA bf16 is the norm.
+    # bf16 matmuls measured much slower than fp32 on these CPUs (figures: docs/performance.md,
+    # "bf16 against fp32"); on CUDA bf16 is the norm.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

@@ -1,8 +1,9 @@
 """A thin tokenizer over `tokenizers` + the model's Jinja chat template.
 
-Importing transformers costs about 1.7 s here; serving only needs encode, decode and the
-chat template, so we read tokenizer.json and the template directly (transformers is
-still what converts GGUF tokenizers, and the tests check this wrapper against it).
+Importing transformers is slow (figures: docs/performance.md, "Load and import times");
+serving only needs encode, decode and the chat template, so we read tokenizer.json and the
+template directly (transformers is still what converts GGUF tokenizers, and the tests check
+this wrapper against it).
 """
 from __future__ import annotations
 

@@ -3,14 +3,16 @@
 Sequences with many new tokens (prefill chunks) run one at a time so that no padding
 is wasted; the rest (decode steps, token trees) are padded into one batched call.
 Per layer: scatter the new K/V into their slots, gather each sequence's whole blocks
-[B, Nblk] (12 KB contiguous copies rather than 768-byte slots: about 3x faster here),
+[B, Nblk] (12 KB contiguous copies rather than 768-byte slots: several times faster),
 and run SDPA under a [B, 1, Qmax, Nblk * block_size] boolean mask.
 
 A group of one sequence whose blocks are exactly one contiguous physical range, in any
 order, skips the gather: SDPA reads the range as a view, and the mask's columns are
 permuted into physical order (attention does not depend on key order; RoPE is already
-in K). The block manager hands out runs, so this is the usual batch-1 case. Measured at
-an 800-token context, 2 threads: the gathers were about 8 ms of a 40 ms decode step.
+in K). The block manager hands out runs, so this is the usual batch-1 case. At long
+contexts the gathers were a sizeable share of a decode step.
+
+Figures and commands: docs/performance.md, "Attention gathers".
 """
 from __future__ import annotations
 
@@ -31,9 +33,9 @@ def _cdiv(a: int, b: int) -> int:
 # and so does a single short one.
 SOLO_QUERY_LEN = 32
 # A lone sequence with this many queries attends through two matmuls instead of SDPA: the
-# flash kernel is slow exactly at 2 and 3 queries (30 layers at a 1000-token context, cold
-# caches, 2 threads: 9.4 and 10.9 ms against 6.6 for 1 and 7.6 for 4 queries; matmuls: 7.1
-# and 8.1 ms). These are the n-gram drafter's one- and two-token verify steps.
+# flash kernel is slow exactly at 2 and 3 queries, slower than at 4 and than the two matmuls
+# (figures: docs/performance.md, "Attention gathers"). These are the n-gram drafter's
+# one- and two-token verify steps.
 MATMUL_QUERY_LENS = (2, 3)
 
 
@@ -163,8 +165,9 @@ class TorchBackend(AttentionBackend):
             qg = q[g.q_rows].unsqueeze(0 if b == 1 else 1)
         else:
             qg = torch.index_select(q, 0, g.q_rows.view(-1)).view(b, -1, h, d)  # [B, Qmax, H, D]
-        # [B * Nblk, bs, KVH, D] -> [B, KVH, Nblk * bs, D]; index_select is ~5x faster than
-        # advanced indexing with a 2-D index here.
+        # [B * Nblk, bs, KVH, D] -> [B, KVH, Nblk * bs, D]; index_select is several times
+        # faster than advanced indexing with a 2-D index here (figures: docs/performance.md,
+        # "Attention gathers").
         if g.kv_first is not None:
             span = slice(g.kv_first, g.kv_first + g.kv_blocks.shape[1])
             keys = slice(0, g.kv_len)                                   # all slots when kv_len is None
