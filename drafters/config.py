@@ -32,4 +32,13 @@ class SpecConfig:
     def max_nodes(self) -> int:
         return self.budget if self.budget is not None else self.num_speculative_tokens * self.topk
 
+    def first_above(self, gamma: int | None, topk: int | None, nodes: int | None) -> tuple[str, int, int] | None:
+        """This config as a cap: the first of depth, top-k and draft nodes asked above it, as
+        (name, asked, cap); None when all are within (a None asks nothing)."""
+        for name, asked, cap in (("gamma", gamma, self.num_speculative_tokens), ("topk", topk, self.topk),
+                                 ("budget", nodes, self.max_nodes)):
+            if asked is not None and asked > cap:
+                return name, asked, cap
+        return None
+
 

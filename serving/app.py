@@ -22,6 +22,7 @@ from serving.protocol import ParsedRequest, bad, new_id, parse_chat, parse_compl
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
 from serving.streaming import Reply, full_reply, sse_events
 from verifier.sampling_params import SamplingParams
+from verifier.tokenizer import prompt_ids
 
 OPEN_PATHS = {"/health"}
 
@@ -94,7 +95,8 @@ class Routes:
         req = parse_completion(body)
         self._check_model(req.model)
         try:
-            ids = [self._tokenize(p) for p in req.prompts]
+            # on the event loop: the tokenizer reads no engine state
+            ids = [prompt_ids(self.bridge.tokenizer, p) for p in req.prompts]
         except ValueError as e:
             raise bad("prompt", str(e)) from None
         return await self._generate(req, ids, chat=False)
@@ -102,12 +104,6 @@ class Routes:
     def _check_model(self, name: str) -> None:
         if name not in self.config.model_names:
             raise unknown_model(name, self.served)
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        """As LLMEngine.tokenize, on the event loop: the tokenizer reads no engine state."""
-        if isinstance(prompt, str):
-            return self.bridge.tokenizer(prompt)["input_ids"] if prompt else []
-        return list(prompt)
 
     async def _generate(self, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
         limits = self.bridge.limits

@@ -96,19 +96,18 @@ def resolve_speculation(field: Speculation | None, server: SpecConfig, drafter: 
         raise APIError(400, f"this server drafts with {drafter or 'no drafter'!r}; 'speculation.drafter' "
                             f"can name that drafter or 'none', not {field.drafter!r}",
                        param="speculation.drafter", code="unsupported_drafter")
-    caps = {"gamma": server.num_speculative_tokens, "topk": server.topk, "budget": server.max_nodes}
-    for name, cap in caps.items():
-        asked = getattr(field, name)
-        if asked is not None and asked > cap:
-            raise bad(f"speculation.{name}", f"'speculation.{name}' is {asked}; this server's limit is {cap}")
+    over = server.first_above(field.gamma, field.topk, field.budget)
+    if over:
+        name, asked, cap = over
+        raise bad(f"speculation.{name}", f"'speculation.{name}' is {asked}; this server's limit is {cap}")
     if (field.gamma, field.topk, field.budget) == (None, None, None):
         return SpeculationChoice(True, None)
     try:
-        return SpeculationChoice(True, SpecConfig(num_speculative_tokens=_or(field.gamma, caps["gamma"]),
-                                                  topk=_or(field.topk, caps["topk"]),
-                                                  budget=_or(field.budget, server.budget)))
+        tree = SpecConfig(num_speculative_tokens=_or(field.gamma, server.num_speculative_tokens),
+                          topk=_or(field.topk, server.topk), budget=_or(field.budget, server.budget))
     except ValueError as e:     # budget below the depth
         raise bad("speculation.budget", str(e)) from None
+    return SpeculationChoice(True, tree)
 
 
 # ---- validation errors ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from verifier.kv_cache import slot_of
 from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
 from verifier.sampling_params import SamplingParams
 from verifier.target import TargetModel
+from verifier.tokenizer import prompt_ids
 
 if TYPE_CHECKING:
     from drafters.base import Proposal
@@ -156,9 +157,7 @@ class LLMEngine:
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"] if prompt else []
-        return list(prompt)
+        return prompt_ids(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, speculate: bool = True,
@@ -185,11 +184,9 @@ class LLMEngine:
     def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:
         if spec is None:
             return None
-        top = self.spec_config
-        for name, mine, cap in (("gamma", spec.num_speculative_tokens, top.num_speculative_tokens),
-                                ("topk", spec.topk, top.topk), ("budget", spec.max_nodes, top.max_nodes)):
-            if mine > cap:
-                raise ValueError(f"speculation {name} {mine} exceeds the server's limit {cap}")
+        over = self.spec_config.first_above(spec.num_speculative_tokens, spec.topk, spec.max_nodes)
+        if over:
+            raise ValueError("speculation {} {} exceeds the server's limit {}".format(*over))
         return spec
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:

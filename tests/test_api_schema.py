@@ -58,6 +58,15 @@ def test_speculation_above_the_servers_caps_is_refused_naming_the_field(field, p
     assert e.value.status == 400 and e.value.param == param
 
 
+def test_first_above_names_the_first_cap_a_tree_exceeds():
+    """The one cap check, shared by the handler (asked fields) and the engine (whole trees)."""
+    cap = SpecConfig(num_speculative_tokens=5, topk=3, budget=8)
+    assert cap.first_above(5, 3, 8) is None and cap.first_above(None, None, None) is None
+    assert cap.first_above(6, 9, 9) == ("gamma", 6, 5)
+    assert cap.first_above(None, 4, None) == ("topk", 4, 3)
+    assert cap.first_above(2, 1, 9) == ("budget", 9, 8)
+
+
 def test_streamed_request_with_out_of_range_speculation_is_a_400_before_the_stream(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body(stream=True, speculation={"gamma": 10**9}))
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")

@@ -116,17 +116,23 @@ def _signal_with_requests_in_flight(s: Serve, model_dir, max_tokens: int, after_
         return whole.result(), events
 
 
+def _assert_stopped_cleanly(s, reply, events, reason: str) -> None:
+    """Exit 0 after finding the requests running; both choices of the non-streaming reply and
+    the stream end with `reason`, the stream with [DONE]."""
+    assert s.proc.wait(timeout=60) == 0
+    assert f"stopping: {RUNNING} request(s) running" in s.log()
+    assert reply.status_code == 200
+    assert [c["finish_reason"] for c in reply.json()["choices"]] == [reason, reason]
+    assert _finish_reasons(events) == [reason] and events[-1] == "[DONE]"
+
+
 def test_sigterm_with_enough_grace_finishes_running_requests_and_exits_0(serve, tiny_llama_dir):
     """A grace long enough for the running requests: they all finish as asked ("length"), the
     stream ends with [DONE], and the process exits 0."""
     s = serve("--grace", "300")
     reply, events = _signal_with_requests_in_flight(s, tiny_llama_dir, max_tokens=200)
-    assert s.proc.wait(timeout=60) == 0
-    assert f"stopping: {RUNNING} request(s) running" in s.log()
-    assert reply.status_code == 200
-    assert [c["finish_reason"] for c in reply.json()["choices"]] == ["length", "length"]
+    _assert_stopped_cleanly(s, reply, events, "length")
     assert reply.json()["usage"]["completion_tokens"] == 2 * 200
-    assert _finish_reasons(events) == ["length"] and events[-1] == "[DONE]"
 
 
 def test_sigterm_past_the_grace_aborts_running_requests_as_normal_replies_and_exits_0(serve, tiny_llama_dir):
@@ -135,11 +141,7 @@ def test_sigterm_past_the_grace_aborts_running_requests_as_normal_replies_and_ex
     cancelled handler, nor a cut connection), and the process exits 0."""
     s = serve("--grace", "0.2")
     reply, events = _signal_with_requests_in_flight(s, tiny_llama_dir, max_tokens=960)
-    assert s.proc.wait(timeout=60) == 0
-    assert f"stopping: {RUNNING} request(s) running" in s.log()
-    assert reply.status_code == 200
-    assert [c["finish_reason"] for c in reply.json()["choices"]] == ["abort", "abort"]
-    assert _finish_reasons(events) == ["abort"] and events[-1] == "[DONE]"
+    _assert_stopped_cleanly(s, reply, events, "abort")
     assert "Cancel" not in s.log()       # uvicorn's backstop did not have to cancel a handler
 
 

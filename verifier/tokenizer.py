@@ -73,6 +73,13 @@ class Tokenizer:
         return self._template
 
 
+def prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A prompt as token ids: text through `tokenizer` (an empty string is no tokens), ids as given."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"] if prompt else []
+    return list(prompt)
+
+
 def _raise(message: str):
     raise ValueError(f"chat template: {message}")
 
