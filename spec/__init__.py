@@ -1,7 +1,8 @@
-"""Tercel's engine core: `from spec import LLM, SamplingParams`."""
+"""Tercel's engine core: `from spec import LLM, SamplingParams, StructuredOutputs`."""
 from spec.config import EngineConfig
 from spec.llm import LLM
 from spec.request import RequestOutput
 from verifier.sampling_params import SamplingParams
+from verifier.structured import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput"]

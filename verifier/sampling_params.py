@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verifier.checks import positive_int
+from verifier.structured import StructuredOutputs
 
 
 GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
@@ -33,6 +34,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # The output's constraint (JSON schema, regex, grammar, choice), or None; see verifier/grammar.py
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples.
@@ -42,6 +45,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for check in (_check_temperature, _check_top, _check_penalties, _check_lengths):
             check(self)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise ValueError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -39,6 +39,23 @@ class Tokenizer:
     def vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    @property
+    def special_token_ids(self) -> list[int]:
+        """Added tokens marked special (chat markers, EOS): never text inside an output."""
+        return sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def vocab_encoding(self) -> tuple[str, bool]:
+        """How vocabulary entries spell their bytes, as grammar engines need it: ("byte_level",
+        GPT-2's byte-to-unicode map), ("byte_fallback", SentencePiece with <0xNN> tokens) or
+        ("raw", ...), and whether a leading space is added to the text (SentencePiece's "▁")."""
+        spec = json.loads(self._tok.to_str())
+        decoder = spec.get("decoder") or {}
+        steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {d.get("type") for d in steps}
+        encoding = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else "raw"
+        prefix = "Metaspace" in kinds or any(d.get("type") == "Strip" and d.get("start") for d in steps)
+        return encoding, prefix
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": self.encode(text, add_special_tokens)}
 

@@ -1,0 +1,173 @@
+"""Grammar-constrained decoding through xgrammar (as vLLM and SGLang do).
+
+`GrammarBackend` compiles a request's `StructuredOutputs` against the model's vocabulary,
+once per distinct constraint (cached), and hands each request a `Matcher`: the grammar's
+state after the tokens the request has emitted. A matcher gives the token bitmask of its
+state (one row), of every node of a draft tree (a row per node: the state after that
+node's path), and the tokens the grammar forces next (jump-forward).
+
+Bitmasks are xgrammar's: int32 [rows, ceil(V / 32)], bit j of word i allows token 32 i + j.
+`apply_bitmask` sets disallowed logits to -inf in place, in fp32 on the logits' device,
+before penalties, temperature and truncation: softmax then renormalises over the allowed
+tokens, so what is sampled is the target's masked, renormalised distribution.
+
+xgrammar (and the transformers import it brings) loads on the first constrained request.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+import torch
+
+from verifier.structured import StructuredOutputs
+
+# JSON from a schema or json_object: no free whitespace between tokens. A small model let
+# loose on "any whitespace" can emit newlines until max_tokens (vLLM's `disable-any-whitespace`
+# exists for that), and fixed separators make keys and punctuation forced, which
+# jump-forward then emits without sampling.
+JSON_SEPARATORS = (", ", ": ")
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[11:07:15] /project/cpp/x.cc:94: "
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarBackend:
+    """One model's grammar compiler; safe to call from any thread (the server's handlers
+    compile before a request is queued, so a bad schema is a 400 and not a failed stream)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        self._tokenizer, self.vocab_size, self._stop_ids = tokenizer, vocab_size, sorted(stop_ids)
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._compiled: dict[tuple[str, str], object] = {}
+
+    def compile(self, spec: StructuredOutputs):
+        """The compiled grammar of `spec`; ValueError naming what is wrong with it."""
+        with self._lock:
+            hit = self._compiled.get(spec.key)
+        if hit is not None:
+            return hit
+        compiled = self._compile(self._xgr_compiler(), spec)
+        with self._lock:
+            return self._compiled.setdefault(spec.key, compiled)
+
+    def matcher(self, spec: StructuredOutputs) -> Matcher:
+        import xgrammar as xgr
+        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+    def _xgr_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1)
+            return self._compiler
+
+    def _tokenizer_info(self):
+        import xgrammar as xgr
+        if getattr(self._tokenizer, "vocab", None) is None:
+            raise ValueError("this model has no tokenizer files; structured outputs need its vocabulary")
+        vocab = [""] * self.vocab_size
+        for text, i in self._tokenizer.vocab.items():
+            if i < self.vocab_size:
+                vocab[i] = text
+        # Special tokens other than the stop tokens are never text: xgrammar leaves tokens
+        # that spell nothing out of every mask.
+        for i in set(self._tokenizer.special_token_ids) - set(self._stop_ids):
+            if i < self.vocab_size:
+                vocab[i] = ""
+        encoding, prefix_space = self._tokenizer.vocab_encoding()
+        kind = {"byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
+                "raw": xgr.VocabType.RAW}[encoding]
+        return xgr.TokenizerInfo(vocab, kind, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids,
+                                 add_prefix_space=prefix_space)
+
+    @staticmethod
+    def _compile(compiler, spec: StructuredOutputs):
+        kind, text = spec.key
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                    separators=JSON_SEPARATORS)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                return compiler.compile_regex("|".join(re.escape(c) for c in spec.choice))
+            return compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            raise ValueError(f"invalid {_NAMES[kind]}: {message}") from None
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
+          "choice": "choice", "grammar": "grammar"}
+
+
+class Matcher:
+    """A request's grammar state. The engine advances it by the tokens it emits, and only
+    by those; masks of draft trees walk their paths and leave the state as it was."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._m = matcher
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+
+    def accept(self, token: int) -> bool:
+        return self._m.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """The stop token was accepted: nothing may follow."""
+        return self._m.is_terminated()
+
+    def mask(self) -> torch.Tensor:
+        """int32 [1, W]: the tokens allowed next."""
+        out = torch.zeros(1, self.words, dtype=torch.int32)
+        self._m.fill_next_token_bitmask(out)
+        return out
+
+    def tree_masks(self, tree) -> torch.Tensor:
+        """int32 [nodes, W] for a `tree.TokenTree` (verifier/ imports no tree/: any object with
+        its `tokens` and `children`): row u allows what may follow the path to node u (the
+        root: the current state). A node whose path leaves the grammar gets a zero row, and so
+        do its descendants (`spec.constraints.kept_nodes`)."""
+        n = tree.num_nodes
+        first_child = [kids[0] if kids else -1 for kids in tree.children]
+        next_sibling = [-1] * n
+        for kids in tree.children:
+            for a, b in zip(kids, kids[1:]):
+                next_sibling[a] = b
+        i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        out = torch.zeros(n, self.words, dtype=torch.int32)
+        self._m.traverse_draft_tree(i64(first_child), i64(next_sibling), i64(tree.tokens), out)
+        return out
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that spell what the grammar forces next (none if it forces
+        nothing). At the end of a grammar that only the stop token may follow, that token."""
+        if limit < 1:
+            return []
+        tokens = self._m.find_jump_forward_tokens()[:limit]
+        if tokens or not self._m.is_completed() or self._m.is_terminated():
+            return tokens
+        allowed = allowed_tokens(self.mask(), self.vocab_size)[0].nonzero().flatten()
+        return allowed.tolist() if allowed.numel() == 1 else []
+
+
+def allows(masks: torch.Tensor, row: int, token: int) -> bool:
+    """Bit `token` of mask row `row`."""
+    return bool((int(masks[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [N, W] bitmasks -> bool [N, V]."""
+    bits = (masks.unsqueeze(-1) >> _SHIFTS.to(masks.device)) & 1
+    return bits.view(masks.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """logits fp32 [N, V] (a row per mask row): disallowed entries -> -inf, in place."""
+    allowed = allowed_tokens(masks.to(logits.device), logits.shape[-1])
+    with torch.inference_mode():        # the forward's logits are inference tensors
+        logits.masked_fill_(~allowed, float("-inf"))
