@@ -31,6 +31,9 @@ class EngineConfig:
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
     speculation: "SpecConfig" = None      # None: the drafter's own default tree (SpecConfig() for most)
     adaptive: AdaptiveConfig = AdaptiveConfig(enabled=False)  # turn speculation off when it does not pay
+    # Constrained requests verify the tokens their grammar forces as a drafted chain, with or
+    # without a drafter (spec/constraints.py); False samples them one step each.
+    jump_forward: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):

@@ -4,6 +4,11 @@ One step: schedule -> draft (a token tree per decoding request) -> verify (one t
 forward over prefill chunks and every tree) -> accept (exact rejection sampling) ->
 commit (move accepted KV into place, publish full blocks to the prefix cache) -> emit
 (detokenize, stop checks). Plain decoding is the same loop without a drafter.
+
+A request with a grammar (`SamplingParams.structured`) gets its masks in draft (pruning
+the tree, spec/constraints.py), applies them in accept and advances its matcher in emit;
+where the grammar forces tokens they are its tree this step (jump-forward), with or
+without a drafter.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveController
 from spec.config import EngineConfig
+from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.detokenizer import IncrementalDetokenizer
 from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
@@ -25,6 +31,7 @@ from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOu
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
+from verifier.grammar import GrammarBackend, apply_bitmask
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
@@ -63,6 +70,9 @@ class SeqPlan:
     # A prompt chunk with more of the prompt after it: no logits, nothing sampled or emitted.
     mid_prefill: bool = field(init=False)
     proposal: Proposal | None = None    # draft: its tree (root = last token); None: prefill or plain decode
+    forced: bool = False                # draft: the proposal is the grammar's forced tokens (jump-forward)
+    # draft: a constrained request's grammar bitmask per sampled row, int32 [rows, W]; None: no grammar
+    masks: torch.Tensor | None = None
     first_row: int = 0                  # verify: its first row; it owns rows first_row .. + num_rows
     # verify: a view of the forward's fp32 logits. [tree nodes, V] for a tree, [1, V] (the last
     # token) for a plain decode step or a prompt's last chunk, [0, V] mid-prompt.
@@ -116,6 +126,8 @@ class LLMEngine:
         self.eos_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
+        # Compiles `SamplingParams.structured`; xgrammar loads on the first constrained request.
+        self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size, sorted(self.eos_ids))
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
@@ -177,6 +189,8 @@ class LLMEngine:
                       generator=make_generator(seed, self.target.device))
         req.speculate = speculate
         req.speculation = self._cap_speculation(speculation)
+        if params.structured is not None:
+            req.grammar = self.grammars.matcher(params.structured)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -252,7 +266,7 @@ class LLMEngine:
         new = self._emit(plans)
         self._drafter_observe(plans, fwd)      # after emit: finished requests are skipped
         end = time.perf_counter()
-        speculated = any(p.proposal is not None for p in plans)
+        speculated = any(p.proposal is not None and not p.forced for p in plans)
         if speculated:
             self.timing.add(drafted - start, verified - drafted, end - verified)
         self._observe(sched, new, speculated, end - start)
@@ -273,12 +287,25 @@ class LLMEngine:
         running = len(self.scheduler.running)
         self._spec_on = self.drafter is not None and self.adaptive.enabled(running)
         self._draft_cap = self.adaptive.draft_budget(running)
-        sched = self.scheduler.schedule(lookahead=lambda req: self._spec_limits(req)[1])
+        sched = self.scheduler.schedule(lookahead=self._lookahead)
         for req in sched.preempted:
             self._release_draft(req)
         return sched
 
     # ---- draft ----------------------------------------------------------------------------
+    def _lookahead(self, req: Request) -> int:
+        """Tree slots a decoding request needs this step: its grammar's forced tokens if it
+        forces any (jump-forward; `req.forced`, read by _draft), else the drafter's tree."""
+        req.forced = self._forced(req)
+        return len(req.forced) or self._spec_limits(req)[1]
+
+    def _forced(self, req: Request) -> list[int]:
+        if req.grammar is None or not self.config.jump_forward:
+            return []
+        # A step emits at most the forced tokens + 1: never past max_tokens or the context.
+        room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        return req.grammar.forced(min(MAX_FORCED, room - 1))
+
     def _spec_limits(self, req: Request) -> tuple[int, int, int]:
         """(max draft depth, max draft nodes, top-k) for a decoding request this step; depth 0 = plain."""
         # Seeded sampling reproduces only along one speculation path, so adaptive switching
@@ -301,9 +328,25 @@ class LLMEngine:
         """One plan per scheduled sequence; decoding requests given tree slots get a proposal."""
         plans = [SeqPlan(s) for s in sched.seqs]
         picked = [p for p in plans if p.seq.num_lookahead and not p.request.in_prefill]
-        for plan, prop in zip(picked, self._propose([p.request for p in picked])):
+        for plan in picked:
+            if plan.request.forced:
+                plan.proposal, plan.forced = forced_proposal(plan.request.token_ids[-1], plan.request.forced), True
+        drafted = [p for p in picked if not p.forced]
+        for plan, prop in zip(drafted, self._propose([p.request for p in drafted])):
             plan.proposal = prop
+        for plan in plans:
+            if plan.request.grammar is not None and not plan.mid_prefill:
+                self._constrain(plan)
         return plans
+
+    @staticmethod
+    def _constrain(plan: SeqPlan) -> None:
+        """A constrained request's masks, one per row it samples from; its tree pruned to them."""
+        matcher = plan.request.grammar
+        if plan.proposal is None:
+            plan.masks = matcher.mask()
+        else:
+            plan.proposal, plan.masks = constrain(plan.proposal, matcher)
 
     def _propose(self, reqs: list[Request]) -> list["Proposal"]:
         """The drafter's trees for reqs, in order; none at all (plain decoding) if it raises."""
@@ -371,9 +414,14 @@ class LLMEngine:
         back to the host as ints: at least one device sync per plan."""
         for plan in plans:
             req = plan.request
+            if plan.masks is not None:
+                apply_bitmask(plan.logits, plan.masks)      # in place: the rows of this forward only
             if plan.proposal is not None:
                 plan.accepted, plan.tokens = self._accept_proposal(req, plan.proposal, plan.logits)
-                self._count(req, plan.proposal, plan.accepted)
+                if plan.forced:
+                    req.spec.forced_tokens += len(plan.accepted)
+                else:
+                    self._count(req, plan.proposal, plan.accepted)
             elif not plan.mid_prefill:
                 plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
                                             req.output_token_ids, req.generator)]
@@ -462,7 +510,7 @@ class LLMEngine:
             self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
             return None
         added, reason = self._append_tokens(req, plan.tokens)
-        if plan.proposal is not None and plan.proposal.num_draft_nodes:
+        if plan.proposal is not None and plan.proposal.num_draft_nodes and not plan.forced:
             req.spec.emitted_tokens += len(added)
         # Publish before a finish frees the blocks: the next turn of a chat reuses them.
         self.blocks.publish(req.seq_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
@@ -483,6 +531,9 @@ class LLMEngine:
         for t in tokens:
             req.token_ids.append(t)
             added.append(t)
+            if req.grammar is not None and not req.grammar.accept(t):
+                # Unreachable: every token was sampled or accepted under this matcher's mask.
+                raise AssertionError(f"request {req.request_id}: token {t} outside its grammar")
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
             req.detok.add(req.output_token_ids)
@@ -497,6 +548,8 @@ class LLMEngine:
             return "stop"
         if token in self.eos_ids and not p.ignore_eos:
             return "stop"
+        if req.grammar is not None and req.grammar.terminated:
+            return "stop"           # the grammar took its stop token: nothing may follow
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -23,6 +23,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0          # tokens produced by verify steps (accepted + corrected/bonus)
+    forced_tokens: int = 0           # grammar-forced tokens accepted in jump-forward steps (not counted above)
     accepted_per_depth: list[int] = field(default_factory=list)
 
     @property
@@ -57,6 +58,8 @@ class Request:
         self.spec = SpecStats()
         self.speculate = True                    # False: this request always decodes plainly
         self.speculation = None                  # a per-request SpecConfig cap (None: the engine's)
+        self.grammar = None                      # verifier.grammar.Matcher of params.structured, or None
+        self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
 
     @property
     def prompt_token_ids(self) -> list[int]:

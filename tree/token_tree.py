@@ -173,6 +173,16 @@ class TokenTree:
                 node = index[key]
         return cls(tuple(tokens), tuple(parents))
 
+    def pruned(self, keep: list[bool]) -> tuple[TokenTree, list[int]]:
+        """The nodes with keep[i] True, renumbered in index order, and the old index of each
+        new node. `keep` must hold the root and, with every node, its parent."""
+        if not keep[0] or any(keep[i] and not keep[self.parents[i]] for i in range(1, self.num_nodes)):
+            raise ValueError("a pruned tree keeps the root and every kept node's parent")
+        old = [i for i in range(self.num_nodes) if keep[i]]
+        new = {o: n for n, o in enumerate(old)}
+        return TokenTree(tuple(self.tokens[o] for o in old),
+                         tuple(-1 if o == 0 else new[self.parents[o]] for o in old)), old
+
     def truncated(self, max_nodes: int) -> TokenTree:
         """The first `max_nodes` nodes (root included): a valid tree since nodes are topological."""
         if max_nodes < 1:
