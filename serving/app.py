@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
 from serving.bridge import EngineBridge, QueueFullError, RequestStream, Submission
@@ -108,6 +109,11 @@ class Routes:
     async def _generate(self, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
         limits = self.bridge.limits
         spec = resolve_speculation(req.speculation, limits.speculation, limits.drafter)
+        if req.structured is not None:
+            try:    # compiled (and cached) off the event loop; a bad schema is a 400 before any byte
+                await run_in_threadpool(self.bridge.grammars.compile, req.structured)
+            except ValueError as e:
+                raise bad(req.structured_param, str(e)) from None
         jobs = [(ids, i * req.n + c) for i, ids in enumerate(prompt_ids) for c in range(req.n)]
         subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree)
                 for ids, choice in jobs]

@@ -138,6 +138,7 @@ class EngineBridge:
         self.engine: LLMEngine | None = None   # the engine thread's alone (tests reach in on purpose)
         self.limits: EngineLimits | None = None   # set at launch, frozen
         self.tokenizer = None                    # set at launch; safe on the event loop
+        self.grammars = None                     # the engine's GrammarBackend, set at launch; thread-safe
         self.stats = EngineStats()               # the engine's last published snapshot
         self.metrics, self.max_queue = metrics, max_queue
         self.check_integrity_when_idle = debug_from_env() if check_integrity_when_idle is None \
@@ -165,7 +166,7 @@ class EngineBridge:
         def main() -> None:
             try:
                 engine = bridge.engine = make_engine()
-                bridge.limits, bridge.tokenizer = engine.limits(), engine.tokenizer
+                bridge.limits, bridge.tokenizer, bridge.grammars = engine.limits(), engine.tokenizer, engine.grammars
                 bridge._publish()
             except BaseException as e:   # handed to the caller, which reports it
                 failed.append(e)

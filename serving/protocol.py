@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from drafters.config import SpecConfig
 from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculation, request_field_names
+from verifier.structured import StructuredOutputs
 
 FIELD_NAMES = request_field_names()
 
@@ -42,6 +43,8 @@ class ParsedRequest:
     include_usage: bool
     speculation: Speculation | None
     model: str
+    structured: StructuredOutputs | None = None    # the output's constraint, also in `sampling`
+    structured_param: str | None = None            # the field that asked for it (for a 400)
 
 
 def parse_chat(body: ChatCompletionRequest) -> ParsedRequest:
@@ -59,8 +62,38 @@ def parse_completion(body: CompletionRequest) -> ParsedRequest:
 
 def _parsed(body, prompts: list, max_tokens: int | None) -> ParsedRequest:
     opts = body.stream_options
-    return ParsedRequest(prompts, max_tokens, _sampling(body), _or(body.n, 1), bool(body.stream),
-                         bool(opts and opts.include_usage), body.speculation, body.model)
+    param, structured = _structured(body)
+    return ParsedRequest(prompts, max_tokens, {**_sampling(body), "structured": structured}, _or(body.n, 1),
+                         bool(body.stream), bool(opts and opts.include_usage), body.speculation, body.model,
+                         structured, param)
+
+
+def _structured(body) -> tuple[str | None, StructuredOutputs | None]:
+    """(the field, the constraint) of `response_format` or one `guided_*` field; 400 for two."""
+    asked = [(name, c) for name, c in (("response_format", _response_format(body.response_format)),
+                                       *((f"guided_{kind}", _guided(kind, getattr(body, f"guided_{kind}")))
+                                         for kind in ("json", "regex", "choice", "grammar")))
+             if c is not None]
+    if len(asked) > 1:
+        raise bad(asked[1][0], f"one constraint per request: {asked[0][0]} and {asked[1][0]} were both given")
+    if not asked:
+        return None, None
+    name, constraint = asked[0]
+    if name == "response_format" and constraint.json is not None:
+        name = "response_format.json_schema.schema"
+    return name, constraint
+
+
+def _guided(kind: str, value) -> StructuredOutputs | None:
+    return None if value is None else StructuredOutputs(**{kind: value})
+
+
+def _response_format(fmt) -> StructuredOutputs | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+        return StructuredOutputs(json_object=True)
+    return StructuredOutputs(json=fmt.json_schema.schema_)
 
 
 def _sampling(body) -> dict:

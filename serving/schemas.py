@@ -2,7 +2,8 @@
 
 FastAPI validates every body against these before a handler runs, and `/openapi.json`
 publishes them. Field names, types and ranges are OpenAI's; `speculation`, `top_k`, `min_p`,
-`repetition_penalty` and `ignore_eos` are the extensions vLLM and SGLang clients already send.
+`repetition_penalty`, `ignore_eos` and the `guided_*` constraints are the extensions vLLM and
+SGLang clients already send.
 
 Validation is strict, as JSON Schema reads the published schema: a string is not an integer,
 `true` is not a number, and 2.0 is the integer 2. `null` means "the default" wherever OpenAI's own API allows it.
@@ -13,7 +14,7 @@ like any other: the byte-level tokenizer encodes it as its byte token, and it is
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -68,6 +69,29 @@ class SpeculationOptions(BaseModel):
 Speculation = Union[Literal["auto", "off"], SpeculationOptions]
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema; absent: any JSON object")
+    strict: bool | None = Field(None, description="the schema is always enforced, strict or not (as vLLM)")
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaResponseFormat], Field(discriminator="type")]
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = False
 
@@ -92,6 +116,13 @@ class _Generation(_Strict):
     user: str | None = None
     speculation: Speculation | None = Field(
         "auto", description='"auto" (the server decides), "off", or caps on the draft tree')
+    # Constraints on the output: at most one of these (docs/structured.md).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | NonEmptyText | None = Field(None, description="a JSON Schema (vLLM)")
+    guided_regex: NonEmptyText | None = Field(None, description="a regular expression the output matches (vLLM)")
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = Field(
+        None, description="the output is one of these strings (vLLM)")
+    guided_grammar: NonEmptyText | None = Field(None, description="an EBNF grammar, GBNF syntax, root rule `root` (vLLM)")
 
 
 class TextPart(_Strict):
