@@ -1,0 +1,194 @@
+"""Structured outputs (verifier/grammar.py, spec/constraints.py) on SmolLM2: constraints are
+compiled and refused as they should be, tree masks and pruning follow the grammar, and at
+T=0 jump-forward and every drafter give exactly the tokens of plain constrained decoding,
+alone and batched. T > 0 exactness: test_structured_exactness.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from bench.structured import load_tasks
+from conftest import spec_drafters, write_reply_corpus
+from spec import LLM, SamplingParams, StructuredOutputs
+from spec.constraints import kept_nodes
+from tree.token_tree import TokenTree
+from verifier.grammar import GrammarBackend, allowed_tokens
+
+TASKS = load_tasks(8)
+DRAFTERS = spec_drafters()
+NEW = 128
+
+
+def constrained(task, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW, structured=StructuredOutputs(json=task.schema), **kw)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(max_num_seqs=8, jump_forward=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain):
+    return [plain.apply_chat_template(t.messages()) for t in TASKS]
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    """Plain constrained decoding: one token per step, no jump-forward, no drafter."""
+    return [plain.generate(p, constrained(t))[0] for p, t in zip(prompts, TASKS)]
+
+
+@pytest.fixture(scope="module")
+def backend(plain):
+    return plain.engine.grammars
+
+
+# ---- constraints and their compilation ---------------------------------------------------
+@pytest.mark.parametrize("kw, message", [
+    ({}, "exactly one"),
+    ({"regex": "a+", "grammar": 'root ::= "a"'}, "exactly one"),
+    ({"regex": ""}, "non-empty"),
+    ({"choice": []}, "non-empty"),
+])
+def test_a_constraint_names_exactly_one_kind(kw, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputs(**kw)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (StructuredOutputs(json={"type": "objec"}), r"invalid JSON schema: .*objec"),
+    (StructuredOutputs(json="{not json"), "invalid JSON schema"),
+    (StructuredOutputs(regex="a(b"), r"invalid regular expression: .*parenthesis"),
+    (StructuredOutputs(grammar='root ::= "a" | b'), r"invalid grammar: .*Rule \"b\" is not defined"),
+])
+def test_a_bad_constraint_is_a_value_error_naming_it(backend, spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        backend.compile(spec)
+    assert "/project/" not in str(info.value)        # xgrammar's source path is not the user's business
+
+
+def test_compiled_grammars_are_cached(backend):
+    spec = StructuredOutputs(json=TASKS[0].schema)
+    assert backend.compile(spec) is backend.compile(StructuredOutputs(json=dict(TASKS[0].schema)))
+
+
+def test_a_model_without_a_vocabulary_refuses_constraints():
+    from verifier.tokenizer import NullTokenizer
+    with pytest.raises(ValueError, match="no tokenizer"):
+        GrammarBackend(NullTokenizer(), 256, [2]).compile(StructuredOutputs(regex="a"))
+
+
+def test_a_bad_constraint_leaves_no_request_behind(plain, prompts):
+    with pytest.raises(ValueError, match="invalid regular expression"):
+        plain.engine.add_request("bad", prompts[0], SamplingParams(structured=StructuredOutputs(regex="(")))
+    assert "bad" not in plain.engine.requests and not plain.engine.has_unfinished
+
+
+# ---- masks, pruning, forced tokens -------------------------------------------------------
+def test_tree_masks_follow_each_path_and_prune_what_leaves_the_grammar(backend, plain):
+    tok = plain.tokenizer
+    m = backend.matcher(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                "required": ["a"], "additionalProperties": False}))
+    brace, a, close = (tok.encode(s, add_special_tokens=False)[0] for s in ('{"', "a", '":'))
+    word = tok.encode(" hello", add_special_tokens=False)[0]
+    assert m.accept(brace)
+    # root (the last token, '{"') -> a -> '":' ; root -> " hello" (not allowed) -> a
+    tree = TokenTree((brace, a, word, close, a), (-1, 0, 0, 1, 2))
+    masks = m.tree_masks(tree)
+    assert kept_nodes(tree, masks) == [True, True, False, True, False]
+    allowed = allowed_tokens(masks, plain.engine.target.config.vocab_size)
+    assert allowed[0, a] and not allowed[0, word]          # the root row: the current state
+    assert allowed[1, close] and not allowed[1, a]         # after "a": its closing quote
+    assert not allowed[2].any() and not allowed[4].any()   # never visited
+    pruned, old = tree.pruned(kept_nodes(tree, masks))
+    assert old == [0, 1, 3] and pruned.tokens == (brace, a, close) and pruned.parents == (-1, 0, 1)
+    assert m.forced(8) and m.accept(a)                    # the walk left the state where it was
+
+
+def test_forced_tokens_spell_the_fixed_text_and_end_with_the_stop_token(backend, plain):
+    tok = plain.tokenizer
+    m = backend.matcher(StructuredOutputs(json={"type": "object", "properties": {"name": {"type": "string"}},
+                                                "required": ["name"], "additionalProperties": False}))
+    # The fixed text is '{"name": "'; its last token is left out when a longer token starts
+    # with it (here ' "' is the start of ' "a', ...): the model chooses how to spell on.
+    assert tok.decode(m.forced(16)) == '{"name":'
+    assert tok.decode(m.forced(2)) == '{"name'               # at most the limit
+    for t in tok.encode('{"name": "Bo"}', add_special_tokens=False):
+        assert m.accept(t)
+    assert m.forced(4) == [plain.tokenizer.eos_token_id]      # only the stop token may follow
+
+
+# ---- the engine ------------------------------------------------------------------------
+def test_plain_constrained_outputs_validate_against_their_schemas(reference):
+    for task, out in zip(TASKS, reference):
+        assert out.finish_reason == "stop", (task.id, out.text)
+        jsonschema.validate(json.loads(out.text), task.schema)
+        assert out.stats.forced_tokens == 0 and out.stats.verify_steps == 0
+
+
+def test_jump_forward_without_a_drafter_is_token_identical_and_takes_forced_stretches(prompts, reference):
+    llm = LLM(max_num_seqs=8)
+    alone = [llm.generate(p, constrained(t))[0] for p, t in zip(prompts, TASKS)]
+    batch = llm.generate(prompts, [constrained(t) for t in TASKS])
+    assert [o.token_ids for o in alone] == [o.token_ids for o in reference]
+    assert [o.token_ids for o in batch] == [o.token_ids for o in reference]
+    forced = sum(o.stats.forced_tokens for o in alone)
+    total = sum(len(o.token_ids) for o in alone)
+    print(f"jump-forward: {forced} of {total} tokens forced")
+    assert forced > total // 5
+    assert all(o.stats.verify_steps == 0 for o in alone)     # forced chains are not drafter steps
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def smol_head(tmp_path_factory, smollm2_dir):
+    from conftest import make_random_eagle_head
+    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle_structured"), draft_vocab=4096)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, plain, reference):
+    return write_reply_corpus(tmp_path_factory.mktemp("corpus") / "replies.jsonl", plain,
+                              [o.token_ids for o in reference])
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_every_drafter_with_jump_forward_is_token_identical(name, prompts, reference, smol_head, corpus):
+    drafter, spec = DRAFTERS[name]
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
+    alone = [llm.generate(p, constrained(t))[0] for p, t in zip(prompts, TASKS)]
+    batch = llm.generate(prompts, [constrained(t) for t in TASKS])
+    assert [o.token_ids for o in alone] == [o.token_ids for o in reference]
+    assert [o.token_ids for o in batch] == [o.token_ids for o in reference]
+    print(f"{name}: {sum(o.stats.accepted_tokens for o in alone)} drafted tokens accepted, "
+          f"{sum(o.stats.forced_tokens for o in alone)} forced")
+    assert sum(o.stats.forced_tokens for o in alone) > 0
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_regex_choice_and_grammar_constraints(plain):
+    prompt = plain.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    cases = [
+        (StructuredOutputs(regex=r"[A-Z][a-z]+ is the capital\."), lambda t: re.fullmatch(r"[A-Z][a-z]+ is the capital\.", t)),
+        (StructuredOutputs(choice=("Paris", "Lyon", "Marseille")), lambda t: t in ("Paris", "Lyon", "Marseille")),
+        (StructuredOutputs(grammar='root ::= "The answer is " city "."\ncity ::= "Paris" | "Rome"'),
+         lambda t: t in ("The answer is Paris.", "The answer is Rome.")),
+    ]
+    for spec, ok in cases:
+        for temperature in (0, 1.0):
+            out = plain.generate(prompt, SamplingParams(temperature=temperature, seed=3, max_tokens=32,
+                                                        structured=spec))[0]
+            assert out.finish_reason == "stop" and ok(out.text), (spec, out.text)
+
+
+def test_constrained_and_free_requests_share_a_batch(plain, prompts, reference):
+    free = SamplingParams(temperature=0, max_tokens=24)
+    expected_free = plain.generate(prompts[0], free)[0].token_ids
+    llm = LLM(max_num_seqs=8, drafter="ngram")
+    outs = llm.generate(prompts[:4] * 2, [constrained(t) for t in TASKS[:4]] + [free] * 4)
+    assert [o.token_ids for o in outs[:4]] == [o.token_ids for o in reference[:4]]
+    assert outs[4].token_ids == expected_free
