@@ -1,0 +1,148 @@
+"""T > 0 exactness of constrained decoding under speculation and jump-forward.
+
+A tiny random Llama with a 32-token vocabulary spelled as single characters (a tokenizer
+written here), and the grammar (a regex) `(a[b-e]|bz|[c-f][g-m])[n-z]+`: three branches,
+a forced token after "b" (jump-forward), and at every step a mask that leaves out most of
+the vocabulary, so drafters propose tokens the grammar forbids. The exact law of the first
+three tokens is the target's masked, renormalised distribution, computed here from HF
+transformers' logits and the grammar written out by hand; 10,000 seeded requests per
+configuration must match it (chi-square). Masking p but not a sampling drafter's q must
+fail the same test.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import spec.constraints as constraints
+from conftest import make_random_eagle_head, make_tiny_model
+from drafters.config import SpecConfig
+from spec import LLM, SamplingParams, StructuredOutputs
+from stats import chi_square_pvalue, total_variation
+from verifier.sampler import target_probs
+
+V = 32
+CHARS = "abcdefghijklmnopqrstuvwxyz012"          # token 3 + i; 0-2 are <unk>, <s>, </s>
+REGEX = "(a[b-e]|bz|[c-f][g-m])[n-z]+"
+N_SAMPLES = 10_000
+PARAMS = dict(temperature=0.9, top_k=12, top_p=0.9, max_tokens=3, ignore_eos=True)
+
+
+def ids(text: str) -> list[int]:
+    return [3 + CHARS.index(c) for c in text]
+
+
+def span(lo: str, hi: str) -> list[int]:
+    return ids(CHARS[CHARS.index(lo):CHARS.index(hi) + 1])
+
+
+# The regex by hand: the tokens allowed first, second (given the first) and third.
+FIRST = span("a", "f")
+SECOND = {**{t: span("g", "m") for t in span("c", "f")}, ids("a")[0]: span("b", "e"), ids("b")[0]: ids("z")}
+THIRD = span("n", "z")
+
+
+def write_char_tokenizer(model_dir) -> None:
+    from tokenizers import Tokenizer, models
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+
+
+def tiny(tmp_path_factory, name: str, seed: int):
+    d = make_tiny_model(tmp_path_factory.mktemp(name), None, vocab_size=V, hidden_size=32, intermediate_size=64,
+                        num_attention_heads=4, num_key_value_heads=2, seed=seed)
+    write_char_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny(tmp_path_factory, "g32", 3)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    """Another random model on the same vocabulary: its q spreads over forbidden tokens."""
+    return tiny(tmp_path_factory, "g32draft", 4)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory, target_dir):
+    return make_random_eagle_head(target_dir, tmp_path_factory.mktemp("g32eagle"), draft_vocab=16, seed=5)
+
+
+# The n-gram drafter proposes from this context what followed the same letter: after "a",
+# "d" or "f" a token the grammar allows next, after "e" one it forbids ("x").
+PROMPT = ids("abdhexfkcg")
+
+
+def masked_probs(logits: torch.Tensor, allowed: list[int]) -> torch.Tensor:
+    x = torch.full_like(logits, float("-inf"))
+    x[..., allowed] = logits[..., allowed]
+    return target_probs(x, SamplingParams(**PARAMS))
+
+
+@pytest.fixture(scope="module")
+def exact_joint(target_dir) -> torch.Tensor:
+    """P(t1, t2, t3) flattened to V**3: the masked law, from HF logits of every continuation."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    joint = torch.zeros(V, V, V)
+    with torch.no_grad():
+        p1 = masked_probs(hf(torch.tensor([PROMPT])).logits[0, -1], FIRST)
+        for t1, second in SECOND.items():
+            p2 = masked_probs(hf(torch.tensor([PROMPT + [t1]])).logits[0, -1], second)
+            rows = torch.tensor([PROMPT + [t1, t2] for t2 in second])
+            p3 = masked_probs(hf(rows).logits[:, -1], THIRD)                   # [len(second), V]
+            joint[t1, second] = p1[t1] * p2[second][:, None] * p3
+    return joint.reshape(-1)
+
+
+def sample_counts(model_dir, drafter: str | None, spec: SpecConfig | None) -> tuple[torch.Tensor, dict]:
+    kw = dict(drafter=drafter, speculation=spec) if drafter else {}
+    llm = LLM(str(model_dir), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500, **kw)
+    params = [SamplingParams(seed=i, structured=StructuredOutputs(regex=REGEX), **PARAMS) for i in range(N_SAMPLES)]
+    outs = llm.generate([PROMPT] * N_SAMPLES, params)
+    toks = torch.tensor([o.token_ids for o in outs])
+    assert toks.shape == (N_SAMPLES, 3)
+    stats = dict(accepted=sum(o.stats.accepted_tokens for o in outs), forced=sum(o.stats.forced_tokens for o in outs))
+    assert llm.engine.blocks.num_used_blocks == 0
+    return torch.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3), stats
+
+
+# (drafter, speculation, minimum accepted draft tokens)
+CASES = {
+    "plain+jump-forward": (None, None, 0),
+    "ngram-chain": ("ngram", SpecConfig(num_speculative_tokens=2), 100),
+    "other-model-chain-sampled": ("small:{other}", SpecConfig(num_speculative_tokens=2), 300),
+    "small-tree-topk": ("tree:small:{target}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 1000),
+    "eagle3-tree": ("eagle3:{eagle}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 100),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_constrained_samples_follow_the_masked_target_law(target_dir, other_dir, eagle_dir, exact_joint, case):
+    drafter, spec, min_accepted = CASES[case]
+    drafter = drafter.format(target=target_dir, other=other_dir, eagle=eagle_dir) if drafter else None
+    counts, stats = sample_counts(target_dir, drafter, spec)
+    p = chi_square_pvalue(counts, exact_joint)
+    print(f"{case}: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
+          f"accepted {stats['accepted']} drafted, {stats['forced']} forced")
+    assert stats["accepted"] >= min_accepted, "the drafter should be exercised"
+    assert stats["forced"] > 1000, "jump-forward should take the forced 'z' after 'b'"
+    assert p > 1e-3
+
+
+def test_masking_p_but_not_q_fails_the_same_test(target_dir, other_dir, exact_joint, monkeypatch):
+    """Pruned children were drawn from q restricted to the grammar; accepting them against
+    the unmasked q biases the output, and the chi-square test catches it."""
+    monkeypatch.setattr(constraints, "masked_q", lambda probs, masks: probs)
+    counts, _ = sample_counts(target_dir, f"small:{other_dir}", SpecConfig(num_speculative_tokens=2))
+    p = chi_square_pvalue(counts, exact_joint)
+    print(f"unmasked q: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
+    assert p < 1e-3
