@@ -176,8 +176,10 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 def _path(loc) -> list:
-    """The field names and indices of a pydantic location, without "body" and union-branch tags."""
-    return [x for x in loc[1:] if isinstance(x, int) or x in FIELD_NAMES]
+    """The field names and indices of a pydantic location, without "body" and union-branch tags
+    (a discriminated union's tag can be a field's name too: response_format.json_schema)."""
+    path = [x for x in loc[1:] if isinstance(x, int) or x in FIELD_NAMES]
+    return [x for i, x in enumerate(path) if i == 0 or x != path[i - 1]]
 
 
 def _param(loc) -> str | None:

@@ -220,5 +220,6 @@ class Completion(BaseModel):
 
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models: what a validation error's location can name."""
-    models = (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions, StreamOptions)
-    return frozenset(name for m in models for name in m.model_fields)
+    models = (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions, StreamOptions,
+              JSONSchemaResponseFormat, JSONSchemaFormat)
+    return frozenset(f.alias or name for m in models for name, f in m.model_fields.items())
