@@ -24,6 +24,7 @@ import torch
 
 from verifier import cpu_ops
 from verifier.batch import SeqInput
+from verifier.cpu_loop import NativeLayers
 from verifier.kv_cache import KVCache, slots_for
 from verifier.qlinear import QuantLinear
 
@@ -91,17 +92,32 @@ def cpu_layers(net) -> list[CpuLayer]:
 def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.Tensor, plan: cpu_ops.Rows,
                  kv: KVCache,
                  logits_rows: torch.Tensor, capture_layers: tuple[int, ...] = (),
-                 own: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 own: bool = True, native: NativeLayers | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
-    `LlamaForCausalLM.forward` returns them."""
-    c, t = net.cfg, ids.shape[0]
-    mm = _own if own else _planned
-    bf16 = torch.bfloat16
+    `LlamaForCausalLM.forward` returns them. With `native` (`verifier.cpu_loop`), sampled
+    rows (`own`) run the layers in one C++ call: the same kernels in the same order."""
+    c = net.cfg
+    x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
+    if own and native is not None:
+        taps = native.run(plan, x, kv, capture_layers)
+    else:
+        taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own if own else _planned)
+    if c.num_layers in capture_layers:
+        taps[c.num_layers] = x
+    if logits_rows.shape[0] == 0:
+        return torch.empty(0, c.vocab_size), taps
+    normed = cpu_ops.rms_norm_rows(x, logits_rows, net.model.norm.weight, net.model.norm.eps)
+    return net.lm_head(normed), taps
+
+
+def _layers(c, layers: list[CpuLayer], heads: cpu_ops.Heads, plan: cpu_ops.Rows, kv: KVCache, x: torch.Tensor,
+            capture_layers: tuple[int, ...], mm) -> dict[int, torch.Tensor]:
+    """Every layer over x fp32 [T, H] in place, up to the last residual add -> taps below the last."""
+    t, bf16 = x.shape[0], torch.bfloat16
     h = torch.empty(t, c.hidden_size, dtype=bf16)                      # normed input of each matmul block
     q = torch.empty(t, c.num_heads, c.head_dim)                         # rotated queries
     o = torch.empty(t, c.q_size, dtype=bf16)                            # attention output
     a = torch.empty(t, c.intermediate_size, dtype=bf16)                 # silu(gate) * up
-    x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
     y, taps = None, {}
     for i, layer in enumerate(layers):
         cpu_ops.add_rms_norm(x, y, layer.in_norm, layer.in_eps, h)     # x += previous MLP output
@@ -112,13 +128,8 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
         cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
         cpu_ops.silu_mul(mm(layer.gate_up, h), a)
         y = mm(layer.down, a)
-    cpu_ops.add_rms_norm(x, y, net.model.norm.weight, 0.0, None)        # the last residual add
-    if c.num_layers in capture_layers:
-        taps[c.num_layers] = x
-    if logits_rows.shape[0] == 0:
-        return torch.empty(0, c.vocab_size), taps
-    normed = cpu_ops.rms_norm_rows(x, logits_rows, net.model.norm.weight, net.model.norm.eps)
-    return net.lm_head(normed), taps
+    cpu_ops.add_rms_norm(x, y, layers[-1].post_norm, 0.0, None)   # the last residual add (out None: no norm)
+    return taps
 
 
 def _own(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:

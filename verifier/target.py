@@ -9,6 +9,7 @@ import torch
 from verifier.attention import get_backend
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
+from verifier.cpu_loop import native_layers
 from verifier.config import ModelConfig
 from verifier.kernels import KernelPlan, KernelTimings, engine_rows
 from verifier.kv_cache import KVCache
@@ -89,6 +90,8 @@ class TargetModel:
         self.net = net.eval()
         self._cpu_layers = cpu_layers(net) if quantization != "none" else []
         self._cpu_heads = cpu_heads(net) if quantization != "none" else None
+        # sampled rows run the layers in one C++ call where it builds (verifier/cpu_loop.py)
+        self._cpu_native = native_layers(self.config, self._cpu_heads, self._cpu_layers) if self._cpu_layers else None
         if quantization != "none" and backend not in (None, "torch"):
             raise ValueError(f"quantization {quantization!r} attends with Tercel's CPU kernels, not {backend!r}")
         self.backend = get_backend(backend or ("triton" if self.device.type == "cuda" else "torch"))
@@ -137,7 +140,8 @@ class TargetModel:
         cfg = self.net.cfg
         plan = row_plan(batch.seqs, self.kv.block_size, cfg.num_heads // cfg.num_kv_heads)
         logits, taps = forward_rows(self.net, self._cpu_heads, self._cpu_layers, torch.tensor(ids), plan,
-                                    self.kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own)
+                                    self.kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own,
+                                    self._cpu_native)
         return ForwardOutput(logits, offsets, taps)
 
 

@@ -557,54 +557,83 @@ static Item unit_item(const Heads *hd, const Rows *rw, const float *q, int64_t u
     return it;
 }
 
+/* How one forward's attention is split into work: an item is one chunk of keys of a unit's
+ * rows for one KV head's query heads (up to `heads` of them; `splits` items cover a KV head's
+ * group), `first[u]` the first item of unit u; parts holds each item's chunk results. */
+typedef struct {
+    const Heads *hd;
+    const Rows *rw;
+    const float *q;
+    const bf16 *k_cache, *v_cache;
+    bf16 *out;
+    int64_t group, heads, splits, per_unit, stride;
+    int64_t *first;
+    float *parts;
+} Work;
+
+/* Item i: its unit's vectors for one KV head, over one chunk of keys. score: QV x CH floats. */
+static void attend_item(const Work *w, int64_t i, float *score) {
+    const Heads *hd = w->hd;
+    int64_t u = 0;
+    while (w->first[u + 1] <= i) u++;
+    int64_t j = i - w->first[u], chunks = (w->first[u + 1] - w->first[u]) / w->per_unit;
+    int64_t kvh = j / chunks / w->splits, h0 = kvh * w->group + j / chunks % w->splits * w->heads;
+    int64_t nhq = h0 + w->heads <= (kvh + 1) * w->group ? w->heads : (kvh + 1) * w->group - h0;
+    Item it = unit_item(hd, w->rw, w->q, u, kvh, h0, nhq, w->out);
+    float *part = w->parts + i * QV * w->stride;
+    if (hd->d == 64)
+        attend_chunk_d64(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, score, part);
+    else if (hd->d == 128)
+        attend_chunk_d128(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, score, part);
+    else
+        attend_chunk(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->d, hd->scale, score, part);
+}
+
+/* Group g (a unit's vectors for one KV head): each vector's chunks merged in chunk order. */
+static void merge_group(const Work *w, int64_t g) {
+    int64_t u = g / w->per_unit, kvh = g % w->per_unit / w->splits, h0 = kvh * w->group + g % w->splits * w->heads;
+    int64_t nhq = h0 + w->heads <= (kvh + 1) * w->group ? w->heads : (kvh + 1) * w->group - h0;
+    int64_t chunks = (w->first[u + 1] - w->first[u]) / w->per_unit;
+    Item it = unit_item(w->hd, w->rw, w->q, u, kvh, h0, nhq, w->out);
+    const float *part = w->parts + (w->first[u] + g % w->per_unit * chunks) * QV * w->stride;
+    for (int r = 0; r < it.nq; r++) merge_chunks(part + r * w->stride, chunks, QV * w->stride, w->hd->d, it.out[r]);
+}
+
 /* Attention of every row, out bf16 [T, NH * D], for q fp32 [T, NH, D] over the bf16 caches,
- * flash-decoding style: a work item is one chunk of keys of a unit's rows for one KV head's
- * query heads (a single decode row at a 300-token context: 2 chunks x 3 KV heads), and
- * each vector's chunks are merged in order once all are done. A chunk's bounds depend only
- * on the row's own key count, so the work split never changes a row's bits. */
+ * flash-decoding style: the items (a single decode row at a 300-token context: 2 chunks x 3
+ * KV heads) are spread over the threads, and each vector's chunks are merged in order once all
+ * are done. A chunk's bounds depend only on the row's own key count, so the work split never
+ * changes a row's bits. Small forwards run on the calling thread alone: an OpenMP region,
+ * even of one thread, costs about as much as their attention (figures: docs/quantization.md). */
 void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache, const bf16 *v_cache, bf16 *out) {
-    const int64_t d = hd->d, group = hd->nh / hd->nkv, heads = group < QV ? group : QV;
-    const int64_t splits = (group + heads - 1) / heads, per_unit = hd->nkv * splits, stride = d + 2;
-    int64_t *first = malloc(sizeof(int64_t) * (rw->units + 1));     /* first item of each unit */
-    first[0] = 0;
+    const int64_t group = hd->nh / hd->nkv, heads = group < QV ? group : QV, splits = (group + heads - 1) / heads;
+    Work w = {hd, rw, q, k_cache, v_cache, out, group, heads, splits, hd->nkv * splits, hd->d + 2, NULL, NULL};
+    w.first = malloc(sizeof(int64_t) * (rw->units + 1));
+    w.first[0] = 0;
     for (int64_t u = 0; u < rw->units; u++) {
         int64_t most = 0;
         for (int64_t t = rw->unit_first[u]; t < rw->unit_first[u] + rw->unit_width[u]; t++)
             most = rw->count[t] > most ? rw->count[t] : most;
-        first[u + 1] = first[u] + per_unit * ((most + CH - 1) / CH);
+        w.first[u + 1] = w.first[u] + w.per_unit * ((most + CH - 1) / CH);
     }
-    float *parts = malloc(sizeof(float) * first[rw->units] * QV * stride);
-    #pragma omp parallel if (rw->rows * rw->longest * hd->nh > 1024)
-    {
+    const int64_t items = w.first[rw->units], groups = rw->units * w.per_unit;
+    w.parts = malloc(sizeof(float) * items * QV * w.stride);
+    if (rw->rows * rw->longest * hd->nh > 1024) {
+        #pragma omp parallel
+        {
+            float score[QV * CH];
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) attend_item(&w, i, score);
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t g = 0; g < groups; g++) merge_group(&w, g);
+        }
+    } else {
         float score[QV * CH];
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < first[rw->units]; i++) {
-            int64_t u = 0;
-            while (first[u + 1] <= i) u++;
-            int64_t j = i - first[u], chunks = (first[u + 1] - first[u]) / per_unit;
-            int64_t kvh = j / chunks / splits, h0 = kvh * group + j / chunks % splits * heads;
-            int64_t nhq = h0 + heads <= (kvh + 1) * group ? heads : (kvh + 1) * group - h0;
-            Item it = unit_item(hd, rw, q, u, kvh, h0, nhq, out);
-            float *part = parts + i * QV * stride;
-            if (d == 64)
-                attend_chunk_d64(&it, j % chunks * CH, k_cache, v_cache, hd->nkv, hd->scale, score, part);
-            else if (d == 128)
-                attend_chunk_d128(&it, j % chunks * CH, k_cache, v_cache, hd->nkv, hd->scale, score, part);
-            else
-                attend_chunk(&it, j % chunks * CH, k_cache, v_cache, hd->nkv, d, hd->scale, score, part);
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t g = 0; g < rw->units * per_unit; g++) {
-            int64_t u = g / per_unit, kvh = g % per_unit / splits, h0 = kvh * group + g % splits * heads;
-            int64_t nhq = h0 + heads <= (kvh + 1) * group ? heads : (kvh + 1) * group - h0;
-            int64_t chunks = (first[u + 1] - first[u]) / per_unit;
-            Item it = unit_item(hd, rw, q, u, kvh, h0, nhq, out);
-            const float *part = parts + (first[u] + g % per_unit * chunks) * QV * stride;
-            for (int r = 0; r < it.nq; r++) merge_chunks(part + r * stride, chunks, QV * stride, d, it.out[r]);
-        }
+        for (int64_t i = 0; i < items; i++) attend_item(&w, i, score);
+        for (int64_t g = 0; g < groups; g++) merge_group(&w, g);
     }
-    free(parts);
-    free(first);
+    free(w.parts);
+    free(w.first);
 }
 
 /* One layer's attention from its qkv projection: q = rope(q heads) into the workspace

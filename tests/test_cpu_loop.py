@@ -1,0 +1,78 @@
+"""The native decode loop (verifier/cpu_loop.py, csrc/decode_loop.cpp) computes what the
+Python loop of verifier/cpu_forward.py computes, bit for bit: logits, tapped hidden states
+and the KV it writes, for decode rows, tree nodes and a prompt's last token in one forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu_loop import native_layers
+from verifier.target import TargetModel
+
+BLOCK = 16
+
+
+def _tree(n: int) -> torch.Tensor:
+    """A root, two children of it, the rest in a chain under the second child."""
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    for j in range(3, n):
+        mask[j, 2:j] = True
+    return mask
+
+
+def _batch(ctx: dict[str, int], capture: tuple[int, ...]) -> ForwardBatch:
+    return ForwardBatch([SeqInput([7], ctx["a"], [0, 1, 2, 3]),
+                         SeqInput(list(range(20, 26)), ctx["b"], [4, 5, 6, 7], mask=_tree(6),
+                                  logits_indices=list(range(6))),
+                         SeqInput(list(range(300, 320)), 0, [8, 9])], capture_layers=capture)
+
+
+def _run_both(target: TargetModel, capture: tuple[int, ...]):
+    """The same forward through each loop: (logits, taps, the KV pools after it) per loop."""
+    ctx = {"a": 40, "b": 30}
+    target.forward(ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3]),
+                                 SeqInput(list(range(500, 530)), 0, [4, 5, 6, 7])]))
+    native, results = target._cpu_native, []
+    assert native is not None, "the native loop did not build on this machine"
+    for loop in (native, None):
+        target._cpu_native = loop
+        out = target.forward(_batch(ctx, capture))
+        results.append((out.logits.clone(), {k: v.clone() for k, v in out.hidden.items()},
+                        target.kv.k.clone(), target.kv.v.clone()))
+    target._cpu_native = native
+    return results
+
+
+def _assert_same(results) -> None:
+    (logits, taps, k, v), (logits_py, taps_py, k_py, v_py) = results
+    assert torch.equal(logits, logits_py)
+    assert taps.keys() == taps_py.keys() and all(torch.equal(taps[i], taps_py[i]) for i in taps)
+    assert torch.equal(k, k_py) and torch.equal(v, v_py)
+
+
+def test_the_native_loop_is_bitwise_the_python_loop_on_the_int4_gguf(smollm2_dir):
+    """SmolLM2 on its Q4_1 blocks: a decode row, a 6-node tree and a 20-token prompt in one
+    forward, with layers 0, 7 and the last tapped (as EAGLE-3 taps them)."""
+    target = TargetModel(str(smollm2_dir), quantization="int4")
+    target.allocate_kv(16, BLOCK)
+    _assert_same(_run_both(target, (0, 7, target.config.num_layers)))
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_the_native_loop_is_bitwise_the_python_loop_on_a_checkpoint_quantized_at_load(tiny_llama_dir, mode):
+    """A tiny HF checkpoint quantized at load: int4 groups and int8 channels (the int8
+    kernel's path through the loop), taps below and at the last layer."""
+    target = TargetModel(str(tiny_llama_dir), quantization=mode)
+    target.allocate_kv(16, BLOCK)
+    _assert_same(_run_both(target, (1, target.config.num_layers)))
+
+
+def test_a_layer_with_a_bias_outside_qkv_stays_on_the_python_loop(tiny_llama_dir):
+    """The loop adds no bias after o, gate_up or down (no Llama-family model has one), so a
+    model that has one is not handed to it."""
+    target = TargetModel(str(tiny_llama_dir), quantization="int4")
+    layer = target._cpu_layers[0]
+    layer.down.bias = torch.nn.Parameter(torch.zeros(layer.down.out_features), requires_grad=False)
+    assert native_layers(target.config, target._cpu_heads, target._cpu_layers) is None

@@ -1,0 +1,157 @@
+"""The decoder layers of a quantized CPU target in one native call (`csrc/decode_loop.cpp`).
+
+`verifier.cpu_forward.forward_rows` drives four matmuls and four fused kernels per layer
+from Python; for the sampled rows (decode steps and tree nodes, the rows every step has)
+`NativeLayers.run` makes the same calls, in the same order, from C++. Its results are
+bitwise the Python loop's, which stays as the fallback.
+
+The library links against the running torch (its headers and libtorch_cpu), so it is
+compiled on first use (`c++ -O2`, a few seconds) into the Tercel cache, keyed by the source,
+the compiler, the torch build and the CPU's flags. Without a C++ compiler, or where the build
+fails, `native_layers` returns None and the Python loop runs: slower, the same bits.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import weakref
+from pathlib import Path
+
+import torch
+
+from verifier import cpu_ops
+from verifier.kv_cache import KVCache
+from verifier.loader import cache_root
+from verifier.machine import machine_key
+from verifier.qlinear import QuantLinear
+
+log = logging.getLogger("tercel.cpu_loop")
+SOURCE = Path(__file__).parent / "csrc" / "decode_loop.cpp"
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_ERR = 512                      # bytes for a C++ exception's message
+
+
+class LinearSpec(ctypes.Structure):
+    """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): kind 4 (int4:
+    packed weight, group, bf16 scale_zero) or 8 (int8: q, bf16 scale), tensors as TensorImpl
+    addresses, n the output features."""
+    _fields_ = [("kind", _I), ("w", _I), ("s", _I), ("group", _I), ("n", _I)]
+
+
+_SIGNATURES = {
+    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P], _P),
+    "tercel_model_free": ([_P], None),
+    "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
+    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, ctypes.c_char_p, _I], _I),
+}
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _torch_dir() -> Path:
+    return Path(torch.__file__).parent
+
+
+def _flags() -> list[str]:
+    td = _torch_dir()
+    return ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{td / 'include'}", f"-L{td / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{td / 'lib'}"]
+
+
+def _build() -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + version.encode()
+                         + torch.__version__.encode() + machine_key()["flags"].encode()).hexdigest()[:16]
+    out = cache_root() / "cpu_kernels" / f"decode_loop-{key}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        subprocess.run([cxx, str(SOURCE), "-o", str(tmp), *_flags()], check=True, capture_output=True)
+        tmp.replace(out)
+    return out
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("TERCEL_NATIVE_LOOP", "1") == "0":
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            for name, (args, ret) in _SIGNATURES.items():
+                getattr(lib, name).argtypes, getattr(lib, name).restype = args, ret
+            _lib = lib
+        except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
+            detail = e.stderr[-400:] if isinstance(e, subprocess.CalledProcessError) else e
+            log.warning("the native decode loop could not be built (%s); the Python loop runs instead", detail)
+    return _lib
+
+
+def _spec(lin: QuantLinear) -> LinearSpec:
+    if lin.kind == "int4":
+        packed, group, scale_zero = lin.own_mm[1]
+        return LinearSpec(4, packed._cdata, scale_zero._cdata, group, lin.out_features)
+    q, scale = lin.own_mm[1]
+    return LinearSpec(8, q._cdata, scale._cdata, 0, lin.out_features)
+
+
+def _check(status: int, err: ctypes.Array) -> None:
+    if status:
+        raise RuntimeError(f"native decode loop: {err.value.decode(errors='replace')}")
+
+
+class NativeLayers:
+    """The model's layers held by the C++ loop (`layers`: `verifier.cpu_forward.CpuLayer`s, whose
+    weights it references for as long as it lives)."""
+
+    def __init__(self, lib: ctypes.CDLL, cfg, heads: cpu_ops.Heads, layers) -> None:
+        self._lib, self._heads, self._layers = lib, heads, layers
+        fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in ("add_rms_norm", "silu_mul", "attention")]
+        self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
+                                           cfg.intermediate_size, ctypes.addressof(heads), *fns)
+        self._free = weakref.finalize(self, lib.tercel_model_free, self._model)
+        err = ctypes.create_string_buffer(_ERR)
+        for i, l in enumerate(layers):
+            specs = (LinearSpec * 4)(*(_spec(lin) for lin in (l.qkv, l.o, l.gate_up, l.down)))
+            bias = None if l.qkv.bias is None else l.qkv.bias.data_ptr()
+            _check(lib.tercel_model_set_layer(self._model, i, l.in_norm.data_ptr(), l.in_eps, l.post_norm.data_ptr(),
+                                              l.post_eps, bias, specs, err, _ERR), err)
+        self._kv: KVCache | None = None
+        self._kv_ptrs: tuple[ctypes.Array, ctypes.Array] | None = None
+
+    def _caches(self, kv: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
+        if kv is not self._kv:              # the pool is allocated once; its layer pointers with it
+            n = len(self._layers)
+            self._kv_ptrs = tuple((_P * n)(*(kv.layer(i)[side].data_ptr() for i in range(n))) for side in (0, 1))
+            self._kv = kv
+        return self._kv_ptrs
+
+    def run(self, plan: cpu_ops.Rows, x: torch.Tensor, kv: KVCache, capture_layers: tuple[int, ...]) -> dict:
+        """Every layer over x fp32 [T, H] in place (up to the last residual add, before the final
+        norm) -> taps: layer -> x as that layer sees it, for the layers below the last."""
+        k_ptrs, v_ptrs = self._caches(kv)
+        tapped = sorted(i for i in set(capture_layers) if i < len(self._layers))
+        taps = {i: torch.empty_like(x) for i in tapped}
+        tap_layer = (_I * len(tapped))(*tapped)
+        tap_impl = (_I * len(tapped))(*(taps[i]._cdata for i in tapped))
+        err = ctypes.create_string_buffer(_ERR)
+        _check(self._lib.tercel_forward(self._model, ctypes.byref(plan), x.shape[0], x._cdata, k_ptrs, v_ptrs,
+                                        len(tapped), tap_layer, tap_impl, err, _ERR), err)
+        return taps
+
+
+def native_layers(cfg, heads: cpu_ops.Heads, layers) -> NativeLayers | None:
+    """The C++ loop over `layers`, or None: no compiler, a failed build, or a layer with a bias
+    outside qkv (which the Python loop adds; no Llama-family checkpoint has one)."""
+    if any(lin.bias is not None for l in layers for lin in (l.o, l.gate_up, l.down)):
+        return None
+    lib = _library()
+    return None if lib is None else NativeLayers(lib, cfg, heads, layers)

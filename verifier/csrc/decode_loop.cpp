@@ -1,0 +1,149 @@
+/* The decoder layers of a quantized CPU target for its sampled rows (decode steps, tree
+ * nodes, a prompt's last token), as one native call per forward.
+ *
+ * Why C++: the loop in verifier/cpu_forward.py makes about 240 calls per forward (four
+ * matmuls and four fused kernels a layer), and driving them from Python cost about as much
+ * as everything but the matmuls together (figures: docs/quantization.md). Here the same calls
+ * run in the same order on the same data: the matmuls are torch's own int4 / int8 kernels
+ * (ATen, through the dispatcher, so torch.profiler still sees them), the rest the fused C
+ * kernels of decode_ops.c, passed in as function pointers. The result is bitwise that of the
+ * Python loop, which stays for machines without a C++ compiler (tests compare the two).
+ *
+ * Tensors cross from Python as their TensorImpl addresses (`Tensor._cdata`); a Model holds
+ * references to its weights, so they live as long as it does. Every entry point catches
+ * C++ exceptions and returns them as a message: none may cross the C boundary.
+ */
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+typedef uint16_t bf16;
+typedef void (*AddRmsNorm)(float *x, const bf16 *y, const float *w, float eps, int64_t rows, int64_t h, bf16 *out);
+typedef void (*SiluMul)(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out);
+typedef void (*Attention)(const void *heads, const void *rows, const bf16 *qkv, const float *bias, float *q_ws,
+                          bf16 *k_cache, bf16 *v_cache, bf16 *out);
+
+namespace {
+
+at::Tensor tensor_at(int64_t impl) {            /* a new reference to a Python tensor's TensorImpl */
+    return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(
+        reinterpret_cast<c10::TensorImpl *>(impl)));
+}
+
+struct Linear {
+    int64_t kind = 0;       /* 4: int4 groups (packed, group, scale_zero); 8: int8 per channel (q, scale) */
+    at::Tensor w, s;
+    int64_t group = 0, n = 0;   /* n: output features (the int4 packing pads to a multiple of 16) */
+
+    at::Tensor run(const at::Tensor &x) const {      /* x bf16 [M, K] -> bf16 [M, n] */
+        at::Tensor y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, w, group, s) : at::_weight_int8pack_mm(x, w, s);
+        return y.size(1) == n ? y : y.narrow(1, 0, n).contiguous();
+    }
+};
+
+struct Layer {
+    const float *in_norm = nullptr, *post_norm = nullptr, *qkv_bias = nullptr;
+    float in_eps = 0, post_eps = 0;
+    Linear qkv, o, gate_up, down;
+};
+
+struct Model {
+    int64_t hidden, heads, head_dim, inter;
+    const void *head_table;         /* decode_ops.c's Heads */
+    AddRmsNorm add_rms_norm;
+    SiluMul silu_mul;
+    Attention attention;
+    std::vector<Layer> layers;
+};
+
+const bf16 *bits(const at::Tensor &t) { return static_cast<const bf16 *>(t.data_ptr()); }
+bf16 *bits_mut(at::Tensor &t) { return static_cast<bf16 *>(t.data_ptr()); }
+
+int64_t fail(const std::exception &e, char *err, int64_t cap) {
+    if (cap > 0) {
+        std::strncpy(err, e.what(), cap - 1);
+        err[cap - 1] = 0;
+    }
+    return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+/* A Linear's weights, as verifier/cpu_loop.py describes them. */
+typedef struct {
+    int64_t kind, w, s, group, n;   /* w, s: TensorImpl addresses */
+} LinearSpec;
+
+void *tercel_model_new(int64_t num_layers, int64_t hidden, int64_t heads, int64_t head_dim, int64_t inter,
+                       const void *head_table, void *add_rms_norm, void *silu_mul, void *attention) {
+    auto *m = new Model{hidden, heads, head_dim, inter, head_table, reinterpret_cast<AddRmsNorm>(add_rms_norm),
+                        reinterpret_cast<SiluMul>(silu_mul), reinterpret_cast<Attention>(attention), {}};
+    m->layers.resize(num_layers);
+    return m;
+}
+
+void tercel_model_free(void *model) { delete static_cast<Model *>(model); }
+
+int64_t tercel_model_set_layer(void *model, int64_t i, const float *in_norm, float in_eps, const float *post_norm,
+                               float post_eps, const float *qkv_bias, const LinearSpec *specs, char *err,
+                               int64_t cap) {
+    try {
+        Layer &l = static_cast<Model *>(model)->layers.at(i);
+        l.in_norm = in_norm, l.in_eps = in_eps, l.post_norm = post_norm, l.post_eps = post_eps, l.qkv_bias = qkv_bias;
+        Linear *lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+        for (int j = 0; j < 4; j++)
+            *lins[j] = Linear{specs[j].kind, tensor_at(specs[j].w), tensor_at(specs[j].s), specs[j].group, specs[j].n};
+        return 0;
+    } catch (const std::exception &e) {
+        return fail(e, err, cap);
+    }
+}
+
+/* Every layer over T rows: x fp32 [T, H] (the embeddings; the residual stream, updated in
+ * place, ends after the last layer's residual add, before the final norm). k_cache[i],
+ * v_cache[i]: layer i's bf16 caches. taps[j] (fp32 [T, H]) gets x as layer tap_layer[j] sees
+ * it, for j < num_taps. */
+int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl, void *const *k_cache,
+                       void *const *v_cache, int64_t num_taps, const int64_t *tap_layer, const int64_t *tap_impl,
+                       char *err, int64_t cap) {
+    try {
+        c10::InferenceMode guard;
+        const Model &m = *static_cast<Model *>(model);
+        at::Tensor x = tensor_at(x_impl);
+        float *xp = x.data_ptr<float>();
+        auto bf = at::TensorOptions().dtype(at::kBFloat16);
+        at::Tensor h = at::empty({t, m.hidden}, bf);                 /* normed input of each matmul block */
+        at::Tensor q = at::empty({t, m.heads, m.head_dim}, at::kFloat);  /* rotated queries */
+        at::Tensor o = at::empty({t, m.heads * m.head_dim}, bf);     /* attention output */
+        at::Tensor a = at::empty({t, m.inter}, bf);                  /* silu(gate) * up */
+        at::Tensor y;                                                /* the previous MLP output */
+        int64_t tap = 0;
+        for (size_t i = 0; i < m.layers.size(); i++) {
+            const Layer &l = m.layers[i];
+            m.add_rms_norm(xp, y.defined() ? bits(y) : nullptr, l.in_norm, l.in_eps, t, m.hidden, bits_mut(h));
+            for (; tap < num_taps && tap_layer[tap] == static_cast<int64_t>(i); tap++)
+                std::memcpy(tensor_at(tap_impl[tap]).data_ptr(), xp, sizeof(float) * t * m.hidden);
+            at::Tensor qkv = l.qkv.run(h);
+            m.attention(m.head_table, rows, bits(qkv), l.qkv_bias, q.data_ptr<float>(),
+                        static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]), bits_mut(o));
+            m.add_rms_norm(xp, bits(l.o.run(o)), l.post_norm, l.post_eps, t, m.hidden, bits_mut(h));
+            m.silu_mul(bits(l.gate_up.run(h)), t, m.inter, bits_mut(a));
+            y = l.down.run(a);
+        }
+        m.add_rms_norm(xp, y.defined() ? bits(y) : nullptr, nullptr, 0.0f, t, m.hidden, nullptr);
+        return 0;
+    } catch (const std::exception &e) {
+        return fail(e, err, cap);
+    }
+}
+
+}  // extern "C"
