@@ -20,6 +20,8 @@ def add_serve_args(sub) -> None:
     p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
     p.add_argument("--no-adaptive", action="store_true", help="always speculate, whatever the load")
     p.add_argument("--spec-max-batch", type=int, default=4, help="running requests above which speculation is off")
+    p.add_argument("--no-jump-forward", action="store_true",
+                   help="constrained requests sample the tokens their grammar forces one step each")
     p.add_argument("--spec-step-tokens", type=int, default=6,
                    help="draft tokens per step shared by the running requests (trees shrink as the batch grows)")
     p.add_argument("--host", default="127.0.0.1")
@@ -61,7 +63,7 @@ def engine_config(args):
         kv["kv_cache_bytes"] = int(_device_memory() * args.kv_memory_fraction)
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
-                        quantization=args.quantization,
+                        quantization=args.quantization, jump_forward=not args.no_jump_forward,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch,
                                                 step_draft_tokens=args.spec_step_tokens), **kv)
 

@@ -127,3 +127,14 @@ def run_many(client, server, n: int) -> None:
         assert choice.finish_reason == "stop", (task.id, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), task.schema)
     server.wait_idle()
+
+
+def test_no_jump_forward_reaches_the_engine_config():
+    """`tercel serve --no-jump-forward` turns jump-forward off in the engine; it is on by default."""
+    import argparse
+
+    from serving.server import add_serve_args, engine_config
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser.add_subparsers(dest="command"))
+    assert engine_config(parser.parse_args(["serve"])).jump_forward
+    assert not engine_config(parser.parse_args(["serve", "--no-jump-forward"])).jump_forward
