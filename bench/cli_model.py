@@ -51,4 +51,18 @@ def kernels_report(model: str, mode: str, args) -> str:
               + (f", in tiles of {plan.tile} rows." if plan.tile else "."),
               f"Verify steps stay within {cliff} rows where they can (the {exact} kernel's cost jumps above)."
               if cliff else f"No cost jump in the {exact} kernel up to 8 rows."]
+    return "\n".join(lines + ["", attention_report(target.attention_timings)])
+
+
+def attention_report(a) -> str:
+    """The fused attention's calls on one thread and on all, and the threshold chosen."""
+    from verifier.attention_tuning import NEVER
+    lines = ["Attention of one layer, us per call: one thread / all threads", "",
+             "| rows | " + " | ".join(f"{k} keys" for k in sorted({k for _, k in a.serial})) + " |",
+             "|---|" + "---|" * len({k for _, k in a.serial})]
+    for rows in sorted({r for r, _ in a.serial}):
+        cells = sorted(c for c in a.serial if c[0] == rows)
+        lines.append(f"| {rows} | " + " | ".join(f"{a.serial[c]:.1f} / {a.parallel[c]:.1f}" for c in cells) + " |")
+    lines += ["", "Attention stays on one thread at every size measured." if a.parallel_from == NEVER else
+              f"Attention runs on all threads from {a.parallel_from} (rows x keys x query heads)."]
     return "\n".join(lines)

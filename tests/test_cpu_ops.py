@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from verifier import cpu_ops
+from verifier.attention_tuning import NEVER
 from verifier.batch import SeqInput
 from verifier.cpu_forward import row_plan
 from verifier.rope import apply_rotary
@@ -128,9 +129,11 @@ def test_attention_matches_a_dense_reference_for_chains_trees_and_batches(d, ctx
 
 
 @pytest.mark.parametrize("ctx", [10, 610])
-def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ancestors(ctx):
+@pytest.mark.parametrize("tree_from,decode_from", [(0, NEVER), (NEVER, 0)])
+def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ancestors(ctx, tree_from, decode_from):
     """Node 3 of a tree (ancestors 0 and 1, sibling 2 masked) against a decode of the same
-    token whose ancestors are in the cache: the same keys in the same order, so the same bits."""
+    token whose ancestors are in the cache: the same keys in the same order, so the same bits,
+    whether either forward runs on all threads or on one (Heads.parallel_from)."""
     block, nh, nkv, d = 4, 4, 2, 64
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     table = _tables([ctx + 4], block)[0]
@@ -139,7 +142,9 @@ def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ances
     in_tree = torch.empty(4, nh * d, dtype=torch.bfloat16)
     hd = _heads(nh, nkv, d, 0.125)
     tree_plan = row_plan([SeqInput([0] * 4, ctx, table, mask=tree, logits_indices=[0, 1, 2, 3])], block, nh // nkv)
+    hd.parallel_from = tree_from
     cpu_ops.attend(hd, tree_plan, q, kc, vc, in_tree)
+    hd.parallel_from = decode_from
     # the decode: ancestors 0 and 1 committed at positions ctx and ctx + 1, node 3 at ctx + 2
     slot = lambda p: table[p // block] * block + p % block  # noqa: E731
     kc2, vc2 = kc.clone(), vc.clone()

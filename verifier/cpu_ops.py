@@ -42,6 +42,7 @@ _SIGNATURES = {
     "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
 }
 _RETURNS = {"row_lists": _I, "rows_per_unit": _I}
+PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -87,8 +88,11 @@ def _load(path: Path) -> ctypes.CDLL:
 
 class Heads(ctypes.Structure):
     """A model's attention heads as the kernels read them (`Heads` in decode_ops.c); it
-    keeps the rope tables it points to alive (`keep`)."""
-    _fields_ = [("nh", _I), ("nkv", _I), ("d", _I), ("scale", _F), ("cos", _P), ("sin", _P)]
+    keeps the rope tables it points to alive (`keep`). `parallel_from`: the work (rows x
+    longest key list x query heads) from which attention runs on all threads; the kernels read
+    it at each call (`verifier.attention_tuning` sets it from a measurement)."""
+    _fields_ = [("nh", _I), ("nkv", _I), ("d", _I), ("scale", _F), ("cos", _P), ("sin", _P),
+                ("parallel_from", _I)]
 
 
 class Rows(ctypes.Structure):
@@ -102,7 +106,7 @@ class Rows(ctypes.Structure):
 
 
 def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor) -> Heads:
-    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr())
+    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM)
     hd.keep = (cos, sin_signed)
     return hd
 

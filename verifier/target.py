@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from verifier.attention import get_backend
+from verifier.attention_tuning import AttentionTimings
+from verifier.attention_tuning import tune as tune_attention
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
 from verifier.cpu_loop import native_layers
@@ -90,6 +92,9 @@ class TargetModel:
         self.net = net.eval()
         self._cpu_layers = cpu_layers(net) if quantization != "none" else []
         self._cpu_heads = cpu_heads(net) if quantization != "none" else None
+        self.attention_timings: AttentionTimings | None = None
+        if self._cpu_heads is not None:
+            self.attention_timings = tune_attention(self._cpu_heads, cache_root() / "kernels", retime_kernels)
         # sampled rows run the layers in one C++ call where it builds (verifier/cpu_loop.py)
         self._cpu_native = native_layers(self.config, self._cpu_heads, self._cpu_layers) if self._cpu_layers else None
         if quantization != "none" and backend not in (None, "torch"):

@@ -490,11 +490,14 @@ static void merge_chunks(const float *part, int64_t chunks, int64_t stride, int6
     for (int64_t e = 0; e < D; e++) out[e] = f32_to_bf16(o[e] * inv);
 }
 
-/* The attention heads of a model (mirrored by verifier.cpu_ops.Heads). */
+/* The attention heads of a model (mirrored by verifier.cpu_ops.Heads). parallel_from: the work
+ * (rows x longest key list x query heads) from which a forward's attention is spread over the
+ * threads, measured at load (verifier/attention_tuning.py); below it one thread is faster. */
 typedef struct {
     int64_t nh, nkv, d;
     float scale;
     const float *cos, *sin;     /* rope tables fp32 [positions, D], sin with its first half negated */
+    int64_t parallel_from;
 } Heads;
 
 /* The rows of one forward, shared by all its layers (mirrored by verifier.cpu_ops.Rows).
@@ -603,8 +606,8 @@ static void merge_group(const Work *w, int64_t g) {
  * flash-decoding style: the items (a single decode row at a 300-token context: 2 chunks x 3
  * KV heads) are spread over the threads, and each vector's chunks are merged in order once all
  * are done. A chunk's bounds depend only on the row's own key count, so the work split never
- * changes a row's bits. Small forwards run on the calling thread alone: an OpenMP region,
- * even of one thread, costs about as much as their attention (figures: docs/quantization.md). */
+ * changes a row's bits. Forwards below hd->parallel_from run on the calling thread alone: for
+ * them an OpenMP region, even of one thread, costs about as much as their attention. */
 void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache, const bf16 *v_cache, bf16 *out) {
     const int64_t group = hd->nh / hd->nkv, heads = group < QV ? group : QV, splits = (group + heads - 1) / heads;
     Work w = {hd, rw, q, k_cache, v_cache, out, group, heads, splits, hd->nkv * splits, hd->d + 2, NULL, NULL};
@@ -618,7 +621,7 @@ void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache
     }
     const int64_t items = w.first[rw->units], groups = rw->units * w.per_unit;
     w.parts = malloc(sizeof(float) * items * QV * w.stride);
-    if (rw->rows * rw->longest * hd->nh > 1024) {
+    if (rw->rows * rw->longest * hd->nh >= hd->parallel_from) {
         #pragma omp parallel
         {
             float score[QV * CH];

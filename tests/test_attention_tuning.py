@@ -1,0 +1,35 @@
+"""When attention runs on all threads is measured at load (verifier/attention_tuning.py):
+the rule that turns timings into a threshold, and the cache that keeps it per machine."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from verifier import attention_tuning, cpu_ops
+from verifier.attention_tuning import NEVER, choose, tune
+
+_NO_ROPE = torch.zeros(1, 1)
+
+
+def test_the_threshold_is_the_smallest_work_won_at_every_larger_size():
+    """All threads lose at 64 keys, win at 128 and above: the threshold is 128 keys' work; a
+    loss above a win moves it up; a loss at the largest size means never."""
+    serial = {(1, 64): 10.0, (1, 128): 20.0, (1, 256): 40.0}
+    assert choose(serial, {(1, 64): 11.0, (1, 128): 15.0, (1, 256): 25.0}, heads=9) == 128 * 9
+    assert choose(serial, {(1, 64): 9.0, (1, 128): 21.0, (1, 256): 25.0}, heads=9) == 256 * 9
+    assert choose(serial, {(1, 64): 9.0, (1, 128): 15.0, (1, 256): 41.0}, heads=9) == NEVER
+
+
+def test_tune_measures_once_per_machine_and_sets_the_heads(tmp_path, monkeypatch):
+    """The first load measures and caches; the next reads the cache (no timing); both set
+    Heads.parallel_from, which the kernels read at each call."""
+    hd = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)
+    first = tune(hd, tmp_path)
+    assert hd.parallel_from == first.parallel_from
+    assert set(first.serial) == {(r, k) for r in attention_tuning.ROWS for k in attention_tuning.KEYS}
+    saved = json.loads(next(tmp_path.glob("attention-*.json")).read_text())
+    assert saved["timings"]["parallel_from"] == first.parallel_from
+    monkeypatch.setattr(attention_tuning, "measure", lambda hd: (_ for _ in ()).throw(AssertionError("re-timed")))
+    hd2 = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)
+    assert tune(hd2, tmp_path).parallel_from == first.parallel_from == hd2.parallel_from

@@ -1,0 +1,122 @@
+"""From how much work a forward's attention runs on all threads: measured on this machine, once.
+
+The fused attention (`csrc/decode_ops.c:attend`) spreads its work items (chunks of keys of a
+KV head's query vectors) over the threads; a small forward runs on the calling thread alone,
+because an OpenMP region costs a few microseconds and a single decode row at a short context
+has only a few items (3 for SmolLM2's 3 KV heads) to share. Where spreading starts to pay
+depends on the machine (cores, SMT, vector width, how busy it is) and on the model's heads,
+so it is timed at load: one row and a 4-row unit at 32 to 2048 keys, on one thread and on all,
+alternated; `parallel_from` is the smallest work (rows x keys x query heads) from which all
+threads win at that size and every larger one. The choice never changes a row's bits: the
+chunks and the order they merge in are the same either way.
+
+Cached per (CPU model and flags, torch version, threads, heads) under the Tercel cache folder,
+beside the matmul timings; `tercel bench kernels` prints the table.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verifier import cpu_ops
+from verifier.batch import SeqInput
+from verifier.cpu_forward import row_plan
+from verifier.machine import machine_key
+
+FORMAT = 1
+KEYS = (32, 64, 128, 256, 512, 1024, 2048)
+ROWS = (1, 4)
+NEVER = 1 << 62              # parallel_from when one thread always won
+_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class AttentionTimings:
+    """Microseconds per attention call on one thread and on all, per (rows, keys), and the
+    threshold chosen from them."""
+    serial: dict[tuple[int, int], float]
+    parallel: dict[tuple[int, int], float]
+    parallel_from: int
+
+    def to_json(self) -> dict:
+        return {"cells": [[r, k, self.serial[r, k], self.parallel[r, k]] for r, k in self.serial],
+                "parallel_from": self.parallel_from}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AttentionTimings":
+        cells = {(r, k): (s, p) for r, k, s, p in d["cells"]}
+        return cls({c: v[0] for c, v in cells.items()}, {c: v[1] for c, v in cells.items()}, d["parallel_from"])
+
+
+def choose(serial: dict[tuple[int, int], float], parallel: dict[tuple[int, int], float], heads: int) -> int:
+    """The smallest work (rows x keys x heads) from which all threads win at every larger
+    measured size too; NEVER if the largest size is not won."""
+    best = NEVER
+    for rows, keys in sorted(serial, key=lambda c: (c[0] * c[1], c), reverse=True):
+        if parallel[rows, keys] >= serial[rows, keys]:
+            break
+        best = rows * keys * heads
+    return best
+
+
+def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator):
+    """Random q and caches for one sequence of `rows` new rows after `keys` - rows cached ones."""
+    blocks = -(-keys // _BLOCK)
+    seq = SeqInput([0] * rows, keys - rows, list(range(blocks)))
+    plan = row_plan([seq], _BLOCK, hd.nh // hd.nkv)
+    k, v = (torch.randn(blocks * _BLOCK, hd.nkv, hd.d, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(rows, hd.nh, hd.d, generator=gen)
+    return plan, q, k, v, torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
+
+
+def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 10) -> AttentionTimings:
+    """Time attend on one thread and on all, alternated per round; medians. Leaves
+    hd.parallel_from as it found it."""
+    gen, saved = torch.Generator().manual_seed(0), hd.parallel_from
+    samples: dict[str, dict[tuple[int, int], list[float]]] = {"serial": {}, "parallel": {}}
+    try:
+        for rows in ROWS:
+            for keys in KEYS:
+                plan, q, k, v, out = _case(hd, rows, keys, gen)
+                for _ in range(rounds):
+                    for mode, threshold in (("serial", NEVER), ("parallel", 0)):
+                        hd.parallel_from = threshold
+                        cpu_ops.attend(hd, plan, q, k, v, out)          # warm: caches, threads
+                        start = time.perf_counter()
+                        for _ in range(calls):
+                            cpu_ops.attend(hd, plan, q, k, v, out)
+                        samples[mode].setdefault((rows, keys), []).append((time.perf_counter() - start) / calls * 1e6)
+    finally:
+        hd.parallel_from = saved
+    med = {m: {c: round(statistics.median(s), 2) for c, s in cells.items()} for m, cells in samples.items()}
+    return AttentionTimings(med["serial"], med["parallel"], choose(med["serial"], med["parallel"], hd.nh))
+
+
+def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False) -> AttentionTimings:
+    """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
+    are cached; sets hd.parallel_from from them."""
+    key = {"format": FORMAT, **machine_key(), "heads": [hd.nh, hd.nkv, hd.d]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"attention-{digest}.json" if cache_dir else None
+    timings = None
+    if path is not None and path.is_file() and not refresh:
+        try:
+            timings = AttentionTimings.from_json(json.loads(path.read_text())["timings"])
+        except (ValueError, KeyError, TypeError):
+            timings = None                    # a damaged cache file is measured again
+    if timings is None:
+        timings = measure(hd)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, "timings": timings.to_json()}, indent=1))
+            tmp.replace(path)
+    hd.parallel_from = timings.parallel_from
+    return timings
