@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -210,7 +211,7 @@ def test_refuses_sizes_that_do_not_divide_the_model(tiny_dir):
         TensorShard(0, 2).check(replace(cfg, vocab_size=255))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model=str(tiny_dir), tensor_parallel_size=0)
-    assert not any(p.name.startswith("tercel-tp") for p in __import__("multiprocessing").active_children())
+    assert not any(p.name.startswith("tercel-tp") for p in multiprocessing.active_children())
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -243,6 +244,25 @@ def test_weight_slices_follow_heads_and_vocabulary(tiny_dir):
     local = shard.local_config(cfg)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (2, 1, 64, 128)
     assert shard.vocab_start(cfg.vocab_size) == 128
+
+
+@pytest.mark.slow
+def test_bench_accept_under_tp2(tiny_llama_dir, capsys):
+    """`tercel bench accept --tensor-parallel-size 2` runs its cells on a two-rank engine (the
+    tiny model with the SmolLM2 tokenizer, so the chat template applies). Slow: about 17 s on
+    two cores, most of it the benchmark's own set-up."""
+    from serving.cli import main
+    rc = main(["bench", "accept", "--model", str(tiny_llama_dir), "--tasks", "qa", "--limit", "1",
+               "--max-tokens", "8", "--ignore-eos", "--gamma", "2", "--threads", "1", "--tensor-parallel-size", "2"])
+    assert rc == 0 and "| ngram | γ2 k1 |" in capsys.readouterr().out
+
+
+def test_bench_commands_that_cannot_shard_refuse_tp(tiny_llama_dir, capsys):
+    """bench kernels (the quantized CPU path) with --tensor-parallel-size 2 exits 2 and says where
+    the flag applies."""
+    from serving.cli import main
+    assert main(["bench", "kernels", "--model", str(tiny_llama_dir), "--tensor-parallel-size", "2"]) == 2
+    assert "applies to bench accept, grid and speed" in capsys.readouterr().err
 
 
 def test_cli_flag_reaches_the_engine_config():

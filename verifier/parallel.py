@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import pickle
+import signal
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,7 +47,7 @@ class RankSpec:
     backend: str | None       # attention backend; None: the device's default
     shard: TensorShard
     port: int                 # rank 0's TCP store on 127.0.0.1
-    num_threads: int | None   # torch CPU threads of this process; None keeps torch's default
+    num_threads: int          # torch CPU threads of this process
 
     @property
     def group_backend(self) -> str:
@@ -109,6 +110,7 @@ class ParallelTarget(TargetModel):
                  num_threads: int | None = None):
         TensorShard(0, size).check(load_config(resolve_model_dir(model)))   # before any process starts
         kind, port = torch.device(device).type if device else default_device().type, _free_port()
+        num_threads = num_threads or torch.get_num_threads()     # the workers as many as rank 0
         specs = [RankSpec(model, _rank_device(kind, r, size), backend, TensorShard(r, size), port, num_threads)
                  for r in range(size)]
         self._conns: list = []
@@ -164,9 +166,9 @@ class ParallelTarget(TargetModel):
                 pass                                  # that worker is gone already
         for proc in self._procs:
             proc.join(JOIN_S)
-            if proc.is_alive():
-                log.warning("tensor-parallel worker %s did not stop; terminating it", proc.name)
-                proc.terminate()
+            if proc.is_alive():     # it ignores SIGTERM (worker_main): kill it
+                log.warning("tensor-parallel worker %s did not stop; killing it", proc.name)
+                proc.kill()
                 proc.join(JOIN_S)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -229,8 +231,12 @@ def _join_group(spec: RankSpec) -> None:
 def worker_main(spec: RankSpec, conn) -> None:
     """A worker process: join the group, load this rank's shard, then run each operation rank 0
     sends until Shutdown, or until rank 0's end of the pipe closes."""
-    if spec.num_threads:
-        torch.set_num_threads(spec.num_threads)
+    # Rank 0 owns this process's life. Ctrl-C in a terminal, or a SIGTERM sent to the process
+    # group, reaches every rank: rank 0 then lets running requests finish (the server's grace),
+    # which needs this rank alive until rank 0 sends Shutdown or exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(spec.num_threads)
     _join_group(spec)
     try:
         try:
