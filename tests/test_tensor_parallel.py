@@ -246,6 +246,28 @@ def test_weight_slices_follow_heads_and_vocabulary(tiny_dir):
     assert shard.vocab_start(cfg.vocab_size) == 128
 
 
+def test_server_on_tp2_answers_tp1s_text_and_stops_its_worker(tiny_llama_dir):
+    """`tercel serve`'s engine thread builds the TP=2 engine (rank 0 off the main thread): a
+    greedy completion over HTTP has the text of TP=1's, and shutting the bridge down stops rank 1."""
+    import httpx
+    from server_util import LiveServer
+
+    prompt, params = "The weather today", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), **ENGINE) as one:
+        expected = one.generate(prompt, params)[0].text
+    server = LiveServer(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2, drafter="ngram", **ENGINE),
+                        model_name="tiny")
+    workers = server.engine.target.worker_processes
+    try:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+    finally:
+        server.close()
+    workers[0].join(10)
+    assert not workers[0].is_alive()
+
+
 @pytest.mark.slow
 def test_bench_accept_under_tp2(tiny_llama_dir, capsys):
     """`tercel bench accept --tensor-parallel-size 2` runs its cells on a two-rank engine (the
