@@ -271,8 +271,8 @@ def test_server_on_tp2_answers_tp1s_text_and_stops_its_worker(tiny_llama_dir):
 @pytest.mark.slow
 def test_bench_accept_under_tp2(tiny_llama_dir, capsys):
     """`tercel bench accept --tensor-parallel-size 2` runs its cells on a two-rank engine (the
-    tiny model with the SmolLM2 tokenizer, so the chat template applies). Slow: about 17 s on
-    two cores, most of it the benchmark's own set-up."""
+    tiny model with the SmolLM2 tokenizer, so the chat template applies). In the slow suite: it
+    adds the benchmark's own set-up (datasets, templates) to a TP engine's start."""
     from serving.cli import main
     rc = main(["bench", "accept", "--model", str(tiny_llama_dir), "--tasks", "qa", "--limit", "1",
                "--max-tokens", "8", "--ignore-eos", "--gamma", "2", "--threads", "1", "--tensor-parallel-size", "2"])

@@ -109,27 +109,15 @@ class ParallelTarget(TargetModel):
     def __init__(self, model: str, size: int, device: str | None = None, backend: str | None = None,
                  num_threads: int | None = None):
         TensorShard(0, size).check(load_config(resolve_model_dir(model)))   # before any process starts
-        kind, port = torch.device(device).type if device else default_device().type, _free_port()
-        num_threads = num_threads or torch.get_num_threads()     # the workers as many as rank 0
-        specs = [RankSpec(model, _rank_device(kind, r, size), backend, TensorShard(r, size), port, num_threads)
-                 for r in range(size)]
-        self._conns: list = []
-        self._procs: list = []
-        ctx = mp.get_context("spawn")
-        for spec in specs[1:]:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
-                               name=f"tercel-tp-rank{spec.shard.rank}")
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._closed = False
+        specs = _rank_specs(model, size, device, backend, num_threads or torch.get_num_threads())
+        self._closed, self._joined = False, False
+        self._conns, self._procs = _spawn(specs[1:])
         atexit.register(self.close)
         try:
             _join_group(specs[0])
+            self._joined = True
             super().__init__(model, device=specs[0].device, backend=backend, quantization="none",
-                             shard=specs[0].shard)
+                             shard=specs[0].shard)     # the workers load their shards meanwhile
             self._replies("load")
         except BaseException:
             self.close()
@@ -170,7 +158,7 @@ class ParallelTarget(TargetModel):
                 log.warning("tensor-parallel worker %s did not stop; killing it", proc.name)
                 proc.kill()
                 proc.join(JOIN_S)
-        if dist.is_initialized():
+        if self._joined:               # never a group this process had before (_join_group refuses one)
             dist.destroy_process_group()
 
     def _send(self, op) -> None:
@@ -200,6 +188,29 @@ def open_target(model: str, tensor_parallel_size: int = 1, device: str | None = 
                            kernel_rows=kernel_rows)
     check_tp_quantization(quantization, tensor_parallel_size)
     return ParallelTarget(model, tensor_parallel_size, device=device, backend=backend, num_threads=num_threads)
+
+
+def _rank_specs(model: str, size: int, device: str | None, backend: str | None,
+                num_threads: int) -> list[RankSpec]:
+    kind, port = torch.device(device).type if device else default_device().type, _free_port()
+    return [RankSpec(model, _rank_device(kind, r, size), backend, TensorShard(r, size), port, num_threads)
+            for r in range(size)]
+
+
+def _spawn(specs: list[RankSpec]) -> tuple[list, list]:
+    """One worker process per spec (spawned: a CUDA context must not be forked) and rank 0's end
+    of its pipe: (connections, processes), in rank order."""
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for spec in specs:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
+                           name=f"tercel-tp-rank{spec.shard.rank}")
+        proc.start()
+        child.close()                # the worker holds it now; rank 0 keeps its own end
+        conns.append(parent)
+        procs.append(proc)
+    return conns, procs
 
 
 def _rank_device(kind: str, rank: int, size: int) -> str:
