@@ -103,6 +103,23 @@ def test_speculative_tp2_equals_tp1_plain(tiny_dir, prompts, reference, eagle_he
     assert sum(o.stats.accepted_tokens for o in outs) > 0 or drafter == "eagle3"
 
 
+def test_three_ranks_add_partial_sums_in_rank_order(tmp_path, prompts):
+    """TP=3 (6 query heads, 3 KV heads, intermediate 192, vocabulary 264: each divides by 3) takes
+    the all-gather-and-add path of the all-reduce: greedy n-gram speculative decoding under TP=3,
+    8 prompts batched and 2 alone (other row counts), gives plain TP=1's tokens."""
+    model = str(make_tiny_model(tmp_path / "tiny3", None, seed=5, hidden_size=96, intermediate_size=192,
+                                num_attention_heads=6, num_key_value_heads=3, vocab_size=264))
+    with LLM(model, **ENGINE) as one:
+        expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    with LLM(model, tensor_parallel_size=3, drafter="ngram", **ENGINE) as three:
+        assert len(three.engine.target.worker_processes) == 2
+        spec = three.generate(prompts, GREEDY)
+        alone = [three.generate(p, GREEDY)[0] for p in prompts[:2]]      # one at a time: other row counts
+    assert [o.token_ids for o in spec] == expected
+    assert [o.token_ids for o in alone] == expected[:2]
+    assert sum(o.stats.accepted_tokens for o in spec) > 0
+
+
 # A 5-node tree after the prompt: root 0; 1 and 2 its children; 3 under 1; 4 under 3.
 TREE_PARENTS = [0, 0, 0, 1, 3]
 TREE_DEPTHS = [0, 1, 1, 2, 3]
