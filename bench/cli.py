@@ -50,6 +50,9 @@ def add_bench_args(sub) -> None:
     p.add_argument("--quantization", default="auto",
                    help="target weights, comma-separated: auto, int4, int8, none (default auto; the first "
                         "listed is the plain baseline; quality: the modes compared with none)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="accept, grid, speed: shard Tercel's target over N devices (dense weights; "
+                        "--quantization auto picks none)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the report here (updated as runs finish)")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
@@ -67,6 +70,11 @@ def run_bench(args) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.tensor_parallel_size != 1 and args.what not in ("accept", "grid", "speed"):
+        # serve loads a running server (its own --tensor-parallel-size); kernels and quality time
+        # the quantized CPU path, which is not sharded; structured holds several engines at once,
+        # and a process has one tensor-parallel group
+        raise ValueError(f"--tensor-parallel-size applies to bench accept, grid and speed, not {args.what}")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

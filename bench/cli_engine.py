@@ -31,7 +31,8 @@ def run_engine_bench(args) -> int:
     repeats = args.repeats if args.repeats is not None else (1 if args.what == "accept" else 3)
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    settings = RunSettings(args.model or DEFAULT_MODEL, args.max_tokens, args.ignore_eos, args.seed, args.adaptive)
+    settings = RunSettings(args.model or DEFAULT_MODEL, args.max_tokens, args.ignore_eos, args.seed, args.adaptive,
+                           args.tensor_parallel_size)
     journal = Journal(args.json, args.what, _fingerprint(settings, args, data), args.resume)
     by_task = data.by_task()
     print(f"bench {args.what}: {len(cells)} configuration(s) × {len(by_task)} task(s) × {repeats} repeat(s), "

@@ -25,6 +25,7 @@ class RunSettings:
     ignore_eos: bool = False
     seed: int = 0
     adaptive: bool = False       # speculate as `tercel serve` does: only while it pays, trees sized to the step
+    tensor_parallel_size: int = 1  # Tercel's target over this many devices (LLM(tensor_parallel_size=...))
 
 
 @dataclass
@@ -82,7 +83,8 @@ class TercelGenerator:
         self.settings = settings
         from spec.adaptive import AdaptiveConfig
         self.llm = LLM(settings.model, drafter=cell.drafter, speculation=cell.speculation(), max_num_seqs=1,
-                       quantization=cell.quantization, adaptive=AdaptiveConfig(enabled=settings.adaptive))
+                       quantization=cell.quantization, adaptive=AdaptiveConfig(enabled=settings.adaptive),
+                       tensor_parallel_size=settings.tensor_parallel_size)
 
     def template(self, messages: list[dict]) -> list[int]:
         return self.llm.apply_chat_template(messages)
@@ -101,6 +103,9 @@ class TercelGenerator:
         return t.steps, t.draft_seconds, t.verify_seconds
 
     def close(self) -> None:
+        # The checks read rank 0's bookkeeping only: stop the tensor-parallel workers first, so
+        # that the next cell's engine can start its own group even if a check fails.
+        self.llm.close()
         self.llm.engine.check_integrity()
         used = self.llm.engine.stats().kv_blocks_used
         if used:

@@ -174,6 +174,7 @@ class EngineBridge:
             finally:
                 ready.set()
             bridge._run()
+            engine.close()           # the tensor-parallel worker processes, if any
 
         bridge._thread = threading.Thread(target=main, name="tercel-engine", daemon=True)
         bridge._thread.start()

@@ -24,6 +24,7 @@ def _chat_args(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_quantization_arg(p)
+    add_tensor_parallel_arg(p)
     p.add_argument("--drafter", default=None, help="speculative drafter: eagle3:PATH, ngram, small:PATH, "
                                                   "tree:SPEC (default: plain decoding)")
     p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
@@ -36,6 +37,12 @@ def add_quantization_arg(p) -> None:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="CPU weights: int4 or int8 kernels, none (dense fp32), or auto (default: int4 for a "
                         "Q4 GGUF such as the default model, int8 for Q8_0, none for HF checkpoints and CUDA)")
+
+
+def add_tensor_parallel_arg(p) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the target over N devices (N GPUs with NCCL; N processes with gloo on CPU); "
+                        "dense weights only: with N > 1, --quantization auto picks none")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +77,7 @@ def run_chat(args) -> int:
     spec = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
     print("loading model...", file=sys.stderr, flush=True)
     llm = LLM(args.model, drafter=drafter, speculation=spec, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size,
               **({"num_threads": args.threads} if args.threads else {}))
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:

@@ -37,8 +37,9 @@ def add_serve_args(sub) -> None:
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to finish requests on SIGTERM (30: what Kubernetes waits before it kills)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    from serving.cli import add_quantization_arg
+    from serving.cli import add_quantization_arg, add_tensor_parallel_arg
     add_quantization_arg(p)
+    add_tensor_parallel_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -64,6 +65,7 @@ def engine_config(args):
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
+                        tensor_parallel_size=args.tensor_parallel_size,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch,
                                                 step_draft_tokens=args.spec_step_tokens), **kv)
 

@@ -7,6 +7,7 @@ from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
 from verifier.checks import positive_int
 from verifier.loader import DEFAULT_MODEL
+from verifier.shard import check_tp_quantization
 
 QUANTIZATION_CHOICES = ("auto", "int4", "int8", "none")
 
@@ -19,7 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None      # None: the model's max positions, at most 8192
     block_size: int = 16                  # tokens per KV block
     num_kv_blocks: int | None = None      # None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30         # KV pool size when num_kv_blocks is None
+    kv_cache_bytes: int = 1 << 30         # KV pool size per device when num_kv_blocks is None
     enable_prefix_cache: bool = True      # share KV of identical full-block prompt prefixes
     seed: int = 0                         # seeds the generators of requests without a seed
     num_threads: int | None = None        # torch CPU threads; None keeps torch's default
@@ -28,6 +29,9 @@ class EngineConfig:
     # CPU weights: "int4" / "int8" kernels, "none" (dense, the checkpoint's dtype) or "auto":
     # int4 for a Q4 GGUF (the file's own blocks), int8 for Q8_0, none otherwise and on CUDA
     quantization: str = "auto"
+    # Ranks (devices) sharing every layer of the target (verifier/parallel.py): NCCL on CUDA,
+    # gloo on CPU. Above 1 the target runs dense weights: quantization "auto" picks "none".
+    tensor_parallel_size: int = 1
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
     speculation: "SpecConfig" = None      # None: the drafter's own default tree (SpecConfig() for most)
     adaptive: AdaptiveConfig = AdaptiveConfig(enabled=False)  # turn speculation off when it does not pay
@@ -36,7 +40,8 @@ class EngineConfig:
     jump_forward: bool = True
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
+                     "tensor_parallel_size"):
             positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
@@ -44,6 +49,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        check_tp_quantization(self.quantization, self.tensor_parallel_size)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if self.speculation is not None and not isinstance(self.speculation, SpecConfig):

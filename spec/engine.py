@@ -34,6 +34,7 @@ from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.grammar import GrammarBackend, apply_bitmask
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
+from verifier.parallel import open_target
 from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
 from verifier.sampling_params import SamplingParams
 from verifier.target import TargetModel
@@ -110,9 +111,19 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.target = TargetModel(config.model, device=config.device, backend=config.attention_backend,
-                                  quantization=config.quantization,
-                                  kernel_rows=engine_rows(config.max_num_batched_tokens))
+        # One TargetModel, or rank 0 of a tensor-parallel one: the engine runs once, on rank 0,
+        # and every call it makes on the target reaches all ranks (verifier/parallel.py).
+        self.target: TargetModel = open_target(config.model, config.tensor_parallel_size, device=config.device,
+                                  backend=config.attention_backend, quantization=config.quantization,
+                                  kernel_rows=engine_rows(config.max_num_batched_tokens),
+                                  num_threads=config.num_threads)
+        try:
+            self._set_up(config)
+        except BaseException:
+            self.target.close()     # a tensor-parallel target's workers must not outlive a failed load
+            raise
+
+    def _set_up(self, config: EngineConfig) -> None:
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         self.max_model_len = min(config.max_model_len or min(mc.max_position, 8192), mc.max_position)
@@ -475,7 +486,7 @@ class LLMEngine:
         moves = [(slot_of(table, ctx + j, bs), slot_of(table, ctx + d, bs))
                  for d, j in enumerate(accepted, start=1) if j != d]
         if moves:
-            self.target.kv.copy_slots([m[0] for m in moves], [m[1] for m in moves])
+            self.target.copy_slots([m[0] for m in moves], [m[1] for m in moves])
         req.num_computed_tokens = ctx + 1 + len(accepted)   # the root and the accepted path
 
     def _drafter_observe(self, plans: list[SeqPlan], fwd: ForwardOutput) -> None:
@@ -573,3 +584,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Release the target's processes (the worker ranks under tensor parallelism)."""
+        self.target.close()

@@ -6,6 +6,12 @@ difference is the fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` =
 
 A quantized target (`verifier.quantize`) swaps the projections for QuantLinears and runs
 through `verifier.cpu_forward` instead of `LlamaForCausalLM.forward`.
+
+With a `TensorShard` of size N > 1 (tensor parallelism) every module holds one rank's slice
+(`verifier/shard.py`): `cfg` is then that rank's shapes (heads, intermediate size and vocabulary
+/ N), o_proj and down_proj all-reduce their output, and the embedding and LM head are
+vocabulary-parallel (`verifier/parallel_layers.py`). The residual stream stays whole on every
+rank.
 """
 from __future__ import annotations
 
@@ -19,7 +25,9 @@ from verifier.attention.base import AttentionBackend
 from verifier.config import ModelConfig
 from verifier.kv_cache import KVCache
 from verifier.linear import Linear
+from verifier.parallel_layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from verifier.rope import RotaryEmbedding, apply_rotary
+from verifier.shard import TensorShard
 
 
 _INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
@@ -57,12 +65,24 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def sharded(shard: TensorShard | None) -> TensorShard | None:
+    """The shard when there are several ranks; None (the plain modules) for one."""
+    return shard if shard is not None and shard.size > 1 else None
+
+
+def row_linear(in_features: int, out_features: int, shard: TensorShard | None) -> Linear:
+    """o_proj / down_proj: a plain Linear on one rank, all-reducing its output across several."""
+    if sharded(shard) is None:
+        return Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, shard)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg              # under TP, this rank's heads: num_heads / N, num_kv_heads / N
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = row_linear(cfg.q_size, cfg.hidden_size, shard)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend, meta):
@@ -77,10 +97,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, shard)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -88,12 +108,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend, meta)
@@ -101,22 +121,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None):
+        """`cfg`: the full model's shapes (the shard slices them)."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        shard = sharded(shard)
+        local = cfg if shard is None else shard.local_config(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard is None else \
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(local, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """forward(ids [T], positions [T], ...) -> (logits [N, V] for `logits_rows`, taps)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None):
         super().__init__()
-        self.cfg = cfg
+        shard = sharded(shard)
+        # This rank's shapes: the full model's on one rank.
+        self.cfg = cfg if shard is None else shard.local_config(cfg)
         self.scale = cfg.head_dim ** -0.5           # attention's softmax scale
-        self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, shard)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard is None else \
+            VocabParallelHead(cfg.hidden_size, cfg.vocab_size, shard)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None
@@ -133,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         taps = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
-                taps[i] = x
+                taps[i] = x          # whole on every rank under TP: the all-reduces keep it so
             x = layer(x, cos, sin, *kv.layer(i), backend, meta)
         if self.cfg.num_layers in capture_layers:
             taps[self.cfg.num_layers] = x                  # the last layer's output, before the norm

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from verifier.attention import get_backend
 from verifier.attention_tuning import AttentionTimings
@@ -18,8 +19,9 @@ from verifier.kv_cache import KVCache
 from verifier.loader import cache_root, resolve_model_dir
 from verifier.model import LlamaForCausalLM, uninitialized
 from verifier.quantize import auto_quantization, check_quantization, quantize_model, tune
+from verifier.shard import TensorShard, check_tp_quantization
 from verifier.tokenizer import NullTokenizer, Tokenizer
-from verifier.weights import load_safetensors
+from verifier.weights import load_safetensors, load_tensor
 
 
 def default_device() -> torch.device:
@@ -55,17 +57,26 @@ class TargetModel:
     `quantization`: "none" (the checkpoint's weights, dense), "int4" or "int8" (CPU
     kernels, see `verifier.quantize`), or "auto" (int4 for a Q4 GGUF, else none).
     `kernel_rows`: the row counts at which the quantized matmul paths are timed (cached per
-    machine; `retime_kernels` times them again)."""
+    machine; `retime_kernels` times them again). `shard`: this process's rank of a
+    tensor-parallel target (`verifier/parallel.py` starts the ranks); its modules and KV cache
+    hold one slice (`verifier/shard.py`), dense weights only.
+
+    What the engine calls (the target interface; `verifier/parallel.py:ParallelTarget` sends
+    each of them to every rank): `allocate_kv`, `kv_bytes_per_block`, `forward`, `copy_slots`,
+    `close`; drafters also read `config`, `tokenizer`, `device`, `dtype`, `kv` and
+    `input_embedding()`."""
 
     def __init__(self, model: str, device: str | None = None, dtype: torch.dtype | None = None,
                  backend: str | None = None, load_tokenizer_files: bool = True,
                  quantization: str = "none", kernel_rows: tuple[int, ...] | None = None,
-                 retime_kernels: bool = False):
+                 retime_kernels: bool = False, shard: TensorShard | None = None):
         self.model_dir = resolve_model_dir(model)
         self.config = load_config(self.model_dir)
         self.device = torch.device(device) if device else default_device()
+        self.shard = shard or TensorShard()
+        check_tp_quantization(quantization, self.shard.size)
         if quantization == "auto":
-            quantization = auto_quantization(self.model_dir, self.device)
+            quantization = "none" if self.shard.size > 1 else auto_quantization(self.model_dir, self.device)
         check_quantization(quantization, self.device)
         self.quantization = quantization
         # Quantized kernels take bf16 inputs and the residual stream stays fp32. Their KV cache is
@@ -75,11 +86,11 @@ class TargetModel:
         self.kv_dtype = torch.bfloat16 if quantization != "none" else self.dtype
         self.tokenizer = load_tokenizer(self.model_dir) if load_tokenizer_files else None
         with torch.device("meta"), uninitialized():
-            net = LlamaForCausalLM(self.config)
+            net = LlamaForCausalLM(self.config, self.shard)
         net = net.to_empty(device=self.device).to(self.dtype)
         if self.config.tie_word_embeddings:
             net.lm_head.weight = net.model.embed_tokens.weight
-        load_safetensors(net, self.model_dir)
+        load_safetensors(net, self.model_dir, self.shard)
         net.init_rotary(self.device, self.dtype)
         self.kernel_plan: KernelPlan | None = None
         self.kernel_timings: KernelTimings | None = None
@@ -101,15 +112,35 @@ class TargetModel:
             raise ValueError(f"quantization {quantization!r} attends with Tercel's CPU kernels, not {backend!r}")
         self.backend = get_backend(backend or ("triton" if self.device.type == "cuda" else "torch"))
         self.kv: KVCache | None = None
+        self._full_embedding: nn.Module | None = None
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        c = self.config
+        c = self.net.cfg            # this rank's KV heads: num_kv_heads / tensor_parallel_size
         self.kv = KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                           self.kv_dtype, self.device)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        c = self.config
+        """On this device: under TP, one rank's KV heads."""
+        c = self.net.cfg
         return KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.kv_dtype)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """The KV commit of accepted tree nodes (`KVCache.copy_slots`), in every layer."""
+        self.kv.copy_slots(src, dst)
+
+    def input_embedding(self) -> nn.Module:
+        """The whole token embedding (ids -> [T, hidden]) for a drafter that borrows it (EAGLE-3).
+        Under TP the target's own is one rank's slice that all-reduces, which a drafter running on
+        rank 0 alone cannot call: rank 0 then loads the whole table once, on first use."""
+        if self.shard.size == 1:
+            return self.net.model.embed_tokens
+        if self._full_embedding is None:
+            table = load_tensor(self.model_dir, "model.embed_tokens.weight").to(self.device, self.dtype)
+            self._full_embedding = nn.Embedding.from_pretrained(table, freeze=True)
+        return self._full_embedding
+
+    def close(self) -> None:
+        """Release what outlives the object (nothing on one rank; the worker ranks under TP)."""
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from verifier.model import LlamaForCausalLM
+from verifier.shard import TensorShard
 
 # HF projection name -> (our fused module, shard index within it)
 PACKED = {
@@ -29,8 +30,9 @@ def _target_of(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into the model; ValueError names a missing or misshapen one."""
+def load_safetensors(model: LlamaForCausalLM, model_dir: Path, shard: TensorShard | None = None) -> None:
+    """Copy every checkpoint tensor into the model; ValueError names a missing or misshapen one.
+    With a shard, each tensor is read as this rank's slice only (`TensorShard.slice_of`)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
@@ -41,11 +43,28 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path) -> None:
             for name in st.keys():
                 if "rotary_emb" in name or (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
                     continue
-                _copy_one(model, params, name, st.get_tensor(name), filled)
+                _copy_one(model, params, name, _read(st, name, shard), filled)
     missing = sorted(set(params) - filled - ({"lm_head.weight"} if model.cfg.tie_word_embeddings else set()))
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {', '.join(missing[:5])}"
                          + (" ..." if len(missing) > 5 else ""))
+
+
+def _read(st, name: str, shard: TensorShard | None) -> torch.Tensor:
+    part = shard.slice_of(name, tuple(st.get_slice(name).get_shape())) if shard is not None else None
+    if part is None:
+        return st.get_tensor(name)
+    rows = slice(part.start, part.stop)
+    return st.get_slice(name)[rows] if part.dim == 0 else st.get_slice(name)[:, rows]
+
+
+def load_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    """One whole checkpoint tensor by its HF name (KeyError if no file holds it)."""
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if name in st.keys():
+                return st.get_tensor(name)
+    raise KeyError(f"no tensor {name!r} in {model_dir}")
 
 
 def _copy_one(model, params, name: str, tensor: torch.Tensor, filled: set[str]) -> None:

@@ -189,5 +189,5 @@ def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
         raise ValueError(f"no default EAGLE-3 head is shipped yet ({path}); pass eagle3:PATH "
                          "(train one with `train-drafter --kind eagle3`)")
     head = load_head(path, target.config, device=target.device, dtype=target.dtype)
-    head.use_target_embedding(target.net.model.embed_tokens)
+    head.use_target_embedding(target.input_embedding())   # whole, also under TP (rank 0 drafts)
     return Eagle3Drafter(head)
