@@ -47,7 +47,10 @@ def parse_serve_args(argv: list[str]):
     import argparse
     parser = argparse.ArgumentParser(prog="tercel serve")
     add_serve_args(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["serve", *argv])
+    args, unknown = parser.parse_known_args(["serve", *argv])
+    if unknown:     # a Serve config's typo, named (argparse would exit the replica)
+        raise ValueError(f"not a `tercel serve` flag: {' '.join(unknown)}")
+    return args
 
 
 def engine_config(args):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -165,3 +166,17 @@ def test_killed_replica_fails_its_requests_with_503_then_serves_again(cluster):
     assert after.status_code == 200 and after.headers[REPLICA] != victim
     _wait("a replacement replica", lambda: len(cluster.replicas() - {victim}) == 2)
     assert all(cluster.chat([{"role": "user", "content": f"after {i}"}]).status_code == 200 for i in range(4))
+
+
+def test_the_serve_config_file_builds_the_application():
+    """deploy/serve_config.yaml's args go through `tercel serve`'s own parser (serving/replicas.py:
+    app_builder) into an application of N engine replicas with the prefix router; nothing starts."""
+    import yaml
+
+    from serving.replicas import app_builder
+    config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "serving.replicas:app_builder"
+    assert isinstance(app_builder(app["args"]), serve.Application)
+    with pytest.raises(ValueError, match="--no-such-flag"):      # a typo is named, not ignored
+        app_builder({"replicas": 2, "no_such_flag": 1})
