@@ -31,8 +31,9 @@ from ray.serve.handle import DeploymentHandle
 
 from serving.asgi_call import REPLICA_HEADER, ForwardedRequest, FullResponse, call_asgi, full_response
 from serving.cluster import affinity_config
-from serving.errors import replica_lost
+from serving.errors import install_error_handlers, replica_lost
 from serving.metrics import merge_replica_metrics
+from serving.middleware import ServerErrors
 from serving.prefix_index import prefix_text
 from serving import prefix_router   # a module: pickled by reference, so /metrics reads the live routers' counts
 from serving.prefix_router import PrefixAffinityRouter
@@ -105,7 +106,10 @@ def _refusal(replies: list[FullResponse]) -> Response | None:
 
 
 # serve.ingress pickles the app's routes when it decorates the class: what they call is defined above.
-api = FastAPI(title="Tercel (Ray Serve ingress)", docs_url=None, redoc_url=None)
+# No schema of its own: /openapi.json is forwarded, so clients see the replicas' (serving/app.py).
+api = FastAPI(title="Tercel (Ray Serve ingress)", docs_url=None, redoc_url=None, openapi_url=None)
+install_error_handlers(api)     # a 405 or a bad path in OpenAI's shape, as the replicas answer them
+api.add_middleware(ServerErrors)   # an unexpected exception: a 500 with OpenAI's body and the request id
 
 
 @serve.ingress(api)

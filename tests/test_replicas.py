@@ -91,8 +91,9 @@ def test_unrelated_requests_spread_across_both_replicas(cluster):
 
 
 def test_the_openai_api_through_the_ingress(cluster):
-    """Streaming SSE ends with [DONE]; /v1/models, the 4xx bodies and /reset_prefix_cache come from
-    the replicas' own app; /metrics counts the router's decisions."""
+    """Streaming SSE ends with [DONE]; /v1/models, /openapi.json, the 4xx bodies and
+    /reset_prefix_cache come from the replicas' own app; the ingress's own refusals (405) have
+    OpenAI's shape too; /metrics counts the router's decisions."""
     body = {"model": cluster.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
             "stream": True, "stream_options": {"include_usage": True}}
     with cluster.http.stream("POST", "/v1/chat/completions", json=body) as s:
@@ -104,6 +105,9 @@ def test_the_openai_api_through_the_ingress(cluster):
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     bad = cluster.http.post("/v1/chat/completions", json={"model": cluster.model, "messages": "x"})
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("messages")
+    assert "/v1/chat/completions" in cluster.http.get("/openapi.json").json()["paths"]   # the replicas' schema
+    put = cluster.http.put("/v1/models")
+    assert put.status_code == 405 and "message" in put.json()["error"]
     assert cluster.http.post("/reset_prefix_cache").json()["dropped_blocks"] >= 0
     assert "tercel_router_decisions_total{reason=" in cluster.http.get("/metrics").text
 
