@@ -69,6 +69,7 @@ async def call_asgi(app, req: ForwardedRequest, extra_headers=()) -> AsyncIterat
 
     task = asyncio.ensure_future(app(_scope(req), receive, sent.put))
     task.add_done_callback(lambda _: sent.put_nowait(_APP_RETURNED))
+    ended = False
     try:
         while (msg := await sent.get()) is not _APP_RETURNED:
             if msg["type"] == "http.response.start":
@@ -77,14 +78,16 @@ async def call_asgi(app, req: ForwardedRequest, extra_headers=()) -> AsyncIterat
                 if msg.get("body"):
                     yield msg["body"]
                 if not msg.get("more_body", False):
+                    ended = True
                     return
         task.result()     # the app returned without finishing its reply: raise what it raised
         raise RuntimeError(f"{req.method} {req.path}: the app returned before its reply ended")
     finally:
         gone.set()
+        if ended:         # the reply is out; let the app return by itself
+            await asyncio.wait([task], timeout=5.0)
         if not task.done():
-            await asyncio.wait([task], timeout=5.0)   # a stream ends within a step once it sees the disconnect
-            task.cancel()
+            task.cancel()   # the caller left: the handlers' cleanup cancels their engine requests
 
 
 async def full_response(app, req: ForwardedRequest, replica: str) -> FullResponse:

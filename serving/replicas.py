@@ -19,6 +19,7 @@ on it gets a 503 in OpenAI's shape, or, once its stream has begun, a last error 
 /health is 200 while one replica is healthy. `app_builder` is the entry for `serve run` and a
 Serve config file (deploy/serve_config.yaml); `tercel serve --replicas N` builds the same app.
 """
+import argparse
 import json   # no `from __future__ import annotations`: serve.ingress needs real annotations (Request)
 
 from fastapi import FastAPI, Request
@@ -154,6 +155,9 @@ class TercelIngress:
             gen.cancel()
             err = replica_lost(e)
             return JSONResponse(err.body(), status_code=err.status)
+        except BaseException:   # cancelled (the client left) or failed: the replica stops working on it
+            gen.cancel()
+            raise
         return Response(body, status_code=start.status, headers=_headers(start.headers))
 
     async def _broadcast(self, request: Request) -> list[FullResponse]:
@@ -174,7 +178,10 @@ def router_config(args) -> "RequestRouterConfig | None":
 
 
 def build_application(args):
-    """The Serve application for `tercel serve` flags (args from serving/server.py's parser)."""
+    """The Serve application for `tercel serve` flags (args from serving/server.py's parser).
+    Without --threads a replica runs as many torch threads as the CPUs it reserves (at least one):
+    torch's default, every core of the node, would oversubscribe a node of several replicas."""
+    args = argparse.Namespace(**{**vars(args), "threads": args.threads or max(1, int(args.replica_cpus))})
     routing = {"request_router_config": cfg} if (cfg := router_config(args)) else {}
     engine = serve.deployment(TercelReplica, name="TercelReplica", num_replicas=args.replicas,
                               ray_actor_options={"num_cpus": args.replica_cpus},

@@ -31,11 +31,12 @@ class Cluster:
         return self.http.post("/v1/chat/completions", json={"model": self.model, "messages": messages,
                                                             "max_tokens": 4, **extra})
 
-    def per_replica(self, name: str) -> dict[str, float]:
-        """{replica id: value} of one metric from the ingress's merged /metrics."""
+    def per_replica(self, name: str, label: str = "") -> dict[str, float]:
+        """{replica id: value} of one metric (its series with `label`, e.g. 'reason="cancelled"')
+        from the ingress's merged /metrics."""
         out = {}
         for line in self.http.get("/metrics").text.splitlines():
-            if m := re.match(rf'{name}\{{.*replica="([^"]+)".*\}} (\S+)$', line):
+            if (m := re.match(rf'{name}\{{.*replica="([^"]+)".*\}} (\S+)$', line)) and label in line:
                 out[m[1]] = float(m[2])
         return out
 
@@ -110,6 +111,23 @@ def test_the_openai_api_through_the_ingress(cluster):
     assert put.status_code == 405 and "message" in put.json()["error"]
     assert cluster.http.post("/reset_prefix_cache").json()["dropped_blocks"] >= 0
     assert "tercel_router_decisions_total{reason=" in cluster.http.get("/metrics").text
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_engine_request(cluster):
+    """Closing a stream after its first events cancels the replica's call; the replica's app sees the
+    disconnect and aborts the engine request (counted as cancelled there), long before its 700 tokens."""
+    body = {"model": cluster.model, "messages": [{"role": "user", "content": "Go on forever."}],
+            "max_tokens": 700, "ignore_eos": True, "stream": True}
+    replica = None
+    with cluster.http.stream("POST", "/v1/chat/completions", json=body) as s:
+        replica = s.headers[REPLICA]
+        before = cluster.per_replica("tercel_request_errors_total", 'reason="cancelled"').get(replica, 0)
+        for n, _ in enumerate(s.iter_lines()):
+            if n == 6:
+                break
+    _wait("the engine request cancelled",
+          lambda: cluster.per_replica("tercel_request_errors_total", 'reason="cancelled"').get(replica, 0) > before)
+    _wait("the replica idle", lambda: cluster.per_replica("tercel_requests_running")[replica] == 0)
 
 
 def _in_flight(cluster: Cluster, messages: list[dict], results: list, stream: bool) -> threading.Thread:
