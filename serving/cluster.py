@@ -17,6 +17,7 @@ from serving.prefix_index import AffinityConfig
 log = logging.getLogger("tercel.serve")
 INSTALL_HINT = 'pip install -e ".[cluster]"'
 ROUTING = ("prefix", "load")
+APP_NAME = "tercel"      # the Serve application's name
 
 
 def add_replica_args(p) -> None:
@@ -75,17 +76,20 @@ def run_replicas(args) -> int:
         ray.init(address=args.ray_address)
     else:   # a replica reserves --replica-cpus: let a small machine hold them all
         cpus = max(os.cpu_count() or 1, math.ceil(args.replicas * args.replica_cpus))
-        ray.init(num_cpus=cpus, include_dashboard=False)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)   # a new instance, even if one runs
     stop = threading.Event()
     before = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_application(args), name="tercel", route_prefix="/")
+        serve.run(build_application(args), name=APP_NAME, route_prefix="/")
         log.info("serving %d replica(s) on http://%s:%d (routing: %s)", args.replicas, args.host, args.port,
                  args.routing)
         stop.wait()
         log.info("stopping: Ray Serve drains the replicas (up to %gs)", args.grace)
-        serve.shutdown()
+        if args.ray_address:
+            serve.delete(APP_NAME)   # a shared cluster's other applications keep running
+        else:
+            serve.shutdown()
     finally:
         ray.shutdown()
         for sig, handler in before.items():

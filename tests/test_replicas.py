@@ -46,7 +46,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)   # never a cluster found running
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
