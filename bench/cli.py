@@ -29,7 +29,8 @@ def add_bench_args(sub) -> None:
     p.add_argument("what", choices=COMMANDS)
     p.add_argument("--model", default=None, help="alias, .gguf or HF directory (default: smollm2-135m-instruct)")
     p.add_argument("--dataset", action="append", default=None,
-                   help="specbench, mtbench or a JSONL file; repeatable (default: specbench)")
+                   help="specbench, mtbench or a JSONL file; repeatable (default: specbench); serve also takes "
+                        "multiturn (two-turn conversations under shared system prompts)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     p.add_argument("--limit", type=int, default=10, help="prompts per task (default 10)")
     p.add_argument("--both-turns", action="store_true", help="MT-bench style: also the second turn")
@@ -62,6 +63,7 @@ def add_bench_args(sub) -> None:
     p.add_argument("--concurrency", default="1,4,16", help="serve: concurrency levels")
     p.add_argument("--requests", type=int, default=None, help="serve: requests per level")
     p.add_argument("--api-key", default=None, help="serve: Bearer key of the server")
+    p.add_argument("--modes", default="on,off", help="serve: speculation modes to measure, on and/or off")
 
 
 def run_bench(args) -> int:

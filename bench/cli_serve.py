@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from bench.cli import split_names, write_plots
-from bench.data import load_datasets
+from bench.data import Dataset, load_datasets
 from bench.grid import parse_floats, parse_range
 from bench.journal import Journal
 
@@ -14,16 +14,22 @@ def run_serve_bench_cli(args) -> int:
     temps = parse_floats(args.temperature, "temperature")
     cfg = LoadConfig(url=args.url.rstrip("/"), concurrency=tuple(parse_range(args.concurrency, "concurrency")),
                      max_tokens=args.max_tokens, temperature=temps[0], requests_per_level=args.requests,
-                     api_key=args.api_key, model=args.model, repeats=args.repeats or 1)
-    data = load_datasets(args.dataset or ["mtbench"], split_names(args.tasks), args.limit)
+                     api_key=args.api_key, model=args.model, repeats=args.repeats or 1,
+                     modes=tuple(split_names(args.modes)))
+    if args.dataset == ["multiturn"]:       # conversations under shared system prompts (bench/workloads.py)
+        from bench.workloads import multiturn
+        data = Dataset(multiturn(args.limit))
+    else:
+        data = load_datasets(args.dataset or ["mtbench"], split_names(args.tasks), args.limit)
     for line in data.skipped:
         print(f"skipped {line}", file=sys.stderr)
     print(f"bench serve: {cfg.url}, levels {list(cfg.concurrency)}, "
-          f"speculation on and off, {len(data.prompts)} prompt(s)", file=sys.stderr)
+          f"speculation {' and '.join(cfg.modes)}, {len(data.prompts)} prompt(s)", file=sys.stderr)
     journal = Journal(args.json, "serve", {"url": cfg.url, "max_tokens": cfg.max_tokens,
                                            "temperature": cfg.temperature, "model": cfg.model,
                                            "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}, args.resume)
-    run_serve_bench(cfg, [p.messages() for p in data.prompts], done=journal.done, on_result=journal.add)
+    prompts = [p if len(p.turns) > 1 else p.messages() for p in data.prompts]
+    run_serve_bench(cfg, prompts, done=journal.done, on_result=journal.add)
     print(markdown_table(journal.results))
     journal.save({"levels": journal.results})
     write_plots("serve", journal.results, args.plot)

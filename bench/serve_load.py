@@ -25,6 +25,14 @@ so they include HTTP, SSE framing and detokenization:
   the first mode's prompts cached and skip their prefill: its TTFT came out far below the
   first mode's on the same prompts (figures: docs/performance.md, "Serving TTFT").
 
+- conversations: a prompt with several user turns (a `BenchPrompt`, e.g. `--dataset multiturn`)
+  is sent turn by turn by one worker, each turn after the previous reply ended and with that reply,
+  the model's own, as the assistant message; every turn is one request record. Such a workload
+  shows what prefix-affinity routing across replicas gains (serving/prefix_router.py).
+- prefix_hit_rate: prompt tokens the server's prefix cache served / prompt tokens looked up during
+  the level (`tercel_prefix_cache_hits_total` and `_queries_total` from /metrics, summed over every
+  series, so over the replicas of a Ray deployment); None when the server has no such counters.
+
 A request with a non-200 status, an error event, or a stream that breaks or ends without
 `[DONE]` and usage counts as an error; it is never raised.
 """
@@ -150,6 +158,7 @@ class RequestRecord:
     completion_tokens: int | None = None                       # from the usage chunk
     accepted_length: float | None = None                       # tercel.mean_accepted_length
     done: bool = False                                         # saw data: [DONE]
+    text: str = ""                                             # the reply: the next turn's assistant message
     error: str | None = None
 
     @property
@@ -180,6 +189,39 @@ class RequestRecord:
 def request_body(cfg: LoadConfig, model: str, messages: list[dict], mode: str) -> dict:
     return {"model": model, "messages": messages, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "speculation": SPECULATION[mode]}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn chat for one worker: `first` is turn one's body; each of `later_turns` (user
+    messages) follows once the previous reply has ended, with that reply appended."""
+    first: dict
+    later_turns: tuple[str, ...]
+
+    @staticmethod
+    def next_body(body: dict, answer: str, user: str) -> dict:
+        return {**body, "messages": [*body["messages"], {"role": "assistant", "content": answer},
+                                     {"role": "user", "content": user}]}
+
+
+def request_item(cfg: LoadConfig, model: str, prompt, mode: str) -> dict | Conversation:
+    """One unit of work: a body for a list of messages, a Conversation for a multi-turn BenchPrompt."""
+    if isinstance(prompt, list):
+        return request_body(cfg, model, prompt, mode)
+    first = request_body(cfg, model, prompt.messages(), mode)
+    return Conversation(first, prompt.turns[1:]) if len(prompt.turns) > 1 else first
+
+
+async def run_item(client: httpx.AsyncClient, item: dict | Conversation) -> list[RequestRecord]:
+    if isinstance(item, dict):
+        return [await stream_request(client, item)]
+    records, body = [await stream_request(client, item.first)], item.first
+    for user in item.later_turns:
+        if not records[-1].ok:          # the conversation cannot go on without its reply
+            break
+        body = item.next_body(body, records[-1].text, user)
+        records.append(await stream_request(client, body))
+    return records
 
 
 async def stream_request(client: httpx.AsyncClient, body: dict) -> RequestRecord:
@@ -225,8 +267,10 @@ def _on_chunk(rec: RequestRecord, chunk, now: float) -> None:
     if "error" in chunk:
         err = chunk["error"]
         raise _StreamError(f"stream error: {err.get('message') if isinstance(err, dict) else err}")
-    if any(_content(c) for c in chunk.get("choices", [])):
+    content = "".join(_content(c) for c in chunk.get("choices", []))
+    if content:
         rec.content_times.append(now)
+        rec.text += content
     usage, tercel = chunk.get("usage"), chunk.get("tercel")
     if isinstance(usage, dict) and _is_int(usage.get("completion_tokens")):
         rec.completion_tokens = usage["completion_tokens"]
@@ -256,7 +300,8 @@ def _short(s: str, n: int = 160) -> str:
 def run_serve_bench(cfg: LoadConfig, prompts: list[list[dict]], done: Container[str] = (),
                     on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """Measure every (concurrency, mode) level not in `done`, in order c1/on, c1/off, c4/on, ...
-    `prompts` (each a list of {"role", "content"} messages) are cycled in order. on_result
+    `prompts` (each a list of {"role", "content"} messages, or a multi-turn BenchPrompt) are
+    cycled in order. on_result
     gets each level's result as it completes; the measured results are returned."""
     if not prompts:
         raise ValueError("run_serve_bench needs at least one prompt")
@@ -287,18 +332,23 @@ async def _run_levels(cfg, model, prompts, levels, on_result) -> list[dict]:
         n = cfg.requests_for(c, len(prompts))
         records = {m: [] for m in modes}
         rounds: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}   # (wall, tok/s)
+        prefix = {m: [0.0, 0.0] for m in modes}        # (hits, queries) in prompt tokens
         for r in range(cfg.repeats):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 if cold and not (cold := await reset_prefix_cache(cfg)):
                     log.warning("%s has no POST /reset_prefix_cache: levels after the first may find "
                                 "their prompts in the prefix cache", cfg.root)
-                bodies = [request_body(cfg, model, prompts[i % len(prompts)], mode) for i in range(n)]
+                bodies = [request_item(cfg, model, prompts[i % len(prompts)], mode) for i in range(n)]
+                before = await prefix_counters(cfg)
                 recs, wall = await run_level(cfg, bodies, c)
+                prefix[mode] = [t + a - b for t, a, b in zip(prefix[mode], await prefix_counters(cfg), before)]
                 records[mode] += recs
                 rounds[mode].append((wall, sum(x.completion_tokens for x in recs if x.ok) / wall))
         for mode in modes:
             walls, tps = zip(*rounds[mode])
+            hits, queries = prefix[mode]
             results.append({**level_result(mode, c, records[mode], sum(walls)), "cold_cache": cold,
+                            "prefix_hit_rate": round(hits / queries, 4) if queries else None,
                             "round_throughput_tok_s": [round(t, 3) for t in tps]})
             if on_result is not None:
                 on_result(results[-1])
@@ -314,15 +364,32 @@ async def reset_prefix_cache(cfg: LoadConfig) -> bool:
             return False
 
 
+async def prefix_counters(cfg: LoadConfig) -> tuple[float, float]:
+    """(prefix-cache hits, queries) in prompt tokens, summed over every series of /metrics."""
+    totals = {"tercel_prefix_cache_hits_total": 0.0, "tercel_prefix_cache_queries_total": 0.0}
+    async with httpx.AsyncClient(base_url=cfg.root, headers=cfg.headers, timeout=30.0) as client:
+        try:
+            text = (await client.get("/metrics")).text
+        except httpx.HTTPError:
+            return 0.0, 0.0
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["tercel_prefix_cache_hits_total"], totals["tercel_prefix_cache_queries_total"]
+
+
 async def _warm_up(cfg: LoadConfig, model: str, messages: list[dict], modes: list[str]) -> None:
     """Unmeasured requests, so one-off costs (kernel compiles, caches) stay out of level one."""
     if cfg.warmup:
-        bodies = [request_body(cfg, model, messages, m) for m in modes for _ in range(cfg.warmup)]
+        bodies = [request_item(cfg, model, messages, m) for m in modes for _ in range(cfg.warmup)]
         await run_level(cfg, bodies, 1)
 
 
-async def run_level(cfg: LoadConfig, bodies: list[dict], concurrency: int) -> tuple[list[RequestRecord], float]:
-    """Send `bodies` with `concurrency` workers (each sends its next body when the last ends).
+async def run_level(cfg: LoadConfig, bodies: list[dict | Conversation],
+                    concurrency: int) -> tuple[list[RequestRecord], float]:
+    """Send `bodies` with `concurrency` workers (each sends its next body, or conversation, when
+    the last ends).
     Returns the records in completion order and the wall time in seconds."""
     records: list[RequestRecord] = []
     pending = iter(bodies)            # shared by the workers; next() never yields to the loop
@@ -331,7 +398,7 @@ async def run_level(cfg: LoadConfig, bodies: list[dict], concurrency: int) -> tu
     async with httpx.AsyncClient(base_url=cfg.root, headers=cfg.headers, limits=limits, timeout=timeout) as client:
         async def worker():
             for body in pending:
-                records.append(await stream_request(client, body))
+                records.extend(await run_item(client, body))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
@@ -377,19 +444,23 @@ def markdown_table(results: list[dict]) -> str:
     concurrency, on the "on" row, when both modes were measured."""
     tput = {(r["mode"], r["concurrency"]): r["throughput_tok_s"] for r in results}
     head = ["mode", "concurrency", "requests", "errors", "throughput tok/s", "TTFT p50/p90/p99 ms",
-            "ITL p50/p90/p99 ms", "speculation on/off throughput"]
+            "ITL p50/p90/p99 ms", "prefix-hit rate", "speculation on/off throughput"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(results, key=lambda r: (r["concurrency"], r["mode"] != "on")):
         on, off = tput.get(("on", r["concurrency"])), tput.get(("off", r["concurrency"]))
         ratio = f"{on / off:.2f}x" if r["mode"] == "on" and on is not None and off else ""
         cells = [r["mode"], r["concurrency"], r["requests"], r["errors"], _fmt(r["throughput_tok_s"]),
-                 _pcts(r["ttft_ms"]), _pcts(r["itl_ms"]), ratio]
+                 _pcts(r["ttft_ms"]), _pcts(r["itl_ms"]), _rate(r.get("prefix_hit_rate")), ratio]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+def _rate(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def _pcts(d: dict) -> str:

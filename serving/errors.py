@@ -4,7 +4,7 @@
 The statuses, all decided before a reply starts (a stream that fails later ends with an
 error event, see serving/streaming.py): 400 a request the server can never run, 401 a
 missing or wrong API key, 404 an unknown model or path, 429 a full queue (Retry-After),
-503 an engine that failed or is stopping. Anything else escapes to serving/middleware.py,
+503 an engine that failed or is stopping, or (behind Ray Serve) a replica that died under the request. Anything else escapes to serving/middleware.py,
 which answers 500.
 """
 from __future__ import annotations
@@ -66,6 +66,13 @@ def queue_full(e: Exception) -> APIError:
 def engine_unavailable(e: Exception) -> APIError:
     """The engine failed the request, or the server is stopping: a 503, not a bare 500."""
     return APIError(503, str(e), type_="server_error", code="engine_unavailable")
+
+
+def replica_lost(e: Exception) -> APIError:
+    """A Ray Serve replica died (or became unreachable) while it ran the request: a 503, as the
+    request may be retried; Ray Serve restarts the replica and routes new requests elsewhere."""
+    return APIError(503, f"the replica running this request was lost; retry it ({type(e).__name__})",
+                    type_="server_error", code="replica_unavailable")
 
 
 def engine_stopped() -> APIError:

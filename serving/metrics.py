@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from spec.stats import EngineStats
 
@@ -71,3 +73,26 @@ class Metrics:
         if st.verify_steps:
             self._recent = (self._recent + [(st.emitted_tokens, st.verify_steps)])[-64:]
             self.mean_accepted.set(sum(e for e, _ in self._recent) / sum(v for _, v in self._recent))
+
+
+def merge_replica_metrics(texts: dict[str, str]) -> bytes:
+    """Several replicas' /metrics (replica id -> Prometheus text) as one exposition, each series
+    with a `replica` label: per replica as scraped, and summed with `sum without (replica)`."""
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text):
+            merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
+            merged.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in fam.samples]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector that yields metric families already built (prometheus_client's interface)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return self.families

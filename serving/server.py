@@ -41,6 +41,19 @@ def add_serve_args(sub) -> None:
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from serving.cluster import add_replica_args
+    add_replica_args(p)
+
+
+def parse_serve_args(argv: list[str]):
+    """`tercel serve` flags as a namespace: how a Ray Serve replica rebuilds its engine's settings."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="tercel serve")
+    add_serve_args(parser.add_subparsers(dest="command"))
+    args, unknown = parser.parse_known_args(["serve", *argv])
+    if unknown:     # a Serve config's typo, named (argparse would exit the replica)
+        raise ValueError(f"not a `tercel serve` flag: {' '.join(unknown)}")
+    return args
 
 
 def engine_config(args):
@@ -77,24 +90,34 @@ def _device_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def run_serve(args) -> int:
-    import uvicorn
-
+def launch_app(args):
+    """The engine (loaded on its own thread) and the app serving it: (EngineBridge, FastAPI).
+    One `tercel serve` process has one; so has each Ray Serve replica (serving/replicas.py)."""
     from serving.app import ServerConfig, build_app
-    from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
     from serving.bridge import EngineBridge, debug_from_env
     from serving.metrics import Metrics
     from spec.engine import LLMEngine
 
-    if args.grace < 0:
-        raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
     bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue,
                                  check_integrity_when_idle=args.log_level == "debug" or debug_from_env())
     names = (args.model, Path(args.model).name)
-    app = build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
+    return bridge, build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
+
+    if args.grace < 0:
+        raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from serving.cluster import run_replicas, uses_ray
+    if uses_ray(args):
+        return run_replicas(args)
+    bridge, app = launch_app(args)
 
     # SIGTERM: uvicorn stops accepting and waits for open requests. sse-starlette would cut
     # streams at once; let them run until the grace is over instead (GracefulServer).

@@ -176,3 +176,15 @@ def test_repeats_alternate_the_mode_order_and_pool_the_rounds(server, monkeypatc
     for r in out:
         assert r["requests"] == 6 and r["errors"] == 0 and r["cold_cache"]
         assert len(r["round_throughput_tok_s"]) == 3 and all(t > 0 for t in r["round_throughput_tok_s"])
+
+
+def test_conversations_send_each_turn_after_the_reply_and_report_prefix_hits(server):
+    """A two-turn BenchPrompt is two requests, the second carrying the first reply; turns under one
+    long system prompt find it cached, so the level's prefix-hit rate is above zero."""
+    from bench.data import BenchPrompt
+    from bench.workloads import SYSTEM_PROMPTS
+    convs = [BenchPrompt("t", str(i), SYSTEM_PROMPTS[0][:400], (f"Question {i}?", "And why?")) for i in range(2)]
+    cfg = LoadConfig(url=server.url, concurrency=(1,), max_tokens=4, modes=("off",), requests_per_level=2, warmup=0)
+    (r,) = run_serve_bench(cfg, convs)
+    assert r["requests"] == 4 and r["errors"] == 0
+    assert 0 < r["prefix_hit_rate"] <= 1
