@@ -10,7 +10,7 @@ alternated; `parallel_from` is the smallest work (rows x keys x query heads) fro
 threads win at that size and every larger one. The choice never changes a row's bits: the
 chunks and the order they merge in are the same either way.
 
-Cached per (CPU model and flags, torch version, threads, heads) under the Tercel cache folder,
+Cached per (CPU model and flags, torch version, threads, heads, kernel source) under the Tercel cache folder,
 beside the matmul timings; `tercel bench kernels` prints the table.
 """
 from __future__ import annotations
@@ -102,7 +102,8 @@ def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 10) -> AttentionTim
 def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False) -> AttentionTimings:
     """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
     are cached; sets hd.parallel_from from them."""
-    key = {"format": FORMAT, **machine_key(), "heads": [hd.nh, hd.nkv, hd.d]}
+    kernels = hashlib.sha256(cpu_ops.SOURCE.read_bytes()).hexdigest()[:16]     # a new kernel is timed anew
+    key = {"format": FORMAT, **machine_key(), "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"attention-{digest}.json" if cache_dir else None
     timings = None
