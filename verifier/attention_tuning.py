@@ -16,8 +16,6 @@ beside the matmul timings; `tercel bench kernels` prints the table.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ import torch
 from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.cpu_forward import row_plan
-from verifier.machine import machine_key
+from verifier.machine import cached_measurement
 
 FORMAT = 1
 KEYS = (32, 64, 128, 256, 512, 1024, 2048)
@@ -103,21 +101,8 @@ def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False) -> At
     """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
     are cached; sets hd.parallel_from from them."""
     kernels = hashlib.sha256(cpu_ops.SOURCE.read_bytes()).hexdigest()[:16]     # a new kernel is timed anew
-    key = {"format": FORMAT, **machine_key(), "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / f"attention-{digest}.json" if cache_dir else None
-    timings = None
-    if path is not None and path.is_file() and not refresh:
-        try:
-            timings = AttentionTimings.from_json(json.loads(path.read_text())["timings"])
-        except (ValueError, KeyError, TypeError):
-            timings = None                    # a damaged cache file is measured again
-    if timings is None:
-        timings = measure(hd)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"key": key, "timings": timings.to_json()}, indent=1))
-            tmp.replace(path)
+    key = {"format": FORMAT, "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
+    timings = cached_measurement(cache_dir, "attention-", key, lambda: measure(hd), AttentionTimings.to_json,
+                                 AttentionTimings.from_json, refresh)
     hd.parallel_from = timings.parallel_from
     return timings

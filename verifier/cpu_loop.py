@@ -13,10 +13,8 @@ fails, `native_layers` returns None and the Python loop runs: slower, the same b
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import weakref
 from pathlib import Path
@@ -25,8 +23,6 @@ import torch
 
 from verifier import cpu_ops
 from verifier.kv_cache import KVCache
-from verifier.loader import cache_root
-from verifier.machine import machine_key
 from verifier.qlinear import QuantLinear
 
 log = logging.getLogger("tercel.cpu_loop")
@@ -63,19 +59,7 @@ def _flags() -> list[str]:
 
 
 def _build() -> Path:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise FileNotFoundError("no C++ compiler (c++ or g++) on PATH")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + version.encode()
-                         + torch.__version__.encode() + machine_key()["flags"].encode()).hexdigest()[:16]
-    out = cache_root() / "cpu_kernels" / f"decode_loop-{key}.so"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        subprocess.run([cxx, str(SOURCE), "-o", str(tmp), *_flags()], check=True, capture_output=True)
-        tmp.replace(out)
-    return out
+    return cpu_ops.compile_library(SOURCE, _flags(), ("CXX", "c++", "g++"), salt=torch.__version__)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -113,6 +97,7 @@ class NativeLayers:
     weights it references for as long as it lives)."""
 
     def __init__(self, lib: ctypes.CDLL, cfg, heads: cpu_ops.Heads, layers) -> None:
+        # The C++ model points at `heads` and at the layers' norm weights: both are kept alive here.
         self._lib, self._heads, self._layers = lib, heads, layers
         fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in ("add_rms_norm", "silu_mul", "attention")]
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
@@ -126,6 +111,7 @@ class NativeLayers:
                                               l.post_eps, bias, specs, err, _ERR), err)
         self._kv: KVCache | None = None
         self._kv_ptrs: tuple[ctypes.Array, ctypes.Array] | None = None
+        self._err = ctypes.create_string_buffer(_ERR)    # one engine thread calls run: one buffer
 
     def _caches(self, kv: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
         if kv is not self._kv:              # the pool is allocated once; its layer pointers with it
@@ -140,11 +126,10 @@ class NativeLayers:
         k_ptrs, v_ptrs = self._caches(kv)
         tapped = sorted(i for i in set(capture_layers) if i < len(self._layers))
         taps = {i: torch.empty_like(x) for i in tapped}
-        tap_layer = (_I * len(tapped))(*tapped)
-        tap_impl = (_I * len(tapped))(*(taps[i]._cdata for i in tapped))
-        err = ctypes.create_string_buffer(_ERR)
+        tap_layer = (_I * len(tapped))(*tapped) if tapped else None
+        tap_impl = (_I * len(tapped))(*(taps[i]._cdata for i in tapped)) if tapped else None
         _check(self._lib.tercel_forward(self._model, ctypes.byref(plan), x.shape[0], x._cdata, k_ptrs, v_ptrs,
-                                        len(tapped), tap_layer, tap_impl, err, _ERR), err)
+                                        len(tapped), tap_layer, tap_impl, self._err, _ERR), self._err)
         return taps
 
 

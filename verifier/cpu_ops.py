@@ -63,17 +63,25 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return compile_library(SOURCE, [*FLAGS, "-lm"], ("CC", "cc", "gcc"))
+
+
+def compile_library(source: Path, args: list[str], compilers: tuple[str, ...], salt: str = "") -> Path:
+    """`source` compiled into a shared library in the Tercel cache, once per (source, `args`,
+    compiler version, CPU flags, `salt`). `compilers`: an environment variable naming one, then
+    the names to look for on PATH. FileNotFoundError without one; CalledProcessError if it fails."""
+    env, *names = compilers
+    cc = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if cc is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+        raise FileNotFoundError(f"no compiler ({' or '.join(names)}) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
-                         + machine_key()["flags"].encode()).hexdigest()[:16]
-    out = cache_root() / "cpu_kernels" / f"decode_ops-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join(args).encode() + version.encode()
+                         + machine_key()["flags"].encode() + salt.encode()).hexdigest()[:16]
+    out = cache_root() / "cpu_kernels" / f"{source.stem}-{key}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True)
+        subprocess.run([cc, str(source), "-o", str(tmp), *args], check=True, capture_output=True)
         tmp.replace(out)
     return out
 

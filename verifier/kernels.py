@@ -19,9 +19,6 @@ prints them.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from verifier.machine import machine_key
+from verifier.machine import cached_measurement
 from verifier.qlinear import DENSE_PATHS, QuantLinear
 
 FORMAT = 5           # 5: probes with several inputs per row count
@@ -170,18 +167,5 @@ def load_or_time(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
                  measure: Callable[[], KernelTimings], refresh: bool = False) -> KernelTimings:
     """This machine's cached timings for this model and these rows, else (or with
     `refresh`) `measure()`'s, which are cached."""
-    key = {"format": FORMAT, **machine_key(), **model_key, "rows": list(rows)}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / f"{digest}.json" if cache_dir else None
-    if path is not None and path.is_file() and not refresh:
-        try:
-            return KernelTimings.from_json(json.loads(path.read_text())["timings"])
-        except (ValueError, KeyError):
-            pass                              # a damaged cache file is measured again
-    timings = measure()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "timings": timings.to_json()}, indent=1))
-        tmp.replace(path)
-    return timings
+    return cached_measurement(cache_dir, "", {"format": FORMAT, **model_key, "rows": list(rows)}, measure,
+                              KernelTimings.to_json, KernelTimings.from_json, refresh)

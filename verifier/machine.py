@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import platform
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -36,3 +39,28 @@ def machine_summary() -> str:
              if f in flags]
     return (f"{info.get('model name', platform.processor())} ({' '.join(shown) or 'no AVX2'}), "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+T = TypeVar("T")
+
+
+def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
+                       to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False) -> T:
+    """What `measure()` found on this machine for `key` (the machine's own key is added), read
+    from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now and
+    written there. A damaged file is measured again."""
+    key = {**key, **machine_key()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"{prefix}{digest}.json" if cache_dir else None
+    if path is not None and path.is_file() and not refresh:
+        try:
+            return from_json(json.loads(path.read_text())["timings"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    result = measure()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "timings": to_json(result)}, indent=1))
+        tmp.replace(path)
+    return result
