@@ -131,10 +131,6 @@ def run_many(client, server, n: int) -> None:
 
 def test_no_jump_forward_reaches_the_engine_config():
     """`tercel serve --no-jump-forward` turns jump-forward off in the engine; it is on by default."""
-    import argparse
-
-    from serving.server import add_serve_args, engine_config
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser.add_subparsers(dest="command"))
-    assert engine_config(parser.parse_args(["serve"])).jump_forward
-    assert not engine_config(parser.parse_args(["serve", "--no-jump-forward"])).jump_forward
+    from serving.server import engine_config, parse_serve_args
+    assert engine_config(parse_serve_args([])).jump_forward
+    assert not engine_config(parse_serve_args(["--no-jump-forward"])).jump_forward
