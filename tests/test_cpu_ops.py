@@ -152,3 +152,50 @@ def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ances
     alone = torch.empty(1, nh * d, dtype=torch.bfloat16)
     cpu_ops.attend(hd, row_plan([SeqInput([0], ctx + 2, table)], block, nh // nkv), q[3:4], kc2, vc2, alone)
     assert torch.equal(in_tree[3], alone[0])
+
+
+def _ints(address: int, n: int) -> list[int]:
+    import ctypes
+    return list((ctypes.c_int64 * n).from_address(address))
+
+
+def test_row_plan_gives_each_row_its_position_slot_and_visible_keys():
+    """A causal chunk after 20 cached tokens and a 4-node tree after 33, in one plan: every
+    row's KV slot, and its key list (the cached prefix then what its mask lets it see), as
+    KV slots in logical order."""
+    from verifier.kv_cache import slots_for
+    bs, chain_table, tree_table = 16, [3, 0, 5], [7, 8, 9]
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    seqs = [SeqInput([1, 2, 3], 20, chain_table),
+            SeqInput([4, 5, 6, 7], 33, tree_table, positions=[33, 34, 34, 35], mask=mask, logits_indices=[0, 1, 2, 3])]
+    plan = row_plan(seqs, bs, group=3)
+    assert (plan.rows, plan.longest) == (7, 37)
+    assert _ints(plan.pos, 7) == [20, 21, 22, 33, 34, 34, 35]
+    assert _ints(plan.slot, 7) == slots_for(chain_table, 20, 23, bs) + slots_for(tree_table, 33, 37, bs)
+    count, start = _ints(plan.count, 7), _ints(plan.start, 7)
+    lists = [_ints(plan.keys + 8 * s, n) for s, n in zip(start, count)]
+    for r in range(3):                         # the chain: its prefix and itself
+        assert lists[r] == slots_for(chain_table, 0, 21 + r, bs)
+    for r in range(4):                         # the tree: its prefix and its ancestors
+        seen = [33 + j for j in range(4) if mask[r, j]]
+        assert lists[3 + r] == slots_for(tree_table, 0, 33, bs) + [slots_for(tree_table, p, p + 1, bs)[0] for p in seen]
+    first, width = _ints(plan.unit_first, plan.units), _ints(plan.unit_width, plan.units)
+    per_unit = cpu_ops.rows_per_unit(3)
+    assert sum(width) == 7 and all(w <= per_unit for w in width)
+    assert [f + w for f, w in zip(first, width)][:-1] == first[1:]      # units cover the rows in order
+    assert 3 in first                                                    # a unit never spans two sequences
+
+
+def test_argmax_is_torchs_first_maximum_and_refuses_nan():
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 63, 64, 65, 1000, 49152):
+        ties = torch.randint(0, 4, (n,), generator=g).float()
+        assert cpu_ops.argmax(ties) == int(ties.argmax())
+    row = torch.full((200,), float("-inf"))
+    assert cpu_ops.argmax(row) == 0
+    row[150] = 1.0
+    assert cpu_ops.argmax(row) == 150
+    for at in (3, 130, 199):                   # a block, then the tail past the last full block
+        bad = torch.randn(200, generator=g)
+        bad[at] = float("nan")
+        assert cpu_ops.argmax(bad) is None

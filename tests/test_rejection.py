@@ -440,7 +440,7 @@ def test_empty_chain_samples_target():
 
 
 def test_greedy_token_is_the_first_argmax():
-    """The chunked argmax returns torch.argmax's index, ties included (the first maximum)."""
+    """The fast argmax (C, or chunked) returns torch.argmax's index, ties included (the first maximum)."""
     from verifier.sampler import greedy_token
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -448,3 +448,5 @@ def test_greedy_token_is_the_first_argmax():
         assert greedy_token(x) == int(x.argmax())
     odd = torch.randn(1000, generator=g)                             # not a multiple of the chunk
     assert greedy_token(odd) == int(odd.argmax())
+    odd[[400, 700]] = float("nan")                                     # torch: the first NaN
+    assert greedy_token(odd) == int(odd.argmax()) == 400

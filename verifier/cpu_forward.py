@@ -18,6 +18,7 @@ fixed tiles for the rest of a prompt (`own=False`, see `verifier.kernels`). One 
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.cpu_loop import NativeLayers
-from verifier.kv_cache import KVCache, slots_for
+from verifier.kv_cache import KVCache
 from verifier.qlinear import QuantLinear
 
 
@@ -33,34 +34,31 @@ def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> cpu_ops.Rows:
     """The rows of one forward as the C kernels read them, built once for all its layers;
     rows are laid out sequence after sequence. `group`: query heads per KV head. A causal
     sequence's rows share one key list (each row reads a prefix of it); a tree's nodes each
-    get their own (the prefix, then the node's ancestors)."""
-    positions, slots, row0, table0, tables, mask0, masks, num_keys = [], [], [], [], [], [], [], 0
-    for s in seqs:
-        row0.append(len(positions))
+    get their own (the prefix, then the node's ancestors). Plain arrays, not tensors: this
+    runs once per forward, and a small torch.tensor costs about 5 us."""
+    b, rows, num_keys = len(seqs), 0, 0
+    info = array("q", bytes(40 * b))            # [5, B]: first row, new tokens, cached, table, mask
+    tables, masks, positions = array("i"), array("B"), []
+    for j, s in enumerate(seqs):
+        info[j], info[b + j], info[2 * b + j], info[3 * b + j] = rows, s.num_new, s.ctx_len, len(tables)
         positions += s.positions if s.positions is not None else range(s.ctx_len, s.kv_len)
-        slots += slots_for(s.block_table, s.ctx_len, s.kv_len, block_size)
-        table0.append(len(tables))
-        tables += s.block_table[:-(-s.kv_len // block_size)]
+        tables.extend(s.block_table[:-(-s.kv_len // block_size)])
         if s.mask is None:
-            mask0.append(-1)
+            info[4 * b + j] = -1
             num_keys += s.kv_len
         else:
-            mask0.append(len(masks))
-            masks += s.mask.to(torch.uint8).flatten().tolist()
+            info[4 * b + j] = len(masks)
+            masks.frombytes(s.mask.to(torch.uint8).numpy().tobytes())
             num_keys += s.num_new * s.kv_len
-    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    t = len(positions)
-    count, start, keys, units = (torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.int64),
-                                 torch.empty(num_keys, dtype=torch.int64), torch.empty(2, t, dtype=torch.int64))
-    n = cpu_ops.row_lists(len(seqs), i64(row0), i64([s.num_new for s in seqs]), i64([s.ctx_len for s in seqs]),
-                          i64(table0), torch.tensor(tables, dtype=torch.int32), i64(mask0),
-                          torch.tensor(masks or [0], dtype=torch.uint8), block_size, cpu_ops.rows_per_unit(group),
-                          count, start, keys, units)
-    positions, slots = i64(positions), i64(slots)
-    rows = cpu_ops.Rows(t, n, max(s.kv_len for s in seqs), positions.data_ptr(), slots.data_ptr(), count.data_ptr(),
-                        start.data_ptr(), keys.data_ptr(), units[0].data_ptr(), units[1].data_ptr())
-    rows.keep = (positions, slots, count, start, keys, units)
-    return rows
+        rows += s.num_new
+    out = array("q", positions)                 # [6, T] then the key lists (see cpu_ops.row_lists)
+    out.frombytes(bytes(8 * (5 * rows + num_keys)))
+    units = cpu_ops.row_lists(info, tables, masks or array("B", b"\0"), block_size, cpu_ops.rows_per_unit(group),
+                              out, rows)
+    pos, slot, count, start, first, width, keys = (out.buffer_info()[0] + 8 * rows * i for i in range(7))
+    plan = cpu_ops.Rows(rows, units, max(s.kv_len for s in seqs), pos, slot, count, start, keys, first, width)
+    plan.keep = out
+    return plan
 
 
 @dataclass(frozen=True)
@@ -124,6 +122,7 @@ def _layers(c, layers: list[CpuLayer], heads: cpu_ops.Heads, plan: cpu_ops.Rows,
         if i in capture_layers:
             taps[i] = x.clone()
         k_cache, v_cache = kv.layer(i)
+        cpu_ops.prefetch_kv(heads, plan, k_cache, v_cache)
         cpu_ops.attention(heads, plan, mm(layer.qkv, h, bias=False), layer.qkv.bias, q, k_cache, v_cache, o)
         cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
         cpu_ops.silu_mul(mm(layer.gate_up, h), a)

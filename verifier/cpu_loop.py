@@ -39,7 +39,7 @@ class LinearSpec(ctypes.Structure):
 
 
 _SIGNATURES = {
-    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P], _P),
+    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P], _P),
     "tercel_model_free": ([_P], None),
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
     "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, ctypes.c_char_p, _I], _I),
@@ -99,7 +99,8 @@ class NativeLayers:
     def __init__(self, lib: ctypes.CDLL, cfg, heads: cpu_ops.Heads, layers) -> None:
         # The C++ model points at `heads` and at the layers' norm weights: both are kept alive here.
         self._lib, self._heads, self._layers = lib, heads, layers
-        fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in ("add_rms_norm", "silu_mul", "attention")]
+        kernels = ("add_rms_norm", "silu_mul", "attention", "prefetch_kv")
+        fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in kernels]
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
                                            cfg.intermediate_size, ctypes.addressof(heads), *fns)
         self._free = weakref.finalize(self, lib.tercel_model_free, self._model)

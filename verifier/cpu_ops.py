@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from array import array
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from verifier.machine import machine_key
+from verifier.machine import l2_cache_bytes, machine_key
 from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
@@ -37,11 +38,13 @@ _SIGNATURES = {
     "rescore_int8": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
     "rope_store": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
     "rows_per_unit": [_I],
-    "row_lists": [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P],
+    "row_lists": [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P],
     "attend": [_P, _P, _P, _P, _P, _P],
     "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
+    "prefetch_kv": [_P, _P, _P, _P],
+    "argmax_f32": [_P, _I],
 }
-_RETURNS = {"row_lists": _I, "rows_per_unit": _I}
+_RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -98,25 +101,33 @@ class Heads(ctypes.Structure):
     """A model's attention heads as the kernels read them (`Heads` in decode_ops.c); it
     keeps the rope tables it points to alive (`keep`). `parallel_from`: the work (rows x
     longest key list x query heads) from which attention runs on all threads; the kernels read
-    it at each call (`verifier.attention_tuning` sets it from a measurement)."""
+    it at each call (`verifier.attention_tuning` sets it from a measurement). `prefetch_bytes`:
+    how much of a layer's KV `prefetch_kv` requests ahead of its attention (a quarter of L2: the
+    qkv weights stream through the rest meanwhile; 0 where the system does not say)."""
     _fields_ = [("nh", _I), ("nkv", _I), ("d", _I), ("scale", _F), ("cos", _P), ("sin", _P),
-                ("parallel_from", _I)]
+                ("parallel_from", _I), ("prefetch_bytes", _I)]
 
 
 class Rows(ctypes.Structure):
     """One forward's rows as the kernels read them (`Rows` in decode_ops.c): int64 arrays of
     each row's RoPE position, the KV slot it writes, its key count and where its key list
     starts in `keys` (KV slots in logical order), and each unit's first row and row count (a
-    unit: rows of one sequence attended together). It keeps the tensors it points to alive
+    unit: rows of one sequence attended together). It keeps the array it points into alive
     (`keep`). Built by `verifier.cpu_forward.row_plan`."""
     _fields_ = [("rows", _I), ("units", _I), ("longest", _I), ("pos", _P), ("slot", _P), ("count", _P),
                 ("start", _P), ("keys", _P), ("unit_first", _P), ("unit_width", _P)]
 
 
 def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor) -> Heads:
-    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM)
+    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM, l2_cache_bytes() // 4)
     hd.keep = (cos, sin_signed)
     return hd
+
+
+def prefetch_kv(hd: Heads, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Request from memory the K and V rows one layer's attention over `rows` reads (up to
+    hd.prefetch_bytes), before the layer's first matmul; changes no result."""
+    _library().prefetch_kv(ctypes.byref(hd), ctypes.byref(rows), k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def rows_per_unit(group: int) -> int:
@@ -160,6 +171,13 @@ def scan_topk(scan: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return out, top
 
 
+def argmax(x: torch.Tensor) -> int | None:
+    """The first index of the largest entry of x (fp32, contiguous, on the CPU), as
+    torch.argmax; None where x holds a NaN."""
+    i = _library().argmax_f32(x.data_ptr(), x.numel())
+    return None if i < 0 else i
+
+
 def embed_int8(ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of the int8 table w = q * scale (q int8 [V, H], scale fp32
     [V, H / g]) -> fp32 [T, H]."""
@@ -191,15 +209,18 @@ def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, 
                           v_cache.data_ptr())
 
 
-def row_lists(nseq: int, row0: torch.Tensor, nnew: torch.Tensor, ctx: torch.Tensor, table0: torch.Tensor,
-              tables: torch.Tensor, mask0: torch.Tensor, masks: torch.Tensor, block_size: int, per_unit: int,
-              count: torch.Tensor, start: torch.Tensor, keys: torch.Tensor, units: torch.Tensor) -> int:
-    """Fill a forward's key lists and units (see `row_lists` in decode_ops.c); units int64
-    [2, T] gets each unit's first row and row count. Returns the units."""
-    return _library().row_lists(nseq, row0.data_ptr(), nnew.data_ptr(), ctx.data_ptr(), table0.data_ptr(),
-                                tables.data_ptr(), mask0.data_ptr(), masks.data_ptr(), block_size, per_unit,
-                                count.data_ptr(), start.data_ptr(), keys.data_ptr(), units[0].data_ptr(),
-                                units[1].data_ptr())
+def row_lists(seqs: array, tables: array, masks: array, block_size: int, per_unit: int, out: array,
+              rows: int) -> int:
+    """Fill a forward's slots, key lists and units (see `row_lists` in decode_ops.c). seqs: int64
+    [5, B] (each sequence's first row, new tokens, cached tokens, first entry in `tables`, first
+    entry in `masks` or -1); tables int32; masks uint8; out int64 [6 T + keys] gets the rows'
+    positions (left as they are), slots, key counts, list starts, the units' first rows and
+    widths, then the key lists. Returns the units."""
+    b, at, o = len(seqs) // 5, seqs.buffer_info()[0], out.buffer_info()[0]
+    seq = [at + 8 * b * i for i in range(5)]
+    pos, slot, count, start, first, width, keys = (o + 8 * rows * i for i in range(7))
+    return _library().row_lists(b, seq[0], seq[1], seq[2], seq[3], tables.buffer_info()[0], seq[4],
+                                masks.buffer_info()[0], block_size, per_unit, slot, count, start, keys, first, width)
 
 
 def attend(hd: Heads, rows: Rows, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

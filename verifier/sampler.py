@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from verifier import cpu_ops
 from verifier.sampling_params import SamplingParams
 
 
@@ -64,10 +65,17 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def greedy_token(logits: torch.Tensor, chunk: int = 128) -> int:
     """argmax of logits [V] (the first index of the largest value, as torch.argmax).
 
-    torch.argmax over a 49k row is a scalar loop, slow enough to matter once per decode step
-    (figures: docs/performance.md, "Sampling"); the maxima of 128-wide chunks are one
-    vectorized reduction, and the first maximum lies in the first chunk holding the largest
-    one."""
+    torch.argmax over a 49k row is a scalar loop, slow enough to matter once per decode step,
+    and torch's vectorized reductions use every thread, which after the step's Python glue
+    first wait for threads that went to sleep (figures: docs/quantization.md). On the CPU the
+    C kernels' serial scan answers; without them (or with a NaN in the row) the maxima of
+    128-wide chunks are one reduction, and the first maximum lies in the first chunk holding
+    the largest one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() \
+            and cpu_ops.available():
+        best = cpu_ops.argmax(logits)
+        if best is not None:
+            return best
     v = logits.shape[0]
     if v % chunk or logits.device.type != "cpu":
         return int(logits.argmax())

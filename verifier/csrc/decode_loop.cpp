@@ -29,6 +29,7 @@ typedef void (*AddRmsNorm)(float *x, const bf16 *y, const float *w, float eps, i
 typedef void (*SiluMul)(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out);
 typedef void (*Attention)(const void *heads, const void *rows, const bf16 *qkv, const float *bias, float *q_ws,
                           bf16 *k_cache, bf16 *v_cache, bf16 *out);
+typedef void (*PrefetchKv)(const void *heads, const void *rows, const bf16 *k_cache, const bf16 *v_cache);
 
 namespace {
 
@@ -60,6 +61,7 @@ struct Model {
     AddRmsNorm add_rms_norm;
     SiluMul silu_mul;
     Attention attention;
+    PrefetchKv prefetch_kv;
     std::vector<Layer> layers;
 };
 
@@ -84,9 +86,11 @@ typedef struct {
 } LinearSpec;
 
 void *tercel_model_new(int64_t num_layers, int64_t hidden, int64_t heads, int64_t head_dim, int64_t inter,
-                       const void *head_table, void *add_rms_norm, void *silu_mul, void *attention) {
+                       const void *head_table, void *add_rms_norm, void *silu_mul, void *attention,
+                       void *prefetch_kv) {
     auto *m = new Model{hidden, heads, head_dim, inter, head_table, reinterpret_cast<AddRmsNorm>(add_rms_norm),
-                        reinterpret_cast<SiluMul>(silu_mul), reinterpret_cast<Attention>(attention), {}};
+                        reinterpret_cast<SiluMul>(silu_mul), reinterpret_cast<Attention>(attention),
+                        reinterpret_cast<PrefetchKv>(prefetch_kv), {}};
     m->layers.resize(num_layers);
     return m;
 }
@@ -132,6 +136,7 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
             m.add_rms_norm(xp, y.defined() ? bits(y) : nullptr, l.in_norm, l.in_eps, t, m.hidden, bits_mut(h));
             for (; tap < num_taps && tap_layer[tap] == static_cast<int64_t>(i); tap++)
                 std::memcpy(tensor_at(tap_impl[tap]).data_ptr(), xp, sizeof(float) * t * m.hidden);
+            m.prefetch_kv(m.head_table, rows, static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]));
             at::Tensor qkv = l.qkv.run(h);
             m.attention(m.head_table, rows, bits(qkv), l.qkv_bias, q.data_ptr<float>(),
                         static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]), bits_mut(o));

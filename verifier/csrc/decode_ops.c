@@ -196,6 +196,37 @@ void scan_topk(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out,
     }
 }
 
+/* The first index of the largest of x[0 .. n), as torch.argmax gives it, or -1 if x holds a NaN
+ * (the caller asks torch then: a NaN counts as the largest there). Serial on purpose: greedy
+ * decoding takes one argmax per row after Python glue, when an OpenMP reduction (torch's)
+ * first waits for its sleeping threads, which cost more than the scan (figures:
+ * docs/quantization.md). Blocks of 64: only a block whose maximum beats the best so far is
+ * looked at entry by entry. */
+int64_t argmax_f32(const float *x, int64_t n) {
+    int64_t best = 0, i = 0;
+    v8i nan = {0};
+    for (; i + 64 <= n; i += 64) {
+        v8f mx = load8(x + i);
+        for (int c = 0; c < 64; c += 8) {
+            v8f f = load8(x + i + c);
+            nan |= f != f;
+            v8i gt = f > mx;
+            mx = (v8f)(((v8i)f & gt) | ((v8i)mx & ~gt));
+        }
+        float top = mx[0];
+        for (int j = 1; j < 8; j++) top = mx[j] > top ? mx[j] : top;
+        if (top > x[best] || i == 0)
+            for (int c = 0; c < 64; c++) best = x[i + c] > x[best] ? i + c : best;
+    }
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return -1;
+        best = x[i] > x[best] ? i : best;
+    }
+    for (int j = 0; j < 8; j++)
+        if (nan[j]) return -1;
+    return best;
+}
+
 /* out[m, top[m, j]] = x[m] . w[top[m, j]] in fp32 for an int8 table w = q * scale (q int8
  * [V, H], scale fp32 [V, H / g], H % 8 == 0, g % 8 == 0): the exact logits of each row's
  * candidates. The k rows are requested from memory before the first is read. */
@@ -492,12 +523,13 @@ static void merge_chunks(const float *part, int64_t chunks, int64_t stride, int6
 
 /* The attention heads of a model (mirrored by verifier.cpu_ops.Heads). parallel_from: the work
  * (rows x longest key list x query heads) from which a forward's attention is spread over the
- * threads, measured at load (verifier/attention_tuning.py); below it one thread is faster. */
+ * threads, measured at load (verifier/attention_tuning.py); below it one thread is faster.
+ * prefetch_bytes: how much of a layer's KV prefetch_kv requests (a quarter of L2). */
 typedef struct {
     int64_t nh, nkv, d;
     float scale;
     const float *cos, *sin;     /* rope tables fp32 [positions, D], sin with its first half negated */
-    int64_t parallel_from;
+    int64_t parallel_from, prefetch_bytes;
 } Heads;
 
 /* The rows of one forward, shared by all its layers (mirrored by verifier.cpu_ops.Rows).
@@ -513,22 +545,26 @@ typedef struct {
 /* Rows a unit holds: its query vectors (rows x the query heads of a KV head) fill QV. */
 int64_t rows_per_unit(int64_t group) { return group >= QV ? 1 : QV / group; }
 
-/* Fill a forward's key lists and units (see Rows) from its sequences. Sequence b: rows
- * [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table tables[tab0[b]...],
+/* Fill a forward's KV slots, key lists and units (see Rows) from its sequences. Sequence b:
+ * rows [row0[b], row0[b] + nnew[b]), ctx[b] cached tokens, block table tables[tab0[b]...],
  * new-token mask masks[msk0[b]...] ([nnew, nnew] uint8; msk0 < 0: causal, and all its rows
- * share one list). keys holds sum over causal sequences of ctx + nnew, over trees of
- * nnew (ctx + nnew); unit_first and unit_width hold up to `rows` entries. Returns the units. */
+ * share one list); its new token r is written at logical position ctx + r. keys holds sum
+ * over causal sequences of ctx + nnew, over trees of nnew (ctx + nnew); unit_first and
+ * unit_width hold up to `rows` entries. Returns the units. */
 int64_t row_lists(int64_t nseq, const int64_t *row0, const int64_t *nnew, const int64_t *ctx, const int64_t *tab0,
                   const int32_t *tables, const int64_t *msk0, const uint8_t *masks, int64_t bs, int64_t per_unit,
-                  int64_t *count, int64_t *start, int64_t *keys, int64_t *unit_first, int64_t *unit_width) {
+                  int64_t *slot, int64_t *count, int64_t *start, int64_t *keys, int64_t *unit_first,
+                  int64_t *unit_width) {
     int64_t u = 0, at = 0;
     for (int64_t b = 0; b < nseq; b++) {
+        const int32_t *table = tables + tab0[b];
+        for (int64_t r = 0; r < nnew[b]; r++) slot[row0[b] + r] = (int64_t)table[(ctx[b] + r) / bs] * bs + (ctx[b] + r) % bs;
         for (int64_t r = 0; r < nnew[b]; r += per_unit, u++) {
             unit_first[u] = row0[b] + r;
             unit_width[u] = nnew[b] - r < per_unit ? nnew[b] - r : per_unit;
         }
         if (msk0[b] < 0) {          /* causal: row r sees the first ctx + r + 1 keys of one list */
-            visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], nnew[b] - 1, NULL, keys + at);
+            visible_slots(table, bs, ctx[b], nnew[b], nnew[b] - 1, NULL, keys + at);
             for (int64_t r = 0; r < nnew[b]; r++) {
                 count[row0[b] + r] = ctx[b] + r + 1;
                 start[row0[b] + r] = at;
@@ -537,7 +573,7 @@ int64_t row_lists(int64_t nseq, const int64_t *row0, const int64_t *nnew, const 
         } else {                    /* a tree: each node its own list (the prefix, then its ancestors) */
             for (int64_t r = 0; r < nnew[b]; r++) {
                 const uint8_t *mask = masks + msk0[b] + r * nnew[b];
-                count[row0[b] + r] = visible_slots(tables + tab0[b], bs, ctx[b], nnew[b], r, mask, keys + at);
+                count[row0[b] + r] = visible_slots(table, bs, ctx[b], nnew[b], r, mask, keys + at);
                 start[row0[b] + r] = at;
                 at += ctx[b] + nnew[b];
             }
@@ -637,6 +673,28 @@ void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache
     }
     free(w.parts);
     free(w.first);
+}
+
+/* Ask the memory system for the K and V rows this layer's attention will read, up to
+ * hd->prefetch_bytes of them: each unit's longest key list, in order (a tree's units share
+ * their prefix, which then comes once per unit). Called before the layer's qkv matmul, so the
+ * lines arrive while its weights stream: the next layers' weights evict a step's KV cache,
+ * and attention would otherwise wait on each of its lines. Results do not change. */
+void prefetch_kv(const Heads *hd, const Rows *rw, const bf16 *k_cache, const bf16 *v_cache) {
+    const int64_t row = hd->nkv * hd->d * (int64_t)sizeof(bf16);    /* one slot's K (or V) bytes */
+    int64_t bytes = hd->prefetch_bytes;
+    for (int64_t u = 0; u < rw->units && bytes > 0; u++) {
+        int64_t t = rw->unit_first[u];
+        for (int64_t r = t; r < rw->unit_first[u] + rw->unit_width[u]; r++) t = rw->count[r] > rw->count[t] ? r : t;
+        const int64_t *list = rw->keys + rw->start[t];
+        for (int64_t i = 0; i < rw->count[t] && bytes > 0; i++, bytes -= 2 * row) {
+            const char *k = (const char *)k_cache + list[i] * row, *v = (const char *)v_cache + list[i] * row;
+            for (int64_t e = 0; e < row; e += 64) {
+                __builtin_prefetch(k + e, 0, 2);
+                __builtin_prefetch(v + e, 0, 2);
+            }
+        }
+    }
 }
 
 /* One layer's attention from its qkv projection: q = rope(q heads) into the workspace
