@@ -4,11 +4,16 @@ The fused attention (`csrc/decode_ops.c:attend`) spreads its work items (chunks 
 KV head's query vectors) over the threads; a small forward runs on the calling thread alone,
 because an OpenMP region costs a few microseconds and a single decode row at a short context
 has only a few items (3 for SmolLM2's 3 KV heads) to share. Where spreading starts to pay
-depends on the machine (cores, SMT, vector width, how busy it is) and on the model's heads,
-so it is timed at load: one row and a 4-row unit at 32 to 2048 keys, on one thread and on all,
-alternated; `parallel_from` is the smallest work (rows x keys x query heads) from which all
-threads win at that size and every larger one. The choice never changes a row's bits: the
-chunks and the order they merge in are the same either way.
+depends on the machine (cores, SMT, vector width, caches, how busy it is) and on the model's
+heads, so it is timed at load: one row and a 4-row unit at 32 to 2048 keys, on one thread and
+on all, alternated; `parallel_from` is the smallest work (rows x keys x query heads) from
+which all threads win at that size and every larger one. The choice never changes a row's
+bits: the chunks and the order they merge in are the same either way.
+
+Each call is timed as a decode step makes it: its KV cold (a step's weights stream through
+the caches between one layer's attention and the next step's), requested by `prefetch_kv`
+just before. Timed hot, back to back, one thread won at every size on a machine where all
+threads were 1.3x faster inside the step at 300 keys.
 
 Cached per (CPU model and flags, torch version, threads, heads, kernel source) under the Tercel cache folder,
 beside the matmul timings; `tercel bench kernels` prints the table.
@@ -26,9 +31,9 @@ import torch
 from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.cpu_forward import row_plan
-from verifier.machine import cached_measurement
+from verifier.machine import cache_bytes, cached_measurement
 
-FORMAT = 1
+FORMAT = 2                   # 2: calls timed with their KV cold (1: hot)
 KEYS = (32, 64, 128, 256, 512, 1024, 2048)
 ROWS = (1, 4)
 NEVER = 1 << 62              # parallel_from when one thread always won
@@ -65,32 +70,51 @@ def choose(serial: dict[tuple[int, int], float], parallel: dict[tuple[int, int],
 
 
 def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator):
-    """Random q and caches for one sequence of `rows` new rows after `keys` - rows cached ones."""
+    """Random q and two sets of caches for one sequence of `rows` new rows after `keys` - rows
+    cached ones: the second set warms everything but the first's KV (see _cold_call)."""
     blocks = -(-keys // _BLOCK)
     seq = SeqInput([0] * rows, keys - rows, list(range(blocks)))
     plan = row_plan([seq], _BLOCK, hd.nh // hd.nkv)
-    k, v = (torch.randn(blocks * _BLOCK, hd.nkv, hd.d, generator=gen).bfloat16() for _ in range(2))
+    caches = [torch.randn(blocks * _BLOCK, hd.nkv, hd.d, generator=gen).bfloat16() for _ in range(4)]
     q = torch.randn(rows, hd.nh, hd.d, generator=gen)
-    return plan, q, k, v, torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
+    return plan, q, caches[:2], caches[2:], torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
 
 
-def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 10) -> AttentionTimings:
-    """Time attend on one thread and on all, alternated per round; medians. Leaves
-    hd.parallel_from as it found it."""
-    gen, saved = torch.Generator().manual_seed(0), hd.parallel_from
+def _evictor() -> torch.Tensor:
+    """A buffer twice the last-level cache (at least 32 MiB): reading it pushes the caches'
+    lines out, as a step's weights do."""
+    return torch.ones(max(2 * cache_bytes(3), 32 << 20) // 4)
+
+
+def _cold_call(hd: cpu_ops.Heads, case, evict: torch.Tensor) -> float:
+    """Microseconds of one prefetch_kv + attend call as a decode step makes it: the caches are
+    flushed, then a call over the second KV set brings back the code, the plan, q and the
+    output (hot in a step: the layer before used them), and the timed call reads the first
+    KV set from memory."""
+    plan, q, (k, v), warm, out = case
+    evict.sum()
+    cpu_ops.attend(hd, plan, q, *warm, out)
+    start = time.perf_counter()
+    cpu_ops.prefetch_kv(hd, plan, k, v)
+    cpu_ops.attend(hd, plan, q, k, v, out)
+    return (time.perf_counter() - start) * 1e6
+
+
+def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 3) -> AttentionTimings:
+    """Time attend on one thread and on all, alternated per round, each call cold; medians.
+    Leaves hd.parallel_from as it found it."""
+    gen, saved, evict = torch.Generator().manual_seed(0), hd.parallel_from, _evictor()
     samples: dict[str, dict[tuple[int, int], list[float]]] = {"serial": {}, "parallel": {}}
     try:
         for rows in ROWS:
             for keys in KEYS:
-                plan, q, k, v, out = _case(hd, rows, keys, gen)
+                case = _case(hd, rows, keys, gen)
                 for _ in range(rounds):
                     for mode, threshold in (("serial", NEVER), ("parallel", 0)):
                         hd.parallel_from = threshold
-                        cpu_ops.attend(hd, plan, q, k, v, out)          # warm: caches, threads
-                        start = time.perf_counter()
-                        for _ in range(calls):
-                            cpu_ops.attend(hd, plan, q, k, v, out)
-                        samples[mode].setdefault((rows, keys), []).append((time.perf_counter() - start) / calls * 1e6)
+                        _cold_call(hd, case, evict)                     # warm: code, threads
+                        samples[mode].setdefault((rows, keys), []).extend(
+                            _cold_call(hd, case, evict) for _ in range(calls))
     finally:
         hd.parallel_from = saved
     med = {m: {c: round(statistics.median(s), 2) for c, s in cells.items()} for m, cells in samples.items()}

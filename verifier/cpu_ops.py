@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from verifier.machine import l2_cache_bytes, machine_key
+from verifier.machine import cache_bytes, machine_key
 from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
@@ -119,7 +119,7 @@ class Rows(ctypes.Structure):
 
 
 def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor) -> Heads:
-    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM, l2_cache_bytes() // 4)
+    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM, cache_bytes(2) // 4)
     hd.keep = (cos, sin_signed)
     return hd
 

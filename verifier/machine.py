@@ -41,11 +41,12 @@ def machine_summary() -> str:
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
-def l2_cache_bytes() -> int:
-    """The first CPU's level-2 cache in bytes (sysfs), 0 where the system does not say."""
+def cache_bytes(level: int) -> int:
+    """The first CPU's cache of `level` (2: its L2, 3: the L3 it shares) in bytes, from sysfs;
+    0 where the system does not say."""
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
-            if (index / "level").read_text().strip() == "2":
+            if (index / "level").read_text().strip() == str(level):
                 size = (index / "size").read_text().strip()
                 units = {"K": 1 << 10, "M": 1 << 20}
                 return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
