@@ -31,7 +31,7 @@ from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOu
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.grammar import GrammarBackend, apply_bitmask
+from verifier.grammar import GrammarBackend, apply_bitmask, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.parallel import open_target
@@ -74,9 +74,13 @@ class SeqPlan:
     forced: bool = False                # draft: the proposal is the grammar's forced tokens (jump-forward)
     # draft: a constrained request's grammar bitmask per sampled row, int32 [rows, W]; None: no grammar
     masks: torch.Tensor | None = None
+    # draft: per sampled row, the one token its mask allows, or -1: the rows with one get no
+    # logits (the target picks that token with probability 1 whatever they are); None: no grammar
+    sole: list[int] | None = None
     first_row: int = 0                  # verify: its first row; it owns rows first_row .. + num_rows
-    # verify: a view of the forward's fp32 logits. [tree nodes, V] for a tree, [1, V] (the last
-    # token) for a plain decode step or a prompt's last chunk, [0, V] mid-prompt.
+    # verify: a view of the forward's fp32 logits, a row per `logit_rows` entry: [tree nodes, V]
+    # for a tree, [1, V] (the last token) for a plain decode step or a prompt's last chunk,
+    # [0, V] mid-prompt; rows whose mask allows one token are left out.
     logits: torch.Tensor | None = None
     accepted: tuple[int, ...] = ()      # accept: a tree's accepted nodes, by depth (node j at slot ctx_len + j)
     # accept: tokens to append: a tree's accepted path + one corrected or bonus token, else one
@@ -91,6 +95,12 @@ class SeqPlan:
     @property
     def request(self) -> Request:
         return self.seq.request
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The sampled rows (tree nodes; 0: a plain step's token) that get logits."""
+        rows = self.proposal.tree.num_nodes if self.proposal is not None else 1
+        return [u for u in range(rows) if self.sole is None or self.sole[u] < 0]
 
     @property
     def num_rows(self) -> int:
@@ -358,6 +368,7 @@ class LLMEngine:
             plan.masks = matcher.mask()
         else:
             plan.proposal, plan.masks = constrain(plan.proposal, matcher)
+        plan.sole = sole_tokens(plan.masks)
 
     def _propose(self, reqs: list[Request]) -> list["Proposal"]:
         """The drafter's trees for reqs, in order; none at all (plain decoding) if it raises."""
@@ -397,10 +408,12 @@ class LLMEngine:
         if plan.proposal is not None:
             tree = plan.proposal.tree       # root at slot `start`, node j at start + j
             return SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
-                            mask=tree.ancestor_mask(), logits_indices=list(range(tree.num_nodes)))
-        # Logits of the last token only; none for a chunk with more of the prompt after it.
+                            mask=tree.ancestor_mask(), logits_indices=plan.logit_rows)
+        # Logits of the last token only; none for a chunk with more of the prompt after it, or
+        # where the grammar allows one token.
+        sampled = not plan.mid_prefill and plan.logit_rows
         return SeqInput(req.token_ids[start:start + plan.seq.num_new_tokens], start, table,
-                        logits_indices=[] if plan.mid_prefill else None)
+                        logits_indices=None if sampled else [])
 
     def _drafter_prefill(self, plans: list[SeqPlan]) -> None:
         """Hand the drafter the prompt chunks the target just ran, for its own KV."""
@@ -425,34 +438,50 @@ class LLMEngine:
         back to the host as ints: at least one device sync per plan."""
         for plan in plans:
             req = plan.request
-            if plan.masks is not None:
-                apply_bitmask(plan.logits, plan.masks)      # in place: the rows of this forward only
+            if plan.masks is not None and plan.logits.shape[0]:
+                # in place: the rows of this forward only
+                apply_bitmask(plan.logits, plan.masks[plan.logit_rows] if -1 in plan.sole else plan.masks)
             if plan.proposal is not None:
-                plan.accepted, plan.tokens = self._accept_proposal(req, plan.proposal, plan.logits)
+                plan.accepted, plan.tokens = self._accept_proposal(req, plan.proposal, plan.logits, plan.sole)
                 if plan.forced:
                     req.spec.forced_tokens += len(plan.accepted)
                 else:
                     self._count(req, plan.proposal, plan.accepted)
+            elif not plan.mid_prefill and plan.sole and plan.sole[0] >= 0:
+                plan.tokens = [plan.sole[0]]                # the grammar allows this one token
             elif not plan.mid_prefill:
                 plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
                                             req.output_token_ids, req.generator)]
 
-    def _accept_proposal(self, req: Request, prop: Proposal,
-                         logits: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
-        """Exact acceptance over the verified tree (logits: [tree nodes, V], raw); returns the
-        accepted tree nodes and the tokens to emit."""
+    def _accept_proposal(self, req: Request, prop: Proposal, logits: torch.Tensor,
+                         sole: list[int] | None) -> tuple[tuple[int, ...], list[int]]:
+        """Exact acceptance over the verified tree (logits: [nodes with logits, V], raw; `sole`:
+        see SeqPlan); returns the accepted tree nodes and the tokens to emit. A node whose
+        grammar allows one token has the one-hot distribution on it, whatever its logits."""
         tree, p = prop.tree, req.params
         prompt, output = req.prompt_token_ids, req.output_token_ids
+        row = list(range(tree.num_nodes))          # node -> its logits row, -1 where it has none
+        if sole is not None:
+            with_logits = [u for u in row if sole[u] < 0]
+            row = [-1] * tree.num_nodes
+            for i, u in enumerate(with_logits):
+                row[u] = i
 
         def node_logits(u: int) -> torch.Tensor:
             # Penalties see every token up to node u: the output so far plus u's path below the root.
-            return apply_penalties(logits[u], p, prompt, output + tree.path_tokens(u)[1:])
+            return apply_penalties(logits[row[u]], p, prompt, output + tree.path_tokens(u)[1:])
+
+        def node_probs(u: int) -> torch.Tensor:
+            if row[u] < 0:
+                one_hot = torch.zeros(logits.shape[-1], device=logits.device)
+                one_hot[sole[u]] = 1.0
+                return one_hot
+            return target_probs(node_logits(u)[None], p)[0]
 
         if p.greedy:
-            result = accept_greedy(tree, lambda u: greedy_token(node_logits(u)))
+            result = accept_greedy(tree, lambda u: sole[u] if row[u] < 0 else greedy_token(node_logits(u)))
         else:
-            result = accept_tree(tree, lambda u: target_probs(node_logits(u)[None], p)[0],
-                                 prop.draft, req.generator)
+            result = accept_tree(tree, node_probs, prop.draft, req.generator)
         return result.accepted, [tree.tokens[j] for j in result.accepted] + [result.token]
 
     @staticmethod

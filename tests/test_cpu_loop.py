@@ -1,6 +1,7 @@
 """The native decode loop (verifier/cpu_loop.py, csrc/decode_loop.cpp) computes what the
-Python loop of verifier/cpu_forward.py computes, bit for bit: logits, tapped hidden states
-and the KV it writes, for decode rows, tree nodes and a prompt's last token in one forward."""
+Python loop of verifier/cpu_forward.py computes, bit for bit: logits (through the final norm
+and the head, which it runs too where the head's table is int8), tapped hidden states and the
+KV it writes, for decode rows, tree nodes and a prompt's last token in one forward."""
 from __future__ import annotations
 
 import pytest
@@ -57,6 +58,7 @@ def test_the_native_loop_is_bitwise_the_python_loop_on_the_int4_gguf(smollm2_dir
     forward, with layers 0, 7 and the last tapped (as EAGLE-3 taps them)."""
     target = TargetModel(str(smollm2_dir), quantization="int4")
     target.allocate_kv(16, BLOCK)
+    assert target._cpu_native.has_head          # its Q8_0 head and final norm run natively too
     _assert_same(_run_both(target, (0, 7, target.config.num_layers)))
 
 

@@ -146,3 +146,47 @@ def test_masking_p_but_not_q_fails_the_same_test(target_dir, other_dir, exact_jo
     p = chi_square_pvalue(counts, exact_joint)
     print(f"unmasked q: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
     assert p < 1e-3
+
+
+def test_rows_the_grammar_decides_get_no_logits(target_dir, monkeypatch):
+    """Under `bz[n-z]+` the grammar decides the first two tokens: plain constrained decoding
+    (no jump-forward, no drafter) asks the target for no logits of those two rows, and still
+    emits them."""
+    from verifier.target import TargetModel
+    asked = []
+    forward = TargetModel.forward
+
+    def spy(self, batch):
+        asked.append([s.sample_indices for s in batch.seqs])
+        return forward(self, batch)
+
+    llm = LLM(str(target_dir), max_model_len=64, num_kv_blocks=64, block_size=4, jump_forward=False)
+    monkeypatch.setattr(TargetModel, "forward", spy)
+    out = llm.generate([PROMPT], [SamplingParams(structured=StructuredOutputs(regex="bz[n-z]+"), temperature=0,
+                                                 max_tokens=3, ignore_eos=True)])[0]
+    assert out.token_ids[:2] == ids("bz") and out.token_ids[2] in THIRD
+    assert asked == [[[]], [[]], [[0]]]     # the prompt (then "b"), "b" (then "z"), "z" (then [n-z])
+
+
+def test_a_row_taken_as_decided_when_it_is_not_fails_the_same_test(target_dir, exact_joint, monkeypatch):
+    """Broken control for the rows without logits: taking a row that allows several tokens
+    as decided (its first allowed token, with probability 1) must fail the chi-square test."""
+    import spec.engine as engine
+    from verifier.grammar import allowed_tokens
+
+    def first_allowed(masks):
+        return [int(row.nonzero()[0]) for row in allowed_tokens(masks, V)]
+
+    monkeypatch.setattr(engine, "sole_tokens", first_allowed)
+    counts, _ = sample_counts(target_dir, None, None)
+    assert chi_square_pvalue(counts, exact_joint) < 1e-3
+
+
+def test_sole_tokens_finds_rows_that_allow_exactly_one_token():
+    from verifier.grammar import sole_tokens
+    masks = torch.zeros(5, 4, dtype=torch.int32)
+    masks[0, 1] = 1 << 5                       # token 37 alone
+    masks[1, 0] = 0b11                         # two tokens
+    masks[2, 3] = -(1 << 31)                   # bit 31 of word 3: token 127 alone
+    masks[3, 0] = masks[3, 2] = 1              # two words
+    assert sole_tokens(masks) == [37, -1, 127, -1, -1]

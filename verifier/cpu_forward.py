@@ -93,15 +93,19 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
                  own: bool = True, native: NativeLayers | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them. With `native` (`verifier.cpu_loop`), sampled
-    rows (`own`) run the layers in one C++ call: the same kernels in the same order."""
+    rows (`own`) run the layers, and where it holds the head the final norm and the head, in one
+    C++ call: the same kernels in the same order."""
     c = net.cfg
     x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
+    logits = None
     if own and native is not None:
-        taps = native.run(plan, x, kv, capture_layers)
+        logits, taps = native.run(plan, x, kv, capture_layers, logits_rows)
     else:
         taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own if own else _planned)
     if c.num_layers in capture_layers:
         taps[c.num_layers] = x
+    if logits is not None:                # the native loop ran the final norm and the head too
+        return logits, taps
     if logits_rows.shape[0] == 0:
         return torch.empty(0, c.vocab_size), taps
     normed = cpu_ops.rms_norm_rows(x, logits_rows, net.model.norm.weight, net.model.norm.eps)

@@ -23,7 +23,7 @@ import torch
 
 from verifier import cpu_ops
 from verifier.kv_cache import KVCache
-from verifier.qlinear import QuantLinear
+from verifier.qlinear import QuantLinear, RescoredHead
 
 log = logging.getLogger("tercel.cpu_loop")
 SOURCE = Path(__file__).parent / "csrc" / "decode_loop.cpp"
@@ -42,7 +42,9 @@ _SIGNATURES = {
     "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P], _P),
     "tercel_model_free": ([_P], None),
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
-    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, ctypes.c_char_p, _I], _I),
+    "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
+                               _I], _I),
+    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, ctypes.c_char_p, _I], _I),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -94,11 +96,12 @@ def _check(status: int, err: ctypes.Array) -> None:
 
 class NativeLayers:
     """The model's layers held by the C++ loop (`layers`: `verifier.cpu_forward.CpuLayer`s, whose
-    weights it references for as long as it lives)."""
+    weights it references for as long as it lives), and its final norm and LM head where the
+    head is a RescoredHead over an int8 table (`has_head`; the default GGUF's)."""
 
-    def __init__(self, lib: ctypes.CDLL, cfg, heads: cpu_ops.Heads, layers) -> None:
+    def __init__(self, lib: ctypes.CDLL, cfg, heads: cpu_ops.Heads, layers, norm=None, head=None) -> None:
         # The C++ model points at `heads` and at the layers' norm weights: both are kept alive here.
-        self._lib, self._heads, self._layers = lib, heads, layers
+        self._lib, self._heads, self._layers, self._norm = lib, heads, layers, norm
         kernels = ("add_rms_norm", "silu_mul", "attention", "prefetch_kv")
         fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in kernels]
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
@@ -110,6 +113,15 @@ class NativeLayers:
             bias = None if l.qkv.bias is None else l.qkv.bias.data_ptr()
             _check(lib.tercel_model_set_layer(self._model, i, l.in_norm.data_ptr(), l.in_eps, l.post_norm.data_ptr(),
                                               l.post_eps, bias, specs, err, _ERR), err)
+        self.has_head = isinstance(head, RescoredHead) and head._c_rescore and norm is not None
+        if self.has_head:
+            self._k, self._vocab = head.RESCORE_K, head.scan.out_features
+            table = head.table
+            fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in ("rms_norm_rows", "scan_topk",
+                                                                              "rescore_int8")]
+            _check(lib.tercel_model_set_head(self._model, norm.weight.data_ptr(), norm.eps, ctypes.byref(_spec(head.scan)),
+                                             table.q._cdata, table.scale._cdata,
+                                             table.embedding_dim // table.scale.shape[1], self._k, *fns, err, _ERR), err)
         self._kv: KVCache | None = None
         self._kv_ptrs: tuple[ctypes.Array, ctypes.Array] | None = None
         self._err = ctypes.create_string_buffer(_ERR)    # one engine thread calls run: one buffer
@@ -121,23 +133,31 @@ class NativeLayers:
             self._kv = kv
         return self._kv_ptrs
 
-    def run(self, plan: cpu_ops.Rows, x: torch.Tensor, kv: KVCache, capture_layers: tuple[int, ...]) -> dict:
+    def run(self, plan: cpu_ops.Rows, x: torch.Tensor, kv: KVCache, capture_layers: tuple[int, ...],
+            logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict]:
         """Every layer over x fp32 [T, H] in place (up to the last residual add, before the final
-        norm) -> taps: layer -> x as that layer sees it, for the layers below the last."""
+        norm) -> (logits fp32 [len(logits_rows), V] of those rows through the final norm and the
+        head, or None: no rows asked, or no head here; taps: layer -> x as that layer sees it,
+        for the layers below the last)."""
         k_ptrs, v_ptrs = self._caches(kv)
         tapped = sorted(i for i in set(capture_layers) if i < len(self._layers))
         taps = {i: torch.empty_like(x) for i in tapped}
         tap_layer = (_I * len(tapped))(*tapped) if tapped else None
         tap_impl = (_I * len(tapped))(*(taps[i]._cdata for i in tapped)) if tapped else None
+        m = 0 if logits_rows is None or not self.has_head else logits_rows.shape[0]
+        logits = torch.empty(m, self._vocab) if m else None
+        top = torch.empty(m, self._k, dtype=torch.int64) if m else None
         _check(self._lib.tercel_forward(self._model, ctypes.byref(plan), x.shape[0], x._cdata, k_ptrs, v_ptrs,
-                                        len(tapped), tap_layer, tap_impl, self._err, _ERR), self._err)
-        return taps
+                                        len(tapped), tap_layer, tap_impl, m, logits_rows.data_ptr() if m else None,
+                                        logits._cdata if m else 0, top._cdata if m else 0, self._err, _ERR), self._err)
+        return logits, taps
 
 
-def native_layers(cfg, heads: cpu_ops.Heads, layers) -> NativeLayers | None:
-    """The C++ loop over `layers`, or None: no compiler, a failed build, or a layer with a bias
-    outside qkv (which the Python loop adds; no Llama-family checkpoint has one)."""
+def native_layers(cfg, heads: cpu_ops.Heads, layers, norm=None, head=None) -> NativeLayers | None:
+    """The C++ loop over `layers` (and `norm` and `head`, see NativeLayers), or None: no
+    compiler, a failed build, or a layer with a bias outside qkv (which the Python loop adds;
+    no Llama-family checkpoint has one)."""
     if any(lin.bias is not None for l in layers for lin in (l.o, l.gate_up, l.down)):
         return None
     lib = _library()
-    return None if lib is None else NativeLayers(lib, cfg, heads, layers)
+    return None if lib is None else NativeLayers(lib, cfg, heads, layers, norm, head)

@@ -155,6 +155,20 @@ class Matcher:
         return allowed.tolist() if allowed.numel() == 1 else []
 
 
+def sole_tokens(masks: torch.Tensor) -> list[int]:
+    """int32 [N, W] bitmasks -> per row, the one token it allows, or -1 (none, or several).
+    Where a row allows one token, the target's masked distribution there is that token with
+    probability 1 whatever the logits: the engine then computes no logits for the row."""
+    nonzero = masks != 0
+    one_word = nonzero.sum(-1) == 1
+    word = nonzero.int().argmax(-1)
+    bits = masks.gather(1, word[:, None])[:, 0]
+    sole = one_word & ((bits & (bits - 1)) == 0)      # one word with a single bit set
+    # bit position: log2 of the isolated bit (int32: bit 31 is the sign; & 0xFFFFFFFF in int64)
+    bit = torch.log2((bits.long() & 0xFFFFFFFF).double()).round().long()
+    return torch.where(sole, word.long() * 32 + bit, -1).tolist()
+
+
 def allows(masks: torch.Tensor, row: int, token: int) -> bool:
     """Bit `token` of mask row `row`."""
     return bool((int(masks[row, token >> 5]) >> (token & 31)) & 1)

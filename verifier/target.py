@@ -107,7 +107,8 @@ class TargetModel:
         if self._cpu_heads is not None:
             self.attention_timings = tune_attention(self._cpu_heads, cache_root() / "kernels", retime_kernels)
         # sampled rows run the layers in one C++ call where it builds (verifier/cpu_loop.py)
-        self._cpu_native = native_layers(self.config, self._cpu_heads, self._cpu_layers) if self._cpu_layers else None
+        self._cpu_native = native_layers(self.config, self._cpu_heads, self._cpu_layers, net.model.norm,
+                                         net.lm_head) if self._cpu_layers else None
         if quantization != "none" and backend not in (None, "torch"):
             raise ValueError(f"quantization {quantization!r} attends with Tercel's CPU kernels, not {backend!r}")
         self.backend = get_backend(backend or ("triton" if self.device.type == "cuda" else "torch"))

@@ -17,11 +17,13 @@
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <vector>
 
 typedef uint16_t bf16;
@@ -30,6 +32,11 @@ typedef void (*SiluMul)(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out);
 typedef void (*Attention)(const void *heads, const void *rows, const bf16 *qkv, const float *bias, float *q_ws,
                           bf16 *k_cache, bf16 *v_cache, bf16 *out);
 typedef void (*PrefetchKv)(const void *heads, const void *rows, const bf16 *k_cache, const bf16 *v_cache);
+typedef void (*RmsNormRows)(const float *x, const int64_t *idx, const float *w, float eps, int64_t rows, int64_t h,
+                            float *out);
+typedef void (*ScanTopk)(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out, int64_t *top);
+typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows,
+                            int64_t k, int64_t h, int64_t g, float *out, int64_t v);
 
 namespace {
 
@@ -55,6 +62,20 @@ struct Layer {
     Linear qkv, o, gate_up, down;
 };
 
+/* The final norm and the LM head as verifier.qlinear.RescoredHead computes them: a quantized
+ * scan of the whole vocabulary picks each row's k candidates, whose logits the int8 table
+ * (q [V, H], scale [V, H / g]) gives exactly. */
+struct Head {
+    const float *norm = nullptr;
+    float eps = 0;
+    Linear scan;
+    at::Tensor q, scale;
+    int64_t g = 0, k = 0, vocab = 0;
+    RmsNormRows rms_norm_rows = nullptr;
+    ScanTopk scan_topk = nullptr;
+    RescoreInt8 rescore = nullptr;
+};
+
 struct Model {
     int64_t hidden, heads, head_dim, inter;
     const void *head_table;         /* decode_ops.c's Heads */
@@ -63,6 +84,7 @@ struct Model {
     Attention attention;
     PrefetchKv prefetch_kv;
     std::vector<Layer> layers;
+    Head head;      /* head.rescore is null until tercel_model_set_head */
 };
 
 const bf16 *bits(const at::Tensor &t) { return static_cast<const bf16 *>(t.data_ptr()); }
@@ -112,12 +134,33 @@ int64_t tercel_model_set_layer(void *model, int64_t i, const float *in_norm, flo
     }
 }
 
+/* The final norm (w, eps) and the head: its scan's weights, the int8 table (TensorImpl
+ * addresses) with g weights per scale, k candidates per row, and decode_ops.c's kernels. */
+int64_t tercel_model_set_head(void *model, const float *norm, float eps, const LinearSpec *scan, int64_t q,
+                              int64_t scale, int64_t g, int64_t k, void *rms_norm_rows, void *scan_topk,
+                              void *rescore, char *err, int64_t cap) {
+    try {
+        Head &hd = static_cast<Model *>(model)->head;
+        hd.norm = norm, hd.eps = eps, hd.g = g, hd.k = k, hd.vocab = scan->n;
+        hd.scan = Linear{scan->kind, tensor_at(scan->w), tensor_at(scan->s), scan->group, scan->n};
+        hd.q = tensor_at(q), hd.scale = tensor_at(scale);
+        hd.rms_norm_rows = reinterpret_cast<RmsNormRows>(rms_norm_rows);
+        hd.scan_topk = reinterpret_cast<ScanTopk>(scan_topk);
+        hd.rescore = reinterpret_cast<RescoreInt8>(rescore);
+        return 0;
+    } catch (const std::exception &e) {
+        return fail(e, err, cap);
+    }
+}
+
 /* Every layer over T rows: x fp32 [T, H] (the embeddings; the residual stream, updated in
  * place, ends after the last layer's residual add, before the final norm). k_cache[i],
  * v_cache[i]: layer i's bf16 caches. taps[j] (fp32 [T, H]) gets x as layer tap_layer[j] sees
- * it, for j < num_taps. */
+ * it, for j < num_taps. With num_logits > 0 (and a head set), logits fp32 [num_logits, V]
+ * and top int64 [num_logits, k] get the head's output for rows logit_rows. */
 int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl, void *const *k_cache,
                        void *const *v_cache, int64_t num_taps, const int64_t *tap_layer, const int64_t *tap_impl,
+                       int64_t num_logits, const int64_t *logit_rows, int64_t logits_impl, int64_t top_impl,
                        char *err, int64_t cap) {
     try {
         c10::InferenceMode guard;
@@ -136,15 +179,32 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
             m.add_rms_norm(xp, y.defined() ? bits(y) : nullptr, l.in_norm, l.in_eps, t, m.hidden, bits_mut(h));
             for (; tap < num_taps && tap_layer[tap] == static_cast<int64_t>(i); tap++)
                 std::memcpy(tensor_at(tap_impl[tap]).data_ptr(), xp, sizeof(float) * t * m.hidden);
-            m.prefetch_kv(m.head_table, rows, static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]));
+            {
+                RECORD_FUNCTION("tercel::prefetch_kv", std::vector<c10::IValue>());
+                m.prefetch_kv(m.head_table, rows, static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]));
+            }
             at::Tensor qkv = l.qkv.run(h);
-            m.attention(m.head_table, rows, bits(qkv), l.qkv_bias, q.data_ptr<float>(),
-                        static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]), bits_mut(o));
+            {
+                RECORD_FUNCTION("tercel::attention", std::vector<c10::IValue>());   /* torch.profiler sees it */
+                m.attention(m.head_table, rows, bits(qkv), l.qkv_bias, q.data_ptr<float>(),
+                            static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]), bits_mut(o));
+            }
             m.add_rms_norm(xp, bits(l.o.run(o)), l.post_norm, l.post_eps, t, m.hidden, bits_mut(h));
             m.silu_mul(bits(l.gate_up.run(h)), t, m.inter, bits_mut(a));
             y = l.down.run(a);
         }
         m.add_rms_norm(xp, y.defined() ? bits(y) : nullptr, nullptr, 0.0f, t, m.hidden, nullptr);
+        if (num_logits > 0) {           /* RescoredHead.forward over the final norm of these rows */
+            const Head &hd = m.head;
+            if (!hd.rescore) throw std::runtime_error("logits asked of a model without its head set");
+            at::Tensor normed = at::empty({num_logits, m.hidden}, at::kFloat), top = tensor_at(top_impl);
+            float *np = normed.data_ptr<float>(), *lp = tensor_at(logits_impl).data_ptr<float>();
+            hd.rms_norm_rows(xp, logit_rows, hd.norm, hd.eps, num_logits, m.hidden, np);
+            at::Tensor scan = hd.scan.run(normed.to(at::kBFloat16));
+            hd.scan_topk(bits(scan), num_logits, hd.vocab, hd.k, lp, top.data_ptr<int64_t>());
+            hd.rescore(np, top.data_ptr<int64_t>(), hd.q.data_ptr<int8_t>(), hd.scale.data_ptr<float>(), num_logits,
+                       hd.k, m.hidden, hd.g, lp, hd.vocab);
+        }
         return 0;
     } catch (const std::exception &e) {
         return fail(e, err, cap);
