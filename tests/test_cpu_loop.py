@@ -78,3 +78,19 @@ def test_a_layer_with_a_bias_outside_qkv_stays_on_the_python_loop(tiny_llama_dir
     layer = target._cpu_layers[0]
     layer.down.bias = torch.nn.Parameter(torch.zeros(layer.down.out_features), requires_grad=False)
     assert native_layers(target.config, target._cpu_heads, target._cpu_layers) is None
+
+
+def test_the_step_clocks_time_a_native_forward_only_while_on(smollm2_dir):
+    """bench/step_profile.py reads matmul and attention time from the loop's own clocks: they
+    add up within the call's time while on, and stay at zero while off."""
+    from verifier.cpu_loop import step_clock
+    target = TargetModel(str(smollm2_dir), quantization="int4")
+    target.allocate_kv(16, BLOCK)
+    prompt = ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3])])
+    step_clock(False)
+    target.forward(prompt)                              # the prompt's last token runs natively
+    assert step_clock(True) == {"matmul": 0.0, "attention": 0.0, "call": 0.0}
+    target.forward(ForwardBatch([SeqInput([7], 40, [0, 1, 2, 3])]))
+    clock = step_clock(False)
+    assert 0 < clock["matmul"] and 0 < clock["attention"]
+    assert clock["matmul"] + clock["attention"] <= clock["call"]

@@ -45,6 +45,7 @@ _SIGNATURES = {
     "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
                                _I], _I),
     "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, ctypes.c_char_p, _I], _I),
+    "tercel_clock": ([_I, ctypes.POINTER(ctypes.c_double)], None),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -151,6 +152,17 @@ class NativeLayers:
                                         len(tapped), tap_layer, tap_impl, m, logits_rows.data_ptr() if m else None,
                                         logits._cdata if m else 0, top._cdata if m else 0, self._err, _ERR), self._err)
         return logits, taps
+
+
+def step_clock(on: bool) -> dict[str, float]:
+    """Seconds the native loop spent, since the last call, in its matmul calls, its attention
+    (with the KV prefetch) and its calls as a whole; the clocks then restart, running if `on`
+    (they cost two clock reads per timed call, so bench/step_profile.py alone turns them on)."""
+    sums = (ctypes.c_double * 3)()
+    lib = _library()
+    if lib is not None:
+        lib.tercel_clock(int(on), sums)
+    return dict(zip(("matmul", "attention", "call"), sums))
 
 
 def native_layers(cfg, heads: cpu_ops.Heads, layers, norm=None, head=None) -> NativeLayers | None:

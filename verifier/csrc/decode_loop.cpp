@@ -20,6 +20,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -40,6 +41,22 @@ typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q,
 
 namespace {
 
+/* Step clocks for bench/step_profile.py, off unless asked: seconds in the matmul calls, in
+ * attention (with its KV prefetch) and in the whole call. A profiler's window and overhead
+ * blur a 6 ms step; these read the same step the wall clock does. */
+bool clock_on = false;
+double clock_sum[3];
+enum { MATMUL, ATTENTION, CALL };
+
+struct Clock {              /* adds the scope's duration to clock_sum[slot] while clock_on */
+    int slot;
+    std::chrono::steady_clock::time_point start;
+    explicit Clock(int s) : slot(s), start(clock_on ? std::chrono::steady_clock::now() : decltype(start)()) {}
+    ~Clock() {
+        if (clock_on) clock_sum[slot] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+};
+
 at::Tensor tensor_at(int64_t impl) {            /* a new reference to a Python tensor's TensorImpl */
     return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::unsafe_reclaim_from_nonowning(
         reinterpret_cast<c10::TensorImpl *>(impl)));
@@ -51,6 +68,7 @@ struct Linear {
     int64_t group = 0, n = 0;   /* n: output features (the int4 packing pads to a multiple of 16) */
 
     at::Tensor run(const at::Tensor &x) const {      /* x bf16 [M, K] -> bf16 [M, n] */
+        Clock clock(MATMUL);
         at::Tensor y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, w, group, s) : at::_weight_int8pack_mm(x, w, s);
         return y.size(1) == n ? y : y.narrow(1, 0, n).contiguous();
     }
@@ -162,6 +180,7 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
                        void *const *v_cache, int64_t num_taps, const int64_t *tap_layer, const int64_t *tap_impl,
                        int64_t num_logits, const int64_t *logit_rows, int64_t logits_impl, int64_t top_impl,
                        char *err, int64_t cap) {
+    Clock clock(CALL);
     try {
         c10::InferenceMode guard;
         const Model &m = *static_cast<Model *>(model);
@@ -181,11 +200,13 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
                 std::memcpy(tensor_at(tap_impl[tap]).data_ptr(), xp, sizeof(float) * t * m.hidden);
             {
                 RECORD_FUNCTION("tercel::prefetch_kv", std::vector<c10::IValue>());
+                Clock clock(ATTENTION);
                 m.prefetch_kv(m.head_table, rows, static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]));
             }
             at::Tensor qkv = l.qkv.run(h);
             {
                 RECORD_FUNCTION("tercel::attention", std::vector<c10::IValue>());   /* torch.profiler sees it */
+                Clock clock(ATTENTION);
                 m.attention(m.head_table, rows, bits(qkv), l.qkv_bias, q.data_ptr<float>(),
                             static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]), bits_mut(o));
             }
@@ -209,6 +230,13 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
     } catch (const std::exception &e) {
         return fail(e, err, cap);
     }
+}
+
+/* The step clocks (see Clock): out[0..3) gets their sums, which then restart from zero; `on`
+ * turns them on or off. */
+void tercel_clock(int64_t on, double *out) {
+    for (int i = 0; i < 3; i++) out[i] = clock_sum[i], clock_sum[i] = 0;
+    clock_on = on != 0;
 }
 
 }  // extern "C"
