@@ -190,3 +190,22 @@ def test_sole_tokens_finds_rows_that_allow_exactly_one_token():
     masks[2, 3] = -(1 << 31)                   # bit 31 of word 3: token 127 alone
     masks[3, 0] = masks[3, 2] = 1              # two words
     assert sole_tokens(masks) == [37, -1, 127, -1, -1]
+
+
+def test_the_c_bitmask_masks_what_the_torch_one_masks(monkeypatch):
+    """verifier.grammar.apply_bitmask's C path against its torch path, a vocabulary that is not
+    a multiple of 32 included."""
+    from verifier import cpu_ops, grammar
+    g = torch.Generator().manual_seed(2)
+    for v in (49152, 1000):
+        masks = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, (v + 31) // 32), dtype=torch.int32, generator=g)
+        masks[0] = -1                                   # all allowed
+        masks[1, :5] = 0                                # none of the first 160
+        logits = torch.randn(3, v, generator=g)
+        fast = logits.clone()
+        grammar.apply_bitmask(fast, masks)
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
+        slow = logits.clone()
+        grammar.apply_bitmask(slow, masks)
+        monkeypatch.undo()
+        assert torch.equal(fast, slow)

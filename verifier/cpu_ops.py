@@ -43,6 +43,7 @@ _SIGNATURES = {
     "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
     "prefetch_kv": [_P, _P, _P, _P],
     "argmax_f32": [_P, _I],
+    "apply_bitmask": [_P, _P, _I, _I],
 }
 _RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
@@ -176,6 +177,12 @@ def argmax(x: torch.Tensor) -> int | None:
     torch.argmax; None where x holds a NaN."""
     i = _library().argmax_f32(x.data_ptr(), x.numel())
     return None if i < 0 else i
+
+
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """logits fp32 [N, V] (contiguous, CPU) = -inf where the int32 bitmasks [N, ceil(V / 32)]
+    (contiguous) have a zero bit, in place."""
+    _library().apply_bitmask(logits.data_ptr(), masks.data_ptr(), logits.shape[0], logits.shape[1])
 
 
 def embed_int8(ids: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import re
 import threading
 
+import numpy as np
 import torch
 
+from verifier import cpu_ops
 from verifier.structured import StructuredOutputs
 
 # JSON from a schema or json_object: no free whitespace between tokens. A small model let
@@ -156,17 +158,17 @@ class Matcher:
 
 
 def sole_tokens(masks: torch.Tensor) -> list[int]:
-    """int32 [N, W] bitmasks -> per row, the one token it allows, or -1 (none, or several).
-    Where a row allows one token, the target's masked distribution there is that token with
-    probability 1 whatever the logits: the engine then computes no logits for the row."""
-    nonzero = masks != 0
-    one_word = nonzero.sum(-1) == 1
-    word = nonzero.int().argmax(-1)
-    bits = masks.gather(1, word[:, None])[:, 0]
-    sole = one_word & ((bits & (bits - 1)) == 0)      # one word with a single bit set
-    # bit position: log2 of the isolated bit (int32: bit 31 is the sign; & 0xFFFFFFFF in int64)
-    bit = torch.log2((bits.long() & 0xFFFFFFFF).double()).round().long()
-    return torch.where(sole, word.long() * 32 + bit, -1).tolist()
+    """int32 [N, W] bitmasks (on the CPU, where xgrammar fills them) -> per row, the one token
+    it allows, or -1 (none, or several). Where a row allows one token, the target's masked
+    distribution there is that token with probability 1 whatever the logits: the engine then
+    computes no logits for the row. Row by row in numpy: a few microseconds, where the same in
+    torch ops cost 0.3 ms a step."""
+    out = []
+    for row in masks.numpy():
+        words = np.flatnonzero(row)
+        bits = int(row[words[0]]) & 0xFFFFFFFF if len(words) == 1 else 0
+        out.append(int(words[0]) * 32 + bits.bit_length() - 1 if bits and not bits & (bits - 1) else -1)
+    return out
 
 
 def allows(masks: torch.Tensor, row: int, token: int) -> bool:
@@ -181,7 +183,12 @@ def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor) -> None:
-    """logits fp32 [N, V] (a row per mask row): disallowed entries -> -inf, in place."""
+    """logits fp32 [N, V] (a row per mask row): disallowed entries -> -inf, in place. On the
+    CPU one C call (`cpu_ops.apply_bitmask`; torch's ops took 0.3 ms a step), elsewhere torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() \
+            and cpu_ops.available():
+        cpu_ops.apply_bitmask(logits, masks.contiguous())
+        return
     allowed = allowed_tokens(masks.to(logits.device), logits.shape[-1])
     with torch.inference_mode():        # the forward's logits are inference tensors
         logits.masked_fill_(~allowed, float("-inf"))

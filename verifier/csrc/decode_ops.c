@@ -227,6 +227,23 @@ int64_t argmax_f32(const float *x, int64_t n) {
     return best;
 }
 
+/* logits fp32 [rows, v] = -inf where the row's bitmask (int32 [rows, ceil(v / 32)], bit j of
+ * word i: token 32 i + j allowed) has a zero bit: a grammar's mask, applied in place. */
+void apply_bitmask(float *logits, const int32_t *mask, int64_t rows, int64_t v) {
+    const int64_t words = (v + 31) / 32;
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = logits + r * v;
+        const uint32_t *m = (const uint32_t *)mask + r * words;
+        for (int64_t i = 0; i < words; i++) {
+            const uint32_t w = m[i];
+            const int64_t n = v - 32 * i < 32 ? v - 32 * i : 32;
+            if (w == 0xFFFFFFFFu && n == 32) continue;
+            for (int64_t j = 0; j < n; j++)
+                if (!((w >> j) & 1u)) x[32 * i + j] = -INFINITY;
+        }
+    }
+}
+
 /* out[m, top[m, j]] = x[m] . w[top[m, j]] in fp32 for an int8 table w = q * scale (q int8
  * [V, H], scale fp32 [V, H / g], H % 8 == 0, g % 8 == 0): the exact logits of each row's
  * candidates. The k rows are requested from memory before the first is read. */
