@@ -440,9 +440,9 @@ class LLMEngine:
             req = plan.request
             if plan.masks is not None and plan.logits.shape[0]:
                 # in place: the rows of this forward only
-                apply_bitmask(plan.logits, plan.masks[plan.logit_rows] if -1 in plan.sole else plan.masks)
+                apply_bitmask(plan.logits, plan.masks[plan.logit_rows])
             if plan.proposal is not None:
-                plan.accepted, plan.tokens = self._accept_proposal(req, plan.proposal, plan.logits, plan.sole)
+                plan.accepted, plan.tokens = self._accept_proposal(req, plan)
                 if plan.forced:
                     req.spec.forced_tokens += len(plan.accepted)
                 else:
@@ -453,19 +453,16 @@ class LLMEngine:
                 plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
                                             req.output_token_ids, req.generator)]
 
-    def _accept_proposal(self, req: Request, prop: Proposal, logits: torch.Tensor,
-                         sole: list[int] | None) -> tuple[tuple[int, ...], list[int]]:
-        """Exact acceptance over the verified tree (logits: [nodes with logits, V], raw; `sole`:
-        see SeqPlan); returns the accepted tree nodes and the tokens to emit. A node whose
-        grammar allows one token has the one-hot distribution on it, whatever its logits."""
+    def _accept_proposal(self, req: Request, plan: SeqPlan) -> tuple[tuple[int, ...], list[int]]:
+        """Exact acceptance over the plan's verified tree (plan.logits: a raw row per
+        plan.logit_rows node); returns the accepted tree nodes and the tokens to emit. A node
+        whose grammar allows one token (plan.sole) has the one-hot distribution on it."""
+        prop, logits, sole = plan.proposal, plan.logits, plan.sole
         tree, p = prop.tree, req.params
         prompt, output = req.prompt_token_ids, req.output_token_ids
-        row = list(range(tree.num_nodes))          # node -> its logits row, -1 where it has none
-        if sole is not None:
-            with_logits = [u for u in row if sole[u] < 0]
-            row = [-1] * tree.num_nodes
-            for i, u in enumerate(with_logits):
-                row[u] = i
+        row = [-1] * tree.num_nodes                 # node -> its logits row, -1 where it has none
+        for i, u in enumerate(plan.logit_rows):
+            row[u] = i
 
         def node_logits(u: int) -> torch.Tensor:
             # Penalties see every token up to node u: the output so far plus u's path below the root.

@@ -90,6 +90,11 @@ def _spec(lin: QuantLinear) -> LinearSpec:
     return LinearSpec(8, q._cdata, scale._cdata, 0, lin.out_features)
 
 
+def _kernels(*names: str) -> list[ctypes.c_void_p]:
+    """The fused C kernels' addresses (verifier.cpu_ops's library), for the loop to call."""
+    return [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in names]
+
+
 def _check(status: int, err: ctypes.Array) -> None:
     if status:
         raise RuntimeError(f"native decode loop: {err.value.decode(errors='replace')}")
@@ -103,10 +108,9 @@ class NativeLayers:
     def __init__(self, lib: ctypes.CDLL, cfg, heads: cpu_ops.Heads, layers, norm=None, head=None) -> None:
         # The C++ model points at `heads` and at the layers' norm weights: both are kept alive here.
         self._lib, self._heads, self._layers, self._norm = lib, heads, layers, norm
-        kernels = ("add_rms_norm", "silu_mul", "attention", "prefetch_kv")
-        fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in kernels]
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
-                                           cfg.intermediate_size, ctypes.addressof(heads), *fns)
+                                           cfg.intermediate_size, ctypes.addressof(heads),
+                                           *_kernels("add_rms_norm", "silu_mul", "attention", "prefetch_kv"))
         self._free = weakref.finalize(self, lib.tercel_model_free, self._model)
         err = ctypes.create_string_buffer(_ERR)
         for i, l in enumerate(layers):
@@ -118,11 +122,10 @@ class NativeLayers:
         if self.has_head:
             self._k, self._vocab = head.RESCORE_K, head.scan.out_features
             table = head.table
-            fns = [ctypes.cast(getattr(cpu_ops._library(), n), _P) for n in ("rms_norm_rows", "scan_topk",
-                                                                              "rescore_int8")]
             _check(lib.tercel_model_set_head(self._model, norm.weight.data_ptr(), norm.eps, ctypes.byref(_spec(head.scan)),
                                              table.q._cdata, table.scale._cdata,
-                                             table.embedding_dim // table.scale.shape[1], self._k, *fns, err, _ERR), err)
+                                             table.embedding_dim // table.scale.shape[1], self._k,
+                                             *_kernels("rms_norm_rows", "scan_topk", "rescore_int8"), err, _ERR), err)
         self._kv: KVCache | None = None
         self._kv_ptrs: tuple[ctypes.Array, ctypes.Array] | None = None
         self._err = ctypes.create_string_buffer(_ERR)    # one engine thread calls run: one buffer

@@ -104,6 +104,19 @@ static inline float sum8(v8f a) {      /* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
+/* Lane by lane, b where it is larger than a, else a (a NaN in b is never taken). */
+static inline v8f max8v(v8f a, v8f b) {
+    v8i gt = b > a;
+    return (v8f)(((v8i)b & gt) | ((v8i)a & ~gt));
+}
+
+/* The largest lane of a, the first of equal ones (lanes in order). */
+static inline float max8(v8f a) {
+    float m = a[0];
+    for (int j = 1; j < 8; j++) m = a[j] > m ? a[j] : m;
+    return m;
+}
+
 /* lane j of the result = sum8(a[j]): three rounds of adding interleaved halves */
 static inline v8f sum8x8(const v8f a[8]) {
     const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
@@ -184,12 +197,9 @@ void scan_topk(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out,
             for (int c = 0; c < 64; c += 8) {
                 v8f f = load_bf16x8(x + i + c);
                 store8(y + i + c, f);
-                v8i gt = f > mx;
-                mx = (v8f)(((v8i)f & gt) | ((v8i)mx & ~gt));
+                mx = max8v(mx, f);
             }
-            float top8 = mx[0];
-            for (int j = 1; j < 8; j++) top8 = mx[j] > top8 ? mx[j] : top8;
-            if (top8 > best[low])
+            if (max8(mx) > best[low])
                 for (int c = 0; c < 64; c++) offer(y[i + c], i + c, best, idx, k, &low);
         }
         for (; i < v; i++) offer(y[i] = bf16_to_f32(x[i]), i, best, idx, k, &low);
@@ -210,12 +220,9 @@ int64_t argmax_f32(const float *x, int64_t n) {
         for (int c = 0; c < 64; c += 8) {
             v8f f = load8(x + i + c);
             nan |= f != f;
-            v8i gt = f > mx;
-            mx = (v8f)(((v8i)f & gt) | ((v8i)mx & ~gt));
+            mx = max8v(mx, f);
         }
-        float top = mx[0];
-        for (int j = 1; j < 8; j++) top = mx[j] > top ? mx[j] : top;
-        if (top > x[best] || i == 0)
+        if (max8(mx) > x[best] || i == 0)
             for (int c = 0; c < 64; c++) best = x[i + c] > x[best] ? i + c : best;
     }
     for (; i < n; i++) {
@@ -451,13 +458,8 @@ static inline int row_block(const Item *it, int r0) {
 static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
     v8f mv = load8(sc);                  /* a short last group's pads are copies of a visible key */
-    for (int64_t i = 8; i < cnt; i += 8) {
-        v8f s = load8(sc + i);
-        v8i gt = s > mv;
-        mv = (v8f)(((v8i)s & gt) | ((v8i)mv & ~gt));
-    }
-    float m = mv[0];
-    for (int j = 1; j < 8; j++) m = mv[j] > m ? mv[j] : m;
+    for (int64_t i = 8; i < cnt; i += 8) mv = max8v(mv, load8(sc + i));
+    float m = max8(mv);
     v8f total = {0};
     for (int64_t i = 0; i < cnt; i += 8) {
         v8f e = (v8f)((v8i)exp_neg8(load8(sc + i) - m) & (lane + (int32_t)i < (int32_t)cnt));
