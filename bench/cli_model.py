@@ -36,9 +36,10 @@ def kernels_report(model: str, mode: str, args) -> str:
     t = target.kernel_timings
     if t is None:
         return f"quantization {target.quantization}: dense weights, no kernel choice to make"
-    exact, plan = target.quantization, target.kernel_plan
+    plan = target.kernel_plan
+    exact = plan.own            # the sampled rows' kernel
     paths = list(t.ms)
-    lines = [f"quantization {exact}: decoder matmuls of one forward, ms (the LM head is not included)", "",
+    lines = [f"quantization {target.quantization}: decoder matmuls of one forward, ms (the LM head is not included)", "",
              "| rows | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
     for m in t.rows:
         lines.append(f"| {m} | " + " | ".join("-" if t.ms[p].get(m) is None else f"{t.ms[p][m]:.2f}"

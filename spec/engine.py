@@ -153,8 +153,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
         self.drafter = None
-        timings = self.target.kernel_timings      # decode rows run on the quantization's own kernel
-        self.adaptive = AdaptiveController(config.adaptive, timings.rows_before_cliff(self.target.quantization)
+        timings = self.target.kernel_timings      # decode rows run on the plan's own kernel
+        self.adaptive = AdaptiveController(config.adaptive, timings.rows_before_cliff(self.target.kernel_plan.own)
                                            if timings is not None else None)
         self._spec_on = False
         self._draft_cap: int | None = None    # draft nodes per request this step (None: no cap)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from verifier import cpu_ops
 from verifier.gguf_quant import read_block_tensor
 from verifier.kernels import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
 from verifier.qlinear import QuantEmbedding, QuantLinear, served_weights
@@ -73,11 +74,13 @@ def test_every_path_computes_the_served_weights(kind):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "q4x16", "int8"])
 def test_own_kernel_rows_are_batch_invariant(kind):
     """A row alone and inside 2-, 5-, 8- and 16-row calls: bitwise the same on the weight's own
-    kernel (the property T=0 speculation relies on)."""
-    lin, _ = _linear(kind, n=576, k=576)
+    kernels (the property T=0 speculation relies on)."""
+    lin, _ = _linear("int8" if kind == "int8" else "int4", n=576, k=576)
+    if kind not in lin.own_paths():
+        pytest.skip(f"{kind} is not offered on this machine")
     x = torch.randn(16, 576)
     alone = lin.run(kind, x[3:4])
     for m in (2, 5, 8, 16):
@@ -116,10 +119,11 @@ def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_pa
                                           "bf16": {1: 3.0, 8: 3.5, 32: 5.0, 64: 9.0},
                                           "fp32": {1: 5.0, 8: 6.0, 32: 12.0, 64: 20.0}},
                          {"int4": [0], "bf16": [32, 64], "fp32": [0]})
-    assert fake.plan("int4") == KernelPlan("bf16", 64)          # 9/64 per row beats 5/32 and 20/64
+    assert fake.plan(("int4",)) == KernelPlan("bf16", 64, "int4")          # 9/64 per row beats 5/32 and 20/64
     no_bf16 = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": [0]})
-    assert no_bf16.plan("int4") == KernelPlan("fp32", 0)
-    assert KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": []}).plan("int4") == KernelPlan("int4")
+    assert no_bf16.plan(("int4",)) == KernelPlan("fp32", 0, "int4")
+    none_dense = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": []})
+    assert none_dense.plan(("int4",)) == KernelPlan("int4", 0, "int4")
     calls = []
     measure = lambda: calls.append(1) or fake  # noqa: E731
     first = load_or_time((1, 8, 64), {"model": "m"}, tmp_path, measure)
@@ -131,13 +135,31 @@ def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_pa
     assert len(calls) == 2
 
 
+def test_sampled_rows_take_the_own_kernel_with_the_lowest_total_up_to_8_rows():
+    """Sampled rows: the row-invariant own kernel cheapest over 1 to 8 rows, though slower at
+    one count; a kernel that failed the probe, or was not timed at every count, is not chosen.
+    The other own kernel serves no prompt rows (its weights are dropped)."""
+    rows = (1, 2, 4, 8, 64)
+    ms = {"int4": {1: 4.0, 2: 5.0, 4: 7.0, 8: 14.0, 64: 40.0}, "q4x16": {1: 4.5, 2: 4.6, 4: 5.0, 8: 8.0, 64: 30.0},
+          "bf16": {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0, 64: 60.0}}
+    t = KernelTimings(rows, ms, {"int4": [0], "q4x16": [0], "bf16": []})
+    assert t.plan(("int4", "q4x16")) == KernelPlan("q4x16", 0, "q4x16")
+    probe_failed = KernelTimings(rows, ms, {"int4": [0], "q4x16": [32], "bf16": []})
+    assert probe_failed.plan(("int4", "q4x16")) == KernelPlan("int4", 0, "int4")
+    untimed = KernelTimings(rows, {**ms, "q4x16": {**ms["q4x16"], 8: None}}, {"int4": [0], "q4x16": [0], "bf16": []})
+    assert untimed.plan(("int4", "q4x16")).own == "int4"
+    assert KernelTimings(rows, ms, {"int4": [0], "q4x16": [0], "bf16": [0]}).plan(("int4", "q4x16")) \
+        == KernelPlan("q4x16", 0, "q4x16")          # bf16 64 rows cost 60 > 30: not the bulk path either
+
+
 def test_timing_and_invariance_probe_on_real_kernels():
-    """The int4 kernel is row-invariant from one row; a far-behind path is not timed on."""
+    """The int4 kernels are row-invariant from one row; a far-behind path is not timed on."""
     lin, _ = _linear("int4")
     lin.add_dense("fp32")
     measured = time_paths([lin], (1, 2), repeats=1)
-    assert set(measured.ms) == {"int4", "fp32"} and all(measured.ms["int4"][m] > 0 for m in (1, 2))
-    assert measured.tiles["int4"] == [0]
+    owns = {"int4", "q4x16"} if cpu_ops.q4_isa() else {"int4"}
+    assert set(measured.ms) == owns | {"fp32"} and all(measured.ms[p][m] > 0 for p in owns for m in (1, 2))
+    assert all(measured.tiles[p] == [0] for p in owns)
     assert measured.rows_before_cliff("int4") is None
 
 

@@ -32,14 +32,14 @@ _ERR = 512                      # bytes for a C++ exception's message
 
 
 class LinearSpec(ctypes.Structure):
-    """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): kind 4 (int4:
-    packed weight, group, bf16 scale_zero) or 8 (int8: q, bf16 scale), tensors as TensorImpl
-    addresses, n the output features."""
+    """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): kind 4 (torch's
+    int4: packed weight, group, bf16 scale_zero), 16 (q4x16: the packed weight alone) or 8
+    (int8: q, bf16 scale), tensors as TensorImpl addresses, n the output features."""
     _fields_ = [("kind", _I), ("w", _I), ("s", _I), ("group", _I), ("n", _I)]
 
 
 _SIGNATURES = {
-    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P], _P),
+    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P], _P),
     "tercel_model_free": ([_P], None),
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
     "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
@@ -62,7 +62,7 @@ def _flags() -> list[str]:
 
 
 def _build() -> Path:
-    return cpu_ops.compile_library(SOURCE, _flags(), ("CXX", "c++", "g++"), salt=torch.__version__)
+    return cpu_ops.compile_library([SOURCE], _flags(), ("CXX", "c++", "g++"), salt=torch.__version__)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -83,7 +83,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _spec(lin: QuantLinear) -> LinearSpec:
-    if lin.kind == "int4":
+    if lin.own == "q4x16":
+        packed, n = lin.own_mm[1]
+        return LinearSpec(16, packed._cdata, 0, 0, n)
+    if lin.own == "int4":
         packed, group, scale_zero = lin.own_mm[1]
         return LinearSpec(4, packed._cdata, scale_zero._cdata, group, lin.out_features)
     q, scale = lin.own_mm[1]
@@ -110,7 +113,8 @@ class NativeLayers:
         self._lib, self._heads, self._layers, self._norm = lib, heads, layers, norm
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
                                            cfg.intermediate_size, ctypes.addressof(heads),
-                                           *_kernels("add_rms_norm", "silu_mul", "attention", "prefetch_kv"))
+                                           *_kernels("add_rms_norm", "silu_mul", "attention", "prefetch_kv",
+                                                    "q4_matmul"))
         self._free = weakref.finalize(self, lib.tercel_model_free, self._model)
         err = ctypes.create_string_buffer(_ERR)
         for i, l in enumerate(layers):

@@ -1,4 +1,5 @@
-"""The fused CPU kernels of `csrc/decode_ops.c`, built on first use and called through ctypes.
+"""The fused CPU kernels of `csrc/decode_ops.c` and Tercel's int4 matmul (`csrc/q4_matmul.c`),
+built on first use into one library and called through ctypes.
 
 The library is compiled for the machine it runs on (`cc -O3 -march=native`, under half a
 second) into the Tercel cache, keyed by the source, the compiler and the CPU's flags, and
@@ -26,7 +27,7 @@ from verifier.machine import cache_bytes, machine_key
 from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
-SOURCE = Path(__file__).parent / "csrc" / "decode_ops.c"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_ops.c", "q4_matmul.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -44,8 +45,12 @@ _SIGNATURES = {
     "prefetch_kv": [_P, _P, _P, _P],
     "argmax_f32": [_P, _I],
     "apply_bitmask": [_P, _P, _I, _I],
+    "q4_matmul": [_P, _I, _I, _P, _I, _P],
+    "q4_matmul_ref": [_P, _I, _I, _P, _I, _P],
+    "q4_isa": [],
 }
-_RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I}
+_RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
+            "q4_isa": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -67,11 +72,11 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _build() -> Path:
-    return compile_library(SOURCE, [*FLAGS, "-lm"], ("CC", "cc", "gcc"))
+    return compile_library(SOURCES, [*FLAGS, "-lm"], ("CC", "cc", "gcc"))
 
 
-def compile_library(source: Path, args: list[str], compilers: tuple[str, ...], salt: str = "") -> Path:
-    """`source` compiled into a shared library in the Tercel cache, once per (source, `args`,
+def compile_library(sources: list[Path], args: list[str], compilers: tuple[str, ...], salt: str = "") -> Path:
+    """`sources` compiled into one shared library in the Tercel cache, once per (sources, `args`,
     compiler version, CPU flags, `salt`). `compilers`: an environment variable naming one, then
     the names to look for on PATH. FileNotFoundError without one; CalledProcessError if it fails."""
     env, *names = compilers
@@ -79,13 +84,13 @@ def compile_library(source: Path, args: list[str], compilers: tuple[str, ...], s
     if cc is None:
         raise FileNotFoundError(f"no compiler ({' or '.join(names)}) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(source.read_bytes() + " ".join(args).encode() + version.encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(args).encode() + version.encode()
                          + machine_key()["flags"].encode() + salt.encode()).hexdigest()[:16]
-    out = cache_root() / "cpu_kernels" / f"{source.stem}-{key}.so"
+    out = cache_root() / "cpu_kernels" / f"{sources[0].stem}-{key}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        subprocess.run([cc, str(source), "-o", str(tmp), *args], check=True, capture_output=True)
+        subprocess.run([cc, *map(str, sources), "-o", str(tmp), *args], check=True, capture_output=True)
         tmp.replace(out)
     return out
 
@@ -243,3 +248,20 @@ def attention(hd: Heads, rows: Rows, qkv: torch.Tensor, bias: torch.Tensor | Non
     and the caches, then `attend` into out bf16 [T, NH * D]."""
     _library().attention(ctypes.byref(hd), ctypes.byref(rows), qkv.data_ptr(), _ptr(bias), q_ws.data_ptr(),
                          k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
+
+
+def q4_isa() -> int:
+    """The instructions `q4_matmul` runs on in this build: 512 (AVX-512 VNNI), 256 (AVX2), or
+    0 (the scalar reference: no faster than torch's kernel, so the engine does not offer it)."""
+    return _library().q4_isa()
+
+
+def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W as `verifier.qlinear.pack_q4`
+    lays it out; `reference`: through the scalar code every path must match bit for bit."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    fn = _library().q4_matmul_ref if reference else _library().q4_matmul
+    if fn(packed.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr()):
+        raise ValueError(f"q4_matmul takes K a multiple of 32 (got {k}), or ran out of memory")
+    return out

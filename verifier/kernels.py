@@ -1,7 +1,11 @@
-"""Choose the CPU matmul path for prefill rows by measuring it on this machine, once.
+"""Choose the CPU matmul paths for sampled and prefill rows by measuring them on this machine, once.
 
-Decode and tree-verify rows always take the weight's own int4 or int8 kernel, whose rows are
-bitwise the same whatever else shares the call. Prefill rows need the same property: a
+Decode and tree-verify rows always take one of the weight's own kernels (torch's int4 or
+Tercel's q4x16 for int4 weights, torch's int8 for int8), whose rows are bitwise the same
+whatever else shares the call: the one with the lowest total over 1 to 8 rows, the counts
+decode steps and verify trees use (which is faster differs between machines: the q4x16
+kernel's integer dot products are one instruction with AVX-512 VNNI and three with AVX2).
+Prefill rows need the same property: a
 prompt prefilled alone or inside a batch, in one chunk or after a prefix-cache hit, must
 leave the same KV cache, or T=0 outputs drift apart at near-ties (bf16 activations make
 those common). oneDNN's dense matmuls are not row-invariant across row counts (bf16 on
@@ -30,7 +34,7 @@ import torch
 from verifier.machine import cached_measurement
 from verifier.qlinear import DENSE_PATHS, QuantLinear
 
-FORMAT = 5           # 5: probes with several inputs per row count
+FORMAT = 6           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
 # timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
@@ -38,14 +42,16 @@ FORMAT = 5           # 5: probes with several inputs per row count
 SKIP_FACTOR, SKIP_MS = 3.0, 100.0
 CLIFF = 1.4          # see KernelTimings.rows_before_cliff
 TILES = (32, 64, 128)  # prefill tile sizes tried, smallest first
+SAMPLED_ROWS = 8       # the own kernel is chosen on its total over 1 to this many rows
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     """Prefill rows take `bulk` in calls of exactly `tile` rows (0: any count; the weight's
-    own kernel needs no tiles)."""
+    own kernels need no tiles); sampled rows take the own kernel `own` ("": the weight's kind)."""
     bulk: str
     tile: int = 0
+    own: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,13 +81,22 @@ class KernelTimings:
         t = self.ms.get(path, {}).get(rows)
         return None if t is None else t / rows
 
-    def plan(self, own: str) -> KernelPlan:
-        """The (path, tile) with the lowest cost per prompt row among those that passed the
-        probe; `own`, the weight's row-invariant kernel, is the fallback."""
+    def sampled_ms(self, path: str) -> float | None:
+        """The total over 1 to SAMPLED_ROWS rows (None: a count not timed)."""
+        t = [self.ms.get(path, {}).get(m) for m in self.rows if m <= SAMPLED_ROWS]
+        return None if not t or None in t else sum(t)
+
+    def plan(self, owns: tuple[str, ...]) -> KernelPlan:
+        """Sampled rows: the own kernel among `owns` (the weight's row-invariant kernels) with
+        the lowest `sampled_ms` that passed the probe at any count (the first one without
+        timings). Prefill rows: the (path, tile) with the lowest cost per prompt row among those
+        that passed the probe, the chosen own kernel as the fallback."""
+        timed = {p: c for p in owns if self.tiles.get(p) == [0] and (c := self.sampled_ms(p)) is not None}
+        own = min(timed, key=timed.get, default=owns[0])
         costs = {(p, t): c for p, tiles in self.tiles.items() for t in tiles
-                 if (c := self.per_row_ms(p, t)) is not None}
-        best = min(costs, key=costs.get, default=(own, 0))
-        return KernelPlan(*best)
+                 if (p == own or p not in owns) and (c := self.per_row_ms(p, t)) is not None}
+        bulk, tile = min(costs, key=costs.get, default=(own, 0))
+        return KernelPlan(bulk, tile, own)
 
     def to_json(self) -> dict:
         return {"rows": list(self.rows), "ms": {p: {str(m): t for m, t in v.items()} for p, v in self.ms.items()},

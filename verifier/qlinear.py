@@ -1,15 +1,17 @@
 """Modules over quantized weights: `QuantLinear` (CPU matmuls), `QuantEmbedding`, `RescoredHead`.
 
-A QuantLinear can run a matmul four ways ("paths"):
+A QuantLinear can run a matmul five ways ("paths"):
     int4   torch's `_weight_int4pack_mm_for_cpu` on the packed weight (bf16 activations)
+    q4x16  Tercel's int4 kernel (csrc/q4_matmul.c): the same weights against activations
+           quantized to 15-bit integers, whose extra rows cost a fraction of torch's
     int8   torch's `_weight_int8pack_mm`, one scale per output channel (bf16 activations)
     bf16   oneDNN over a dense bf16 copy of the same weights, packed once
     fp32   oneDNN over a dense fp32 copy
-Its own kernel (int4 or int8) gives each row the same bits whether the row is alone or
-among others: sampled rows (decode steps, tree nodes) always take it. The dense copies are
-there for prompt rows, where they are faster: `run_planned` serves them on the path the
-`KernelPlan` chose at load, in fixed tiles (`verifier.kernels`). `verifier.cpu_forward`
-calls these; the module holds no `forward`. Outputs are bf16.
+Its own kernels (int4 and q4x16, or int8) give each row the same bits whether the row is
+alone or among others: sampled rows (decode steps, tree nodes) always take the one the
+`KernelPlan` chose at load (`own`). The dense copies are there for prompt rows, where they
+are faster: `run_planned` serves them on the plan's path, in fixed tiles (`verifier.kernels`).
+`verifier.cpu_forward` calls these; the module holds no `forward`. Outputs are bf16.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from verifier.linear import onednn_available
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, per_channel
 
 DENSE_PATHS = ("bf16", "fp32")
+Q4_TILE, Q4_BLOCK = 16, 32      # csrc/q4_matmul.c: output channels per tile, weights per scale
 # torch's own bindings of the kernels: a call through torch.ops.aten costs more (figures:
 # docs/performance.md, "Matmul paths and quantized kernels").
 _INT4_MM = torch._weight_int4pack_mm_for_cpu
@@ -45,12 +48,20 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.plan = plan                      # shared by the model's layers; not a submodule
         self.kind = "int4" if isinstance(weight, Int4Weight) else "int8"
+        # path -> (kernel, its weight arguments): the row-invariant kernels this weight offers.
+        # A plain attribute: a module's buffer lookup costs about a microsecond, and this runs 4
+        # times per layer per step. CPU only.
+        self._owns: dict[str, tuple] = {}
         self._pack_int4(weight) if self.kind == "int4" else self._pack_int8(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self._dense: dict[str, torch.Tensor] = {}
         # The weights as served (bf16 scales) in unpacked form, kept until the dense copies
         # are made (`release_source`): the packed layout is the kernel's own.
         self._source: QuantWeight | None = served_weights(weight)
+        if self.kind == "int4" and q4_offered(weight):
+            self.register_buffer("q4", pack_q4(self._source))
+            self._owns["q4x16"] = (_q4_mm, (self.q4, self.out_features))
+        self.use_own(self.kind)
 
     def _pack_int4(self, w: Int4Weight) -> None:
         pad = -w.shape[0] % _N_ALIGN
@@ -62,14 +73,25 @@ class QuantLinear(nn.Module):
         # [K / group, N, 2] (scale, zero) in bf16: the kernel's layout and dtype
         self.register_buffer("scale_zero", torch.stack([scale, zero], -1).transpose(0, 1)
                              .to(torch.bfloat16).contiguous())
-        # The kernel and its weight arguments as a plain attribute: a module's buffer lookup
-        # costs about a microsecond, and this runs 4 times per layer per step. CPU only.
-        self.own_mm = (_INT4_MM, (self.packed, self.group, self.scale_zero))
+        self._owns["int4"] = (_INT4_MM, (self.packed, self.group, self.scale_zero))
 
     def _pack_int8(self, w: Int8Weight) -> None:
         self.register_buffer("q", w.q.contiguous())
         self.register_buffer("scale", w.scale[:, 0].to(torch.bfloat16).contiguous())   # [N]
-        self.own_mm = (_INT8_MM, (self.q, self.scale))
+        self._owns["int8"] = (_INT8_MM, (self.q, self.scale))
+
+    def own_paths(self) -> tuple[str, ...]:
+        return tuple(self._owns)
+
+    def use_own(self, path: str) -> None:
+        """Sampled rows take `path` (one of `own_paths`); `drop_other_owns` frees the rest."""
+        self.own, self.own_mm = path, self._owns[path]
+
+    def drop_other_owns(self) -> None:
+        for path in set(self._owns) - {self.own}:
+            for name in _BUFFERS[path]:
+                delattr(self, name)
+            del self._owns[path]
 
     # ---- dense copies, for the paths that need them ----------------------------------------
     def add_dense(self, path: str) -> None:
@@ -88,7 +110,7 @@ class QuantLinear(nn.Module):
         self._dense.pop(path, None)
 
     def paths(self) -> tuple[str, ...]:
-        return (self.kind, *self._dense)
+        return (*self._owns, *self._dense)
 
     # ---- matmuls --------------------------------------------------------------------------
     def run_planned(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,15 +124,18 @@ class QuantLinear(nn.Module):
         return torch.cat([self.run(self.plan.bulk, x[i:i + tile]) for i in range(0, m, tile)])[:m]
 
     def run_own(self, x: torch.Tensor) -> torch.Tensor:
-        """x bf16 [M, K], contiguous -> bf16 [M, N] on the weight's own row-invariant kernel."""
-        op, args = self.own_mm
+        """x bf16 [M, K], contiguous -> bf16 [M, N] on the row-invariant kernel the plan chose."""
+        return self._run_kernel(self.own_mm, x)
+
+    def _run_kernel(self, kernel: tuple, x: torch.Tensor) -> torch.Tensor:
+        op, args = kernel
         y = op(x, *args)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
     def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] through one path -> bf16 [M, N]."""
-        if path == self.kind:
-            return self.run_own(x.to(torch.bfloat16).contiguous())
+        if path in self._owns:
+            return self._run_kernel(self._owns[path], x.to(torch.bfloat16).contiguous())
         m = x.shape[0]
         if m == 1:
             # oneDNN's one-row product (a GEMV) sums in another order than its GEMM, and on
@@ -128,7 +153,39 @@ class QuantLinear(nn.Module):
         return F.linear(x, w)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, kind={self.kind}, dense={list(self._dense)}"
+        return (f"in={self.in_features}, out={self.out_features}, kind={self.kind}, own={self.own}, "
+                f"dense={list(self._dense)}")
+
+
+_BUFFERS = {"int4": ("packed", "scale_zero"), "q4x16": ("q4",), "int8": ("q", "scale")}
+
+
+def _q4_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return cpu_ops.q4_matmul(packed, n, x)
+
+
+def q4_offered(w: Int4Weight) -> bool:
+    """Tercel's int4 kernel takes groups of 32 weights (or multiples) and is built for AVX2 or
+    AVX-512 VNNI; elsewhere its scalar code would only be slower than torch's kernel."""
+    return w.shape[1] % Q4_BLOCK == 0 and w.group % Q4_BLOCK == 0 and cpu_ops.available() and cpu_ops.q4_isa() > 0
+
+
+def pack_q4(w: Int4Weight) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K / 32, 320]: `w` (its scales and zeros in bf16) in the layout
+    csrc/q4_matmul.c describes. Per tile of 16 channels and block of 32 weights: 4 groups of 64
+    bytes, byte 4 c + e of group g holding channel c's weights 4 g + e (low nibble) and
+    16 + 4 g + e (high nibble); then the 16 scales and the 16 zeros."""
+    (n, k), per = w.shape, w.group // Q4_BLOCK
+    pad = -n % Q4_TILE
+    q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (w.q, w.scale, w.zero))  # zero channels
+    tiles, blocks = (n + pad) // Q4_TILE, k // Q4_BLOCK
+    q = q.to(torch.uint8).view(tiles, Q4_TILE, blocks, 2, 4, 4)     # weight 16 h + 4 g + e of a block
+    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:      # [N, K / group] -> bytes [tiles, blocks, 32]
+        t = t.repeat_interleave(per, 1).to(torch.bfloat16).view(tiles, Q4_TILE, blocks)
+        return t.permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([nibbles, per_block(scale), per_block(zero)], -1).contiguous()
 
 
 class QuantEmbedding(nn.Module):
@@ -172,7 +229,7 @@ class RescoredHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, hidden] -> logits [M, vocab] fp32
-        logits, top = cpu_ops.scan_topk(self.scan.run(self.scan.kind, x), self.RESCORE_K)  # [M, V], [M, k]
+        logits, top = cpu_ops.scan_topk(self.scan.run(self.scan.own, x), self.RESCORE_K)  # [M, V], [M, k]
         x = x.float().contiguous()
         if self._c_rescore:
             cpu_ops.rescore_int8(x, top, self.table.q, self.table.scale, logits)

@@ -20,6 +20,7 @@ them are in docs/quantization.md.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -117,17 +118,18 @@ def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
 
 
 def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:
-    """Keep the dense copies the plan's bulk paths need, drop the rest and the sources."""
-    plan = timings.plan(decoder[0].kind)
-    for lin in decoder:
-        for path in set(lin.paths()) - {lin.kind, plan.bulk}:
+    """Set the plan's own kernel for sampled rows (the head's scan too), keep the dense copies
+    its bulk path needs, drop the rest and the sources."""
+    plan = timings.plan(decoder[0].own_paths())
+    for lin in [*decoder, head.scan]:
+        lin.use_own(plan.own if plan.own in lin.own_paths() else lin.kind)
+        lin.drop_other_owns()
+        for path in set(lin.paths()) - set(lin.own_paths()) - {plan.bulk}:
             lin.drop_dense(path)
-        if plan.bulk in DENSE_PATHS:
+        if plan.bulk in DENSE_PATHS and lin is not head.scan:
             lin.add_dense(plan.bulk)
         lin.plan = plan
         lin.release_source()
-    head.scan.plan = plan
-    head.scan.release_source()
     return plan
 
 
@@ -141,7 +143,9 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
                 lin.add_dense(path)
         return time_paths(decoder, rows)
 
-    timings = load_or_time(rows, model_key, cache_dir, measure, refresh)
+    q4_source = hashlib.sha256(cpu_ops.SOURCES[1].read_bytes()).hexdigest()[:16]    # a new kernel is timed anew
+    timings = load_or_time(rows, {**model_key, "q4x16": q4_source}, cache_dir, measure, refresh)
     plan = apply_plan(decoder, head, timings)
-    log.info("prefill rows take the %s path%s", plan.bulk, f" in tiles of {plan.tile} rows" if plan.tile else "")
+    log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,
+             f" in tiles of {plan.tile} rows" if plan.tile else "")
     return plan, timings

@@ -4,9 +4,9 @@
  * Why C++: the loop in verifier/cpu_forward.py makes about 240 calls per forward (four
  * matmuls and four fused kernels a layer), and driving them from Python cost about as much
  * as everything but the matmuls together (figures: docs/quantization.md). Here the same calls
- * run in the same order on the same data: the matmuls are torch's own int4 / int8 kernels
- * (ATen, through the dispatcher, so torch.profiler still sees them), the rest the fused C
- * kernels of decode_ops.c, passed in as function pointers. The result is bitwise that of the
+ * run in the same order on the same data: the matmuls are the plan's own kernels (torch's
+ * int4 / int8 through the dispatcher, so torch.profiler sees them, or q4_matmul.c's), the
+ * rest the fused C kernels of decode_ops.c, passed in as function pointers. The result is bitwise that of the
  * Python loop, which stays for machines without a C++ compiler (tests compare the two).
  *
  * Tensors cross from Python as their TensorImpl addresses (`Tensor._cdata`); a Model holds
@@ -36,6 +36,7 @@ typedef void (*PrefetchKv)(const void *heads, const void *rows, const bf16 *k_ca
 typedef void (*RmsNormRows)(const float *x, const int64_t *idx, const float *w, float eps, int64_t rows, int64_t h,
                             float *out);
 typedef void (*ScanTopk)(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out, int64_t *top);
+typedef int64_t (*Q4Matmul)(const void *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out);
 typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows,
                             int64_t k, int64_t h, int64_t g, float *out, int64_t v);
 
@@ -62,13 +63,24 @@ at::Tensor tensor_at(int64_t impl) {            /* a new reference to a Python t
         reinterpret_cast<c10::TensorImpl *>(impl)));
 }
 
+const bf16 *bits(const at::Tensor &t) { return static_cast<const bf16 *>(t.data_ptr()); }
+bf16 *bits_mut(at::Tensor &t) { return static_cast<bf16 *>(t.data_ptr()); }
+
 struct Linear {
-    int64_t kind = 0;       /* 4: int4 groups (packed, group, scale_zero); 8: int8 per channel (q, scale) */
+    int64_t kind = 0;       /* 4: torch's int4 (packed, group, scale_zero); 16: q4_matmul.c's (packed);
+                               8: int8 per channel (q, scale) */
     at::Tensor w, s;
-    int64_t group = 0, n = 0;   /* n: output features (the int4 packing pads to a multiple of 16) */
+    int64_t group = 0, n = 0;   /* n: output features (the int4 packings pad to a multiple of 16) */
+    Q4Matmul q4 = nullptr;
 
     at::Tensor run(const at::Tensor &x) const {      /* x bf16 [M, K] -> bf16 [M, n] */
         Clock clock(MATMUL);
+        if (kind == 16) {
+            at::Tensor y = at::empty({x.size(0), n}, x.options());
+            if (q4(w.data_ptr(), n, x.size(1), bits(x), x.size(0), bits_mut(y)))
+                throw std::runtime_error("q4_matmul failed (K not a multiple of 32, or out of memory)");
+            return y;
+        }
         at::Tensor y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, w, group, s) : at::_weight_int8pack_mm(x, w, s);
         return y.size(1) == n ? y : y.narrow(1, 0, n).contiguous();
     }
@@ -101,12 +113,10 @@ struct Model {
     SiluMul silu_mul;
     Attention attention;
     PrefetchKv prefetch_kv;
+    Q4Matmul q4_matmul;
     std::vector<Layer> layers;
     Head head;      /* head.rescore is null until tercel_model_set_head */
 };
-
-const bf16 *bits(const at::Tensor &t) { return static_cast<const bf16 *>(t.data_ptr()); }
-bf16 *bits_mut(at::Tensor &t) { return static_cast<bf16 *>(t.data_ptr()); }
 
 int64_t fail(const std::exception &e, char *err, int64_t cap) {
     if (cap > 0) {
@@ -122,15 +132,24 @@ extern "C" {
 
 /* A Linear's weights, as verifier/cpu_loop.py describes them. */
 typedef struct {
-    int64_t kind, w, s, group, n;   /* w, s: TensorImpl addresses */
+    int64_t kind, w, s, group, n;   /* w, s: TensorImpl addresses (s 0 for kind 16) */
 } LinearSpec;
+
+}  // extern "C"
+
+static Linear linear(const Model &m, const LinearSpec &spec) {
+    return Linear{spec.kind, tensor_at(spec.w), spec.kind == 16 ? at::Tensor() : tensor_at(spec.s), spec.group,
+                  spec.n, m.q4_matmul};
+}
+
+extern "C" {
 
 void *tercel_model_new(int64_t num_layers, int64_t hidden, int64_t heads, int64_t head_dim, int64_t inter,
                        const void *head_table, void *add_rms_norm, void *silu_mul, void *attention,
-                       void *prefetch_kv) {
+                       void *prefetch_kv, void *q4_matmul) {
     auto *m = new Model{hidden, heads, head_dim, inter, head_table, reinterpret_cast<AddRmsNorm>(add_rms_norm),
                         reinterpret_cast<SiluMul>(silu_mul), reinterpret_cast<Attention>(attention),
-                        reinterpret_cast<PrefetchKv>(prefetch_kv), {}};
+                        reinterpret_cast<PrefetchKv>(prefetch_kv), reinterpret_cast<Q4Matmul>(q4_matmul), {}};
     m->layers.resize(num_layers);
     return m;
 }
@@ -141,11 +160,11 @@ int64_t tercel_model_set_layer(void *model, int64_t i, const float *in_norm, flo
                                float post_eps, const float *qkv_bias, const LinearSpec *specs, char *err,
                                int64_t cap) {
     try {
-        Layer &l = static_cast<Model *>(model)->layers.at(i);
+        Model &m = *static_cast<Model *>(model);
+        Layer &l = m.layers.at(i);
         l.in_norm = in_norm, l.in_eps = in_eps, l.post_norm = post_norm, l.post_eps = post_eps, l.qkv_bias = qkv_bias;
         Linear *lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-        for (int j = 0; j < 4; j++)
-            *lins[j] = Linear{specs[j].kind, tensor_at(specs[j].w), tensor_at(specs[j].s), specs[j].group, specs[j].n};
+        for (int j = 0; j < 4; j++) *lins[j] = linear(m, specs[j]);
         return 0;
     } catch (const std::exception &e) {
         return fail(e, err, cap);
@@ -158,9 +177,10 @@ int64_t tercel_model_set_head(void *model, const float *norm, float eps, const L
                               int64_t scale, int64_t g, int64_t k, void *rms_norm_rows, void *scan_topk,
                               void *rescore, char *err, int64_t cap) {
     try {
-        Head &hd = static_cast<Model *>(model)->head;
+        Model &m = *static_cast<Model *>(model);
+        Head &hd = m.head;
         hd.norm = norm, hd.eps = eps, hd.g = g, hd.k = k, hd.vocab = scan->n;
-        hd.scan = Linear{scan->kind, tensor_at(scan->w), tensor_at(scan->s), scan->group, scan->n};
+        hd.scan = linear(m, *scan);
         hd.q = tensor_at(q), hd.scale = tensor_at(scale);
         hd.rms_norm_rows = reinterpret_cast<RmsNormRows>(rms_norm_rows);
         hd.scan_topk = reinterpret_cast<ScanTopk>(scan_topk);

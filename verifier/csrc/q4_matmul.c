@@ -1,0 +1,307 @@
+/* Tercel's own int4 matmul for the sampled rows (decode steps, tree nodes): int4 weights
+ * against activations quantized to int8, as llama.cpp's Q4_1 x Q8_1 dot products.
+ *
+ * Why: torch's int4 kernel converts the weights for every row it multiplies, so on these
+ * CPUs each verify row past the first costs about a fifth of a decode step, and a tree of 8
+ * rows costs 2.7 of them (figures: docs/quantization.md). Here a tile of weights is unpacked
+ * once into registers and multiplied into up to Q4_ROWS rows by integer dot products (VNNI's
+ * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd): the weight stream, which bounds a decode step,
+ * is read once for all of them.
+ *
+ * Weights, packed at load by verifier/q4.py (w = (q - 8) * scale + zero per 32 weights of a
+ * row, q in 0..15): tiles of Q4_TILE = 16 output channels, a tile's K / 32 blocks in order,
+ * each Q4_BLOCK_BYTES = 320 bytes:
+ *   bytes 0..255    4 groups j of 64 bytes; byte 4 r + b of group j holds channel r's
+ *                   weight 4 j + b in its low nibble and weight 16 + 4 j + b in its high one
+ *   bytes 256..287  the 16 channels' scales, bf16
+ *   bytes 288..319  the 16 channels' zeros, bf16
+ * so that one 32-bit lane of a vector is one channel and vpdpbusd against four activation
+ * bytes broadcast to every lane adds four products into each of 16 channels.
+ *
+ * Activations: each row of x (bf16 [M, K]) is quantized per 32 values, d = max |x| / 127,
+ * qx = round(x / d), in C before the tiles run. For a channel and a block, with A = sum of
+ * q * qx (an exact integer) and S = sum of qx:
+ *   y += scale * (float(A - 8 S) * d) + zero * (d * S)          (two fmas, in block order)
+ *
+ * Exactness: every output is computed by one thread, over the blocks in order, with the
+ * same integer sums and the same float operations whatever M, the thread count or the
+ * instruction set (the integer sums are exact; the float steps are the same IEEE operations
+ * in the scalar reference `q4_matmul_ref`, the AVX2 and the AVX-512 paths). A row's output
+ * is therefore bitwise the same alone or among others (tests/test_q4.py).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q4_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define Q4_TILE 16
+#define Q4_BLOCK 32
+#define Q4_BLOCK_BYTES 320
+#define Q4_ROWS 8          /* rows multiplied per pass over a tile's weights (registers) */
+#define Q4_AHEAD 8         /* blocks prefetched ahead (see prefetch_block) */
+#define Q4_XMAX 32512.0f   /* the largest |X|: 256 * 127, so that hi fits an int8 */
+
+typedef uint16_t bf16;
+
+/* One call's activations, quantized: q int8 [M, K]; per row and block: d, 8 S and d * S. */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int32_t *s8;
+    int64_t k, nb;
+} Act;
+
+static inline float q4_bf16_to_f32(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16 q4_f32_to_bf16(float f) {        /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    return (bf16)(nan ? (u >> 16) | 0x40 : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Row by row, block by block: plain loops the compiler vectorizes; no reduction depends on
+ * the order of its terms (a maximum, an integer sum). X = round(x / d), d = max |x| / 32512,
+ * is split into two int8 digits, X = 256 hi + lo with lo in -128..127. */
+static void quantize_rows(const bf16 *x, int64_t m, int64_t k, Act *a) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < a->nb; b++) {
+            const bf16 *xb = x + r * k + b * Q4_BLOCK;
+            float v[Q4_BLOCK], amax = 0.0f;
+            for (int i = 0; i < Q4_BLOCK; i++) {
+                v[i] = q4_bf16_to_f32(xb[i]);
+                float u = fabsf(v[i]);
+                amax = u > amax ? u : amax;
+            }
+            float d = amax / Q4_XMAX, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *qb = a->q + (r * a->nb + b) * 2 * Q4_BLOCK;
+            int32_t s = 0;
+            for (int i = 0; i < Q4_BLOCK; i++) {
+                float t = nearbyintf(v[i] * id);
+                int32_t big = (int32_t)(t > Q4_XMAX ? Q4_XMAX : t < -Q4_XMAX ? -Q4_XMAX : t);
+                int32_t hi = (big + 128) >> 8;
+                qb[i] = (int8_t)hi, qb[Q4_BLOCK + i] = (int8_t)(big - 256 * hi);
+                s += big;
+            }
+            int64_t j = r * a->nb + b;
+            a->d[j] = d, a->s8[j] = 8 * s, a->ds[j] = d * (float)s;
+        }
+}
+
+static int act_new(Act *a, const bf16 *x, int64_t m, int64_t k) {
+    a->k = k, a->nb = k / Q4_BLOCK;
+    int64_t n = m * a->nb;
+    char *buf = malloc((size_t)(2 * m * k + 12 * n + 64));
+    if (!buf) return 1;
+    a->d = (float *)buf, a->ds = a->d + n, a->s8 = (int32_t *)(a->ds + n), a->q = (int8_t *)(a->s8 + n);
+    quantize_rows(x, m, k, a);
+    return 0;
+}
+
+/* The block Q4_AHEAD blocks on: the weight stream bounds a one-row call, and the hardware
+ * prefetchers alone left it at 0.7-0.8 of the speed with it (4 to 16 blocks ahead measured
+ * alike; docs/quantization.md). Past a tile's end it reaches into the next tile, which the
+ * same thread takes next under the static schedule. */
+static inline void prefetch_block(const uint8_t *w) {
+    for (int l = 0; l < Q4_BLOCK_BYTES; l += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_BLOCK_BYTES + l, 0, 3);
+}
+
+static void store_row(const float *y, int64_t valid, bf16 *out) {
+    for (int64_t i = 0; i < valid; i++) out[i] = q4_f32_to_bf16(y[i]);
+}
+
+/* The scalar reference: channel by channel, the operations every path performs. */
+static void tile_ref(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    for (int64_t i = 0; i < rows * Q4_TILE; i++) y[i] = 0.0f;
+    for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
+        const bf16 *sc = (const bf16 *)(w + 256), *ze = (const bf16 *)(w + 288);
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t j = (r0 + i) * a->nb + b;
+            const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
+            for (int c = 0; c < Q4_TILE; c++) {
+                int32_t acc[2] = {0, 0};
+                for (int h = 0; h < 2; h++)
+                    for (int g = 0; g < 4; g++)
+                        for (int e = 0; e < 4; e++) {
+                            uint8_t byte = w[64 * g + 4 * c + e];
+                            const int8_t *xh = xq + h * Q4_BLOCK;
+                            acc[h] += (byte & 15) * xh[4 * g + e] + (byte >> 4) * xh[16 + 4 * g + e];
+                        }
+                float f = (float)(acc[0] * 256 + acc[1] - a->s8[j]) * a->d[j];
+                float *yc = y + i * Q4_TILE + c;
+                *yc = fmaf(q4_bf16_to_f32(sc[c]), f, *yc);
+                *yc = fmaf(q4_bf16_to_f32(ze[c]), a->ds[j], *yc);
+            }
+        }
+    }
+}
+
+#if Q4_AVX512
+static inline __m512 bf16x16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const Act *a, int64_t r0, const int rows,
+                                                         float *y) {
+    __m512 acc[Q4_ROWS];
+    for (int i = 0; i < Q4_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
+        __m512i lo[4], hi[4];
+        prefetch_block(w);
+        for (int g = 0; g < 4; g++) {
+            __m512i p = _mm512_loadu_si512(w + 64 * g);
+            lo[g] = _mm512_and_si512(p, low);
+            hi[g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        }
+        __m512 sc = bf16x16(w + 256), ze = bf16x16(w + 288);
+        #pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) {
+            int64_t j = (r0 + i) * a->nb + b;
+            const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
+            __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                s = _mm512_dpbusd_epi32(s, lo[g], bcast4(xq + 4 * g));
+                s = _mm512_dpbusd_epi32(s, hi[g], bcast4(xq + 16 + 4 * g));
+                t = _mm512_dpbusd_epi32(t, lo[g], bcast4(xq + Q4_BLOCK + 4 * g));
+                t = _mm512_dpbusd_epi32(t, hi[g], bcast4(xq + Q4_BLOCK + 16 + 4 * g));
+            }
+            s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s, 8), t), _mm512_set1_epi32(a->s8[j]));
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d[j]));
+            acc[i] = _mm512_fmadd_ps(sc, f, acc[i]);
+            acc[i] = _mm512_fmadd_ps(ze, _mm512_set1_ps(a->ds[j]), acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) _mm512_storeu_ps(y + i * Q4_TILE, acc[i]);
+}
+
+/* one copy of the loop per row count, so that each keeps its accumulators in registers */
+static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    switch (rows) {
+    case 1: tile_n(w, a, r0, 1, y); break;
+    case 2: tile_n(w, a, r0, 2, y); break;
+    case 3: tile_n(w, a, r0, 3, y); break;
+    case 4: tile_n(w, a, r0, 4, y); break;
+    case 5: tile_n(w, a, r0, 5, y); break;
+    case 6: tile_n(w, a, r0, 6, y); break;
+    case 7: tile_n(w, a, r0, 7, y); break;
+    default: tile_n(w, a, r0, 8, y); break;
+    }
+}
+#elif Q4_AVX2
+static inline __m256 bf16x8(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* four u8 x s8 products into each 32-bit lane, exactly (|2 * 15 * 127| fits an int16) */
+static inline __m256i dot4(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    __m256 acc[Q4_ROWS][2];
+    for (int i = 0; i < Q4_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
+        prefetch_block(w);
+        for (int h = 0; h < 2; h++) {            /* channels 8 h .. 8 h + 7 */
+            __m256i lo[4], hi[4];
+            for (int g = 0; g < 4; g++) {
+                __m256i p = _mm256_loadu_si256((const void *)(w + 64 * g + 32 * h));
+                lo[g] = _mm256_and_si256(p, low);
+                hi[g] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+            }
+            __m256 sc = bf16x8(w + 256 + 16 * h), ze = bf16x8(w + 288 + 16 * h);
+            for (int i = 0; i < Q4_ROWS; i++) {
+                if (i == rows) break;
+                int64_t j = (r0 + i) * a->nb + b;
+                const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
+                __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+                for (int g = 0; g < 4; g++) {
+                    s = _mm256_add_epi32(s, dot4(lo[g], bcast4(xq + 4 * g)));
+                    s = _mm256_add_epi32(s, dot4(hi[g], bcast4(xq + 16 + 4 * g)));
+                    t = _mm256_add_epi32(t, dot4(lo[g], bcast4(xq + Q4_BLOCK + 4 * g)));
+                    t = _mm256_add_epi32(t, dot4(hi[g], bcast4(xq + Q4_BLOCK + 16 + 4 * g)));
+                }
+                s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s, 8), t), _mm256_set1_epi32(a->s8[j]));
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
+                acc[i][h] = _mm256_fmadd_ps(sc, f, acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), acc[i][h]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        _mm256_storeu_ps(y + i * Q4_TILE, acc[i][0]);
+        _mm256_storeu_ps(y + i * Q4_TILE + 8, acc[i][1]);
+    }
+}
+#else
+#define tile_fast tile_ref
+#endif
+
+typedef void (*TileFn)(const uint8_t *, const Act *, int64_t, int64_t, float *);
+
+static int64_t run(TileFn tile, const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
+    Act a;
+    if (k % Q4_BLOCK || act_new(&a, x, m, k)) return 1;
+    int64_t tiles = (n + Q4_TILE - 1) / Q4_TILE, bytes = a.nb * Q4_BLOCK_BYTES;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        float y[Q4_ROWS * Q4_TILE];
+        int64_t valid = n - t * Q4_TILE < Q4_TILE ? n - t * Q4_TILE : Q4_TILE;
+        for (int64_t r0 = 0; r0 < m; r0 += Q4_ROWS) {
+            int64_t rows = m - r0 < Q4_ROWS ? m - r0 : Q4_ROWS;
+            tile(w + t * bytes, &a, r0, rows, y);
+            for (int64_t i = 0; i < rows; i++) store_row(y + i * Q4_TILE, valid, out + (r0 + i) * n + t * Q4_TILE);
+        }
+    }
+    free(a.d);
+    return 0;
+}
+
+/* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above (ceil(N / 16) tiles, K a
+ * multiple of 32). Returns 0, or 1 (K not a multiple of 32, or no memory). */
+int64_t q4_matmul(const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
+    return run(tile_fast, w, n, k, x, m, out);
+}
+
+/* The same through the scalar reference (tests compare the two bit for bit). */
+int64_t q4_matmul_ref(const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
+    return run(tile_ref, w, n, k, x, m, out);
+}
+
+/* Which path q4_matmul takes on this build: 512 (AVX-512 VNNI), 256 (AVX2) or 0 (scalar). */
+int64_t q4_isa(void) {
+#if Q4_AVX512
+    return 512;
+#elif Q4_AVX2
+    return 256;
+#else
+    return 0;
+#endif
+}
