@@ -410,10 +410,11 @@ class LLMEngine:
             return SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
                             mask=tree.ancestor_mask(), logits_indices=plan.logit_rows)
         # Logits of the last token only; none for a chunk with more of the prompt after it, or
-        # where the grammar allows one token.
+        # where the grammar allows one token. The last token is a sampled row either way.
+        n = plan.seq.num_new_tokens
         sampled = not plan.mid_prefill and plan.logit_rows
-        return SeqInput(req.token_ids[start:start + plan.seq.num_new_tokens], start, table,
-                        logits_indices=None if sampled else [])
+        return SeqInput(req.token_ids[start:start + n], start, table, logits_indices=None if sampled else [],
+                        sampled_from=None if plan.mid_prefill else n - 1)
 
     def _drafter_prefill(self, plans: list[SeqPlan]) -> None:
         """Hand the drafter the prompt chunks the target just ran, for its own KV."""

@@ -153,3 +153,16 @@ def test_hf_checkpoint_quantizes_at_load(tiny_llama_dir):
 def _logits(target, ids):
     target.allocate_kv(4, BLOCK)
     return target.forward(ForwardBatch([SeqInput(ids, 0, [0, 1], logits_indices=list(range(len(ids))))])).logits
+
+
+def test_sampled_from_marks_rows_without_logits_as_sampled_rows():
+    """A chunk splits at its first sampled row: the first with logits, or `sampled_from` (a
+    decode step whose grammar allows one token has no logits and is still a sampled row)."""
+    from verifier.target import split_at_first_sample
+    assert split_at_first_sample(SeqInput([1], 5, [0], logits_indices=[])) == (SeqInput([1], 5, [0], logits_indices=[]),
+                                                                            None)
+    head, tail = split_at_first_sample(SeqInput([1, 2, 3], 5, [0], logits_indices=[], sampled_from=2))
+    assert (head.token_ids, head.ctx_len, tail.token_ids, tail.ctx_len, tail.logits_indices) == ([1, 2], 5, [3], 7, [])
+    assert split_at_first_sample(SeqInput([4], 5, [0], logits_indices=[], sampled_from=0))[0] is None
+    with pytest.raises(ValueError, match="sampled_from"):
+        SeqInput([1, 2, 3], 5, [0], logits_indices=[1], sampled_from=2)

@@ -15,7 +15,7 @@ from conftest import spec_drafters, write_reply_corpus
 from spec import LLM, SamplingParams, StructuredOutputs
 from spec.constraints import kept_nodes
 from tree.token_tree import TokenTree
-from verifier.grammar import GrammarBackend, allowed_tokens
+from verifier.grammar import GrammarBackend, allowed_tokens, sole_tokens
 
 TASKS = load_tasks(8)
 DRAFTERS = spec_drafters()
@@ -142,6 +142,28 @@ def test_jump_forward_without_a_drafter_is_token_identical_and_takes_forced_stre
     assert forced > total // 5
     assert all(o.stats.verify_steps == 0 for o in alone)     # forced chains are not drafter steps
     assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_every_output_token_runs_as_a_sampled_row(plain, prompts, monkeypatch):
+    """A decode step whose grammar allows one token asks for no logits, and still runs on the
+    quantized target's row-invariant kernels: the same token inside a jump-forward chain or a
+    draft tree does, and its KV must be the same bits either way. (Run as a prompt row, on the
+    dense path, it was not: T=0 outputs with and without jump-forward drifted apart at a near-tie.)
+    Only prompt tokens before the last take the prompt-row path."""
+    target, bulk = plain.engine.target, []
+    run = target._forward_rows
+
+    def spy(sub, own):
+        bulk.extend(s.ctx_len + s.num_new for s in sub.seqs if not own)
+        return run(sub, own=own)
+    monkeypatch.setattr(target, "_forward_rows", spy)
+    plain.engine.reset_prefix_cache()
+    out = plain.generate(prompts[0], constrained(TASKS[0]))[0]
+    matcher, decided = plain.engine.grammars.matcher(StructuredOutputs(json=TASKS[0].schema)), 0
+    for t in out.token_ids:                 # the output has steps whose grammar allows one token
+        decided += sole_tokens(matcher.mask())[0] >= 0
+        matcher.accept(t)
+    assert decided > 0 and bulk and max(bulk) == len(prompts[0]) - 1
 
 
 @pytest.fixture(scope="module")

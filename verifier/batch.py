@@ -24,11 +24,19 @@ class SeqInput:
     # None means causal. Tree verification passes the ancestor mask (self included).
     mask: torch.Tensor | None = None  # bool [q, q]
     logits_indices: list[int] | None = None  # new tokens that need logits; None means the last one
+    # The first new token a quantized target runs as a sampled row (on its row-invariant
+    # kernels; the tokens before it are prompt rows). None: the first that needs logits. A
+    # decode step whose grammar allows one token needs no logits and is still a sampled row:
+    # the same token inside a draft chain is one, and its KV must not depend on which it was.
+    sampled_from: int | None = None
 
     def __post_init__(self):
         q = len(self.token_ids)
         if q == 0:
             raise ValueError("SeqInput needs at least one new token")
+        if self.sampled_from is not None and not 0 <= self.sampled_from <= min(self.sample_indices, default=q - 1):
+            raise ValueError(f"sampled_from {self.sampled_from} must lie in 0..{q - 1}, at or before the first "
+                             "token with logits")
         if self.positions is not None and len(self.positions) != q:
             raise ValueError(f"positions has {len(self.positions)} entries for {q} tokens")
         if self.mask is not None and tuple(self.mask.shape) != (q, q):
@@ -45,6 +53,11 @@ class SeqInput:
     @property
     def sample_indices(self) -> list[int]:
         return [self.num_new - 1] if self.logits_indices is None else self.logits_indices
+
+    @property
+    def first_sampled(self) -> int:
+        """The first sampled row (`sampled_from`); num_new where every row is a prompt row."""
+        return self.sampled_from if self.sampled_from is not None else min(self.sample_indices, default=self.num_new)
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ class TargetModel:
 def split_at_first_sample(seq: SeqInput) -> tuple[SeqInput | None, SeqInput | None]:
     """(the new tokens before the first sampled one, the rest): a prompt chunk's unsampled
     tokens and its last token; a decode step or a tree is all rest (so is a masked input)."""
-    first = min(seq.sample_indices, default=seq.num_new)
+    first = seq.first_sampled
     if first == 0 or seq.mask is not None:
         return None, seq
     if first == seq.num_new:
