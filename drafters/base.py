@@ -39,6 +39,14 @@ class DraftRequest:
     max_depth: int                  # deepest draft node allowed (tokens left to emit - 1, γ)
     max_nodes: int                  # draft nodes allowed (root excluded)
     topk: int = 1                   # children per expanded node (branches) this request allows
+    # The last `unverified` token_ids are the grammar's forced tokens, drafted ahead of this
+    # tree in the same step (only for drafters with `drafts_ahead`): not yet verified, and
+    # replaced by what the target accepts if the forced string is spelled otherwise.
+    unverified: int = 0
+
+    @property
+    def verified_ids(self) -> list[int]:
+        return self.token_ids[:len(self.token_ids) - self.unverified]
 
 
 DraftMode = Literal["iid", "without_replacement"]
@@ -95,6 +103,10 @@ class Drafter(ABC):
     # Decoder layers whose input hidden states this drafter reads (EAGLE: three taps).
     # Non-empty: the engine captures them in every target forward and calls `observe`.
     capture_layers: tuple[int, ...] = ()
+    # Proposes from token_ids alone (a lookup: no KV cache, no target states of its own), so it
+    # can draft after the grammar's forced tokens before the target has verified them: a
+    # constrained step is then the forced chain with this drafter's tree below it.
+    drafts_ahead: bool = False
 
     def observe(self, states: list[TargetHidden]) -> None:
         """Target hidden states of newly kept positions, in position order per request."""

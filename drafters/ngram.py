@@ -96,6 +96,7 @@ class NgramIndex:
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    drafts_ahead = True         # the index learns verified tokens only; matches read them all
 
     def __init__(self, config: NgramConfig = NgramConfig()):
         self.config = config
@@ -109,7 +110,7 @@ class NgramDrafter(Drafter):
         if req.max_depth < 1 or req.max_nodes < 1:
             return Proposal(TokenTree.single(root))
         index = self._index.setdefault(req.seq_id, NgramIndex(self.config))
-        index.update(req.token_ids)
+        index.update(req.verified_ids)
         return Proposal(self._tree(index, req).truncated(req.max_nodes + 1))
 
     def _tree(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:

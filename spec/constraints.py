@@ -15,7 +15,8 @@ plain decoding from the target's masked, renormalised distribution:
    kept (tests/test_structured_exactness.py breaks this rule on purpose and fails).
 
 Jump-forward: where the grammar forces the next characters, the tokens spelling them are
-a chain drafted for free (`forced_proposal`). A token the grammar alone allows has p = 1 after
+a chain drafted for free (`forced_proposal`), with a drafter's tree below it where the
+drafter proposes from tokens alone (`Drafter.drafts_ahead`: n-gram and datastore). A token the grammar alone allows has p = 1 after
 masking and is always accepted; a forced string's tokens are point-mass drafts, accepted
 as often as the target would spell the string that way, and exact either way.
 """
@@ -30,9 +31,11 @@ from verifier.grammar import Matcher, allowed_tokens, allows
 MAX_FORCED = 16      # forced tokens per step: each is a verify row (and a KV slot reserved ahead)
 
 
-def forced_proposal(root: int, forced: list[int]) -> Proposal:
-    """The grammar's forced tokens as a chain below the request's last token."""
-    return Proposal(TokenTree.chain(root, forced))
+def forced_proposal(root: int, forced: list[int], below: TokenTree | None = None) -> Proposal:
+    """The grammar's forced tokens as a chain below the request's last token, and a drafter's
+    tree `below` its last one (rooted at that token; its nodes point masses)."""
+    chain = TokenTree.chain(root, forced)
+    return Proposal(chain if below is None else chain.grafted(len(forced), below))
 
 
 def constrain(proposal: Proposal, matcher: Matcher) -> tuple[Proposal, torch.Tensor]:

@@ -71,7 +71,11 @@ class SeqPlan:
     # A prompt chunk with more of the prompt after it: no logits, nothing sampled or emitted.
     mid_prefill: bool = field(init=False)
     proposal: Proposal | None = None    # draft: its tree (root = last token); None: prefill or plain decode
-    forced: bool = False                # draft: the proposal is the grammar's forced tokens (jump-forward)
+    # draft: nodes 1..forced of the proposal are the grammar's forced chain (jump-forward), the
+    # drafter's tree (`drafted`) below it if the drafter drafts ahead, else nothing
+    forced: int = 0
+    drafted: Proposal | None = None     # draft: the drafter's own proposal, for its counters
+    forced_accepted: int = 0            # accept: forced chain nodes accepted
     # draft: a constrained request's grammar bitmask per sampled row, int32 [rows, W]; None: no grammar
     masks: torch.Tensor | None = None
     # draft: per sampled row, the one token its mask allows, or -1: the rows with one get no
@@ -287,7 +291,7 @@ class LLMEngine:
         new = self._emit(plans)
         self._drafter_observe(plans, fwd)      # after emit: finished requests are skipped
         end = time.perf_counter()
-        speculated = any(p.proposal is not None and not p.forced for p in plans)
+        speculated = any(p.drafted is not None for p in plans)
         if speculated:
             self.timing.add(drafted - start, verified - drafted, end - verified)
         self._observe(sched, new, speculated, end - start)
@@ -316,9 +320,11 @@ class LLMEngine:
     # ---- draft ----------------------------------------------------------------------------
     def _lookahead(self, req: Request) -> int:
         """Tree slots a decoding request needs this step: its grammar's forced tokens if it
-        forces any (jump-forward; `req.forced`, read by _draft), else the drafter's tree."""
+        forces any (jump-forward; `req.forced`, read by _draft), and the drafter's tree (below
+        them: only a drafter that drafts ahead)."""
         req.forced = self._forced(req)
-        return len(req.forced) or self._spec_limits(req)[1]
+        ahead = not req.forced or (self.drafter is not None and self.drafter.drafts_ahead)
+        return len(req.forced) + (self._spec_limits(req)[1] if ahead else 0)
 
     def _forced(self, req: Request) -> list[int]:
         if req.grammar is None or not self.config.jump_forward:
@@ -328,7 +334,8 @@ class LLMEngine:
         return req.grammar.forced(min(MAX_FORCED, room - 1))
 
     def _spec_limits(self, req: Request) -> tuple[int, int, int]:
-        """(max draft depth, max draft nodes, top-k) for a decoding request this step; depth 0 = plain."""
+        """(max draft depth, max draft nodes, top-k) for a decoding request this step, below its
+        forced tokens (`req.forced`); depth 0 = plain."""
         # Seeded sampling reproduces only along one speculation path, so adaptive switching
         # (which depends on load and timing) leaves seeded sampled requests speculating.
         pinned = req.params.seed is not None and not req.params.greedy
@@ -338,9 +345,9 @@ class LLMEngine:
         # The adaptive controller shrinks trees as the batch grows (not a pinned request's:
         # its draws depend on the tree).
         nodes = spec.max_nodes if pinned else self._capped(spec.max_nodes)
-        # A step emits at most depth + 1 tokens: never draft past max_tokens or the context.
+        # A step emits at most forced + depth + 1 tokens: never draft past max_tokens or the context.
         room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-        depth = min(spec.num_speculative_tokens, room - 1, nodes)
+        depth = min(spec.num_speculative_tokens, room - 1 - len(req.forced), nodes)
         if depth < 1:
             return 0, 0, 1
         return depth, nodes, spec.topk
@@ -351,10 +358,15 @@ class LLMEngine:
         picked = [p for p in plans if p.seq.num_lookahead and not p.request.in_prefill]
         for plan in picked:
             if plan.request.forced:
-                plan.proposal, plan.forced = forced_proposal(plan.request.token_ids[-1], plan.request.forced), True
-        drafted = [p for p in picked if not p.forced]
+                plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced)
+                plan.forced = len(plan.request.forced)
+        drafted = [p for p in picked if p.seq.num_lookahead > p.forced]
         for plan, prop in zip(drafted, self._propose([p.request for p in drafted])):
-            plan.proposal = prop
+            plan.drafted = prop
+            if not plan.forced:
+                plan.proposal = prop
+            elif prop.draft is None:        # point masses below the chain (drafts_ahead drafters)
+                plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced, prop.tree)
         for plan in plans:
             if plan.request.grammar is not None and not plan.mid_prefill:
                 self._constrain(plan)
@@ -375,8 +387,8 @@ class LLMEngine:
         from drafters.base import DraftRequest
         if not reqs:
             return []
-        views = [DraftRequest(r.seq_id, r.token_ids, r.params, r.generator, *self._spec_limits(r))
-                 for r in reqs]
+        views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),
+                              unverified=len(r.forced)) for r in reqs]
         try:
             props = self.drafter.propose(views)
         except Exception:  # a drafter bug must not fail requests: decode plainly this step
@@ -384,9 +396,9 @@ class LLMEngine:
             log.exception("drafter %s failed; decoding %d requests plainly this step",
                           self.drafter.name, len(views))
             return []
-        for req, prop in zip(reqs, props):
-            if prop.tree.tokens[0] != req.token_ids[-1] or prop.num_draft_nodes > self._spec_limits(req)[1]:
-                raise AssertionError(f"drafter {self.drafter.name} broke its contract for {req.request_id}")
+        for view, prop in zip(views, props):
+            if prop.tree.tokens[0] != view.token_ids[-1] or prop.num_draft_nodes > view.max_nodes:
+                raise AssertionError(f"drafter {self.drafter.name} broke its contract for seq {view.seq_id}")
         return props
 
     # ---- verify ---------------------------------------------------------------------------
@@ -444,10 +456,12 @@ class LLMEngine:
                 apply_bitmask(plan.logits, plan.masks[plan.logit_rows])
             if plan.proposal is not None:
                 plan.accepted, plan.tokens = self._accept_proposal(req, plan)
-                if plan.forced:
-                    req.spec.forced_tokens += len(plan.accepted)
-                else:
-                    self._count(req, plan.proposal, plan.accepted)
+                # the forced chain is nodes 1..forced: the accepted path runs through it first
+                plan.forced_accepted = sum(1 for j in plan.accepted if j <= plan.forced)
+                req.spec.forced_tokens += plan.forced_accepted
+                if plan.drafted is not None:
+                    self._count(req, plan.proposal.num_draft_nodes - plan.forced, plan.proposal.tree.max_depth,
+                                len(plan.accepted) - plan.forced_accepted)
             elif not plan.mid_prefill and plan.sole and plan.sole[0] >= 0:
                 plan.tokens = [plan.sole[0]]                # the grammar allows this one token
             elif not plan.mid_prefill:
@@ -483,17 +497,18 @@ class LLMEngine:
         return result.accepted, [tree.tokens[j] for j in result.accepted] + [result.token]
 
     @staticmethod
-    def _count(req: Request, prop, accepted: tuple[int, ...]) -> None:
-        """Verify steps with at least one draft node (a bare root is a plain decode step)."""
-        if not prop.num_draft_nodes:
+    def _count(req: Request, nodes: int, max_depth: int, accepted: int) -> None:
+        """Verify steps with at least one of the drafter's nodes (a bare root is a plain decode
+        step): its nodes, the tree's depth and how many of them were accepted."""
+        if not nodes:
             return
         st = req.spec
         st.verify_steps += 1
-        st.draft_tokens += prop.num_draft_nodes
-        st.accepted_tokens += len(accepted)
-        while len(st.accepted_per_depth) < prop.tree.max_depth:
+        st.draft_tokens += nodes
+        st.accepted_tokens += accepted
+        while len(st.accepted_per_depth) < max_depth:
             st.accepted_per_depth.append(0)
-        for d in range(len(accepted)):
+        for d in range(accepted):
             st.accepted_per_depth[d] += 1
 
     # ---- commit ---------------------------------------------------------------------------
@@ -548,8 +563,8 @@ class LLMEngine:
             self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
             return None
         added, reason = self._append_tokens(req, plan.tokens)
-        if plan.proposal is not None and plan.proposal.num_draft_nodes and not plan.forced:
-            req.spec.emitted_tokens += len(added)
+        if plan.drafted is not None and plan.proposal.num_draft_nodes > plan.forced:
+            req.spec.emitted_tokens += len(added) - plan.forced_accepted
         # Publish before a finish frees the blocks: the next turn of a chat reuses them.
         self.blocks.publish(req.seq_id, req.token_ids, min(req.num_computed_tokens, req.num_tokens))
         if reason:

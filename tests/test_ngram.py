@@ -22,6 +22,18 @@ def test_a_long_match_drafts_to_full_depth_from_its_most_recent_occurrence():
     assert propose(d, tokens) == [8, 9, 1, 2]
 
 
+def test_forced_tokens_ahead_are_matched_but_not_learned():
+    """Drafting after the grammar's forced tokens (`unverified`): the suffix they end is looked
+    up, but the index does not learn them (the target may spell the forced text otherwise)."""
+    d = NgramDrafter()
+    tokens = [1, 2, 5, 6, 7, 8, 9, 3]
+    req = DraftRequest(0, tokens + [5, 6], SamplingParams(temperature=0), None, max_depth=3, max_nodes=3,
+                       unverified=2)
+    tree = d.propose([req])[0].tree
+    assert tree.tokens == (6, 7, 8, 9)
+    assert d._index[0].seen == len(tokens)
+
+
 def test_a_weak_match_drafts_one_token():
     d = NgramDrafter(NgramConfig(min_n=1, max_n=5, weak_n=1))
     tokens = [4, 9, 9, 9, 3, 8, 4]                  # only the unigram [4] recurs

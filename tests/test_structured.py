@@ -166,6 +166,22 @@ def test_every_output_token_runs_as_a_sampled_row(plain, prompts, monkeypatch):
     assert decided > 0 and bulk and max(bulk) == len(prompts[0]) - 1
 
 
+def test_a_drafter_that_drafts_ahead_extends_the_forced_chain(prompts, reference, monkeypatch):
+    """n-gram drafts from tokens alone: in a constrained step its tree goes below the forced
+    chain (one verify step for both), and the outputs stay those of plain decoding."""
+    llm = LLM(max_num_seqs=8, drafter="ngram")
+    grafted, accept = [], llm.engine._accept
+
+    def spy(plans):
+        grafted.extend(p.proposal.num_draft_nodes - p.forced for p in plans if p.forced and p.proposal is not None)
+        return accept(plans)
+    monkeypatch.setattr(llm.engine, "_accept", spy)
+    alone = [llm.generate(p, constrained(t))[0] for p, t in zip(prompts, TASKS)]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in reference]
+    assert any(n > 0 for n in grafted), "no drafter node below a forced chain"
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
 @pytest.fixture(scope="module")
 def smol_head(tmp_path_factory, smollm2_dir):
     from conftest import make_random_eagle_head

@@ -119,6 +119,18 @@ def test_truncated():
         SEVEN.truncated(0)
 
 
+def test_grafted_puts_a_tree_below_a_node():
+    """A forced chain 100 -> 5 -> 6 with a drafter's tree rooted at 6 grafted below node 2."""
+    chain = TokenTree.chain(100, [5, 6])
+    below = TokenTree((6, 7, 8, 9), (-1, 0, 0, 1))
+    t = chain.grafted(2, below)
+    assert t.tokens == (100, 5, 6, 7, 8, 9) and t.parents == (-1, 0, 1, 2, 2, 3)
+    assert t.path_tokens(5) == [100, 5, 6, 7, 9]
+    assert chain.grafted(2, TokenTree.single(6)) == chain
+    with pytest.raises(ValueError, match="root token"):
+        chain.grafted(1, below)
+
+
 @pytest.mark.parametrize("tokens, parents, match", [
     ((1, 2), (-1,), "length"),
     ((), (), "at least one node"),

@@ -183,6 +183,17 @@ class TokenTree:
         return TokenTree(tuple(self.tokens[o] for o in old),
                          tuple(-1 if o == 0 else new[self.parents[o]] for o in old)), old
 
+    def grafted(self, node: int, sub: TokenTree) -> TokenTree:
+        """This tree with `sub`'s draft nodes below `node` (sub's root stands for `node`, whose
+        token it must carry); sub's nodes are numbered after this tree's, in their order."""
+        self._check_node(node)
+        if sub.tokens[0] != self.tokens[node]:
+            raise ValueError(f"the grafted tree's root token {sub.tokens[0]} is not node {node}'s "
+                             f"token {self.tokens[node]}")
+        base = self.num_nodes - 1              # sub's node j > 0 becomes base + j
+        parents = [node if q == 0 else base + q for q in sub.parents[1:]]
+        return TokenTree(self.tokens + sub.tokens[1:], self.parents + tuple(parents))
+
     def truncated(self, max_nodes: int) -> TokenTree:
         """The first `max_nodes` nodes (root included): a valid tree since nodes are topological."""
         if max_nodes < 1:

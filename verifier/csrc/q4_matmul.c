@@ -154,10 +154,17 @@ static inline __m512 bf16x16(const void *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
 }
 
-static inline __m512i bcast4(const int8_t *p) {
+/* acc += w (u8) . the four s8 at x, broadcast: one instruction with its memory operand
+ * (the compiler loads the broadcast into a register first, an instruction per product). */
+static inline __m512i dot_bcast(__m512i acc, __m512i w, const int8_t *x) {
+#ifdef Q4_NOASM
     int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    memcpy(&v, x, 4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
+#else
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+#endif
 }
 
 static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const Act *a, int64_t r0, const int rows,
@@ -180,10 +187,10 @@ static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const
             const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
             __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
-                s = _mm512_dpbusd_epi32(s, lo[g], bcast4(xq + 4 * g));
-                s = _mm512_dpbusd_epi32(s, hi[g], bcast4(xq + 16 + 4 * g));
-                t = _mm512_dpbusd_epi32(t, lo[g], bcast4(xq + Q4_BLOCK + 4 * g));
-                t = _mm512_dpbusd_epi32(t, hi[g], bcast4(xq + Q4_BLOCK + 16 + 4 * g));
+                s = dot_bcast(s, lo[g], xq + 4 * g);
+                s = dot_bcast(s, hi[g], xq + 16 + 4 * g);
+                t = dot_bcast(t, lo[g], xq + Q4_BLOCK + 4 * g);
+                t = dot_bcast(t, hi[g], xq + Q4_BLOCK + 16 + 4 * g);
             }
             s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s, 8), t), _mm512_set1_epi32(a->s8[j]));
             __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d[j]));
