@@ -166,6 +166,8 @@ def test_timing_and_invariance_probe_on_real_kernels():
 def test_cliff_is_the_last_count_before_a_jump():
     t = KernelTimings((1, 2, 3, 4, 5, 6), {"int4": {1: 5.8, 2: 6.9, 3: 8.4, 4: 9.6, 5: 15.3, 6: 15.2}}, {"int4": [0]})
     assert t.rows_before_cliff("int4") == 4
+    noisy = KernelTimings((1, 2, 3, 4), {"q4x16": {1: 3.42, 2: 5.10, 3: 3.81, 4: 5.18}}, {"q4x16": [0]})
+    assert noisy.rows_before_cliff("q4x16") is None          # 2 rows timed high once: no cliff
 
 
 def test_engine_rows_cover_trees_batches_and_the_chunk():

@@ -64,14 +64,16 @@ class KernelTimings:
     tiles: dict[str, list[int]]      # tile sizes at which each path passed the probe (0: any count)
 
     def rows_before_cliff(self, path: str, jump: float = CLIFF) -> int | None:
-        """The largest row count before `path`'s first cost cliff (a step of one row that
-        costs `jump` times more), or None without one. torch's int4 kernel works in blocks
-        of 4 rows: past 4 rows its cost jumps, on AVX-512 and AVX2 machines alike (figures:
-        docs/performance.md, "Matmul paths and quantized kernels"), so a verify step of 4
-        rows is much cheaper than one of 5."""
+        """The largest row count before `path`'s first cost cliff (a step of one row after
+        which every count up to SAMPLED_ROWS costs `jump` times more), or None without one.
+        torch's int4 kernel works in blocks of 4 rows: past 4 rows its cost jumps, on AVX-512
+        and AVX2 machines alike (figures: docs/performance.md, "Matmul paths and quantized
+        kernels"), so a verify step of 4 rows is much cheaper than one of 5. A count alone that
+        timed high (a noisy host: q4x16 measured 3.4, 5.1, 3.8 ms at 1, 2, 3 rows) is no cliff."""
         t = self.ms.get(path, {})
         for r in self.rows:
-            if r - 1 in t and t.get(r) and t[r - 1] and t[r] > jump * t[r - 1]:
+            later = [t.get(m) for m in self.rows if r <= m <= SAMPLED_ROWS]
+            if r - 1 in t and t[r - 1] and later and None not in later and min(later) > jump * t[r - 1]:
                 return r - 1
         return None
 
