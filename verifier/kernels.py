@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from verifier.machine import cached_measurement
-from verifier.qlinear import DENSE_PATHS, QuantLinear
+from verifier.qlinear import QuantLinear
 
 FORMAT = 6           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
