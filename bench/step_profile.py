@@ -29,8 +29,8 @@ from bench.prefill import long_prompt
 from spec import LLM, SamplingParams
 from verifier.cpu_loop import step_clock
 
-MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise",
-              "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "tercel::q4_matmul",
+              "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTENTION_OPS = ("tercel::attention", "tercel::prefetch_kv")
 
 

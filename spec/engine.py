@@ -460,8 +460,8 @@ class LLMEngine:
                 plan.forced_accepted = sum(1 for j in plan.accepted if j <= plan.forced)
                 req.spec.forced_tokens += plan.forced_accepted
                 if plan.drafted is not None:
-                    self._count(req, plan.proposal.num_draft_nodes - plan.forced, plan.proposal.tree.max_depth,
-                                len(plan.accepted) - plan.forced_accepted)
+                    self._count(req, plan.proposal.num_draft_nodes - plan.forced,
+                                plan.proposal.tree.max_depth - plan.forced, len(plan.accepted) - plan.forced_accepted)
             elif not plan.mid_prefill and plan.sole and plan.sole[0] >= 0:
                 plan.tokens = [plan.sole[0]]                # the grammar allows this one token
             elif not plan.mid_prefill:

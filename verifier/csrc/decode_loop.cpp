@@ -5,9 +5,10 @@
  * matmuls and four fused kernels a layer), and driving them from Python cost about as much
  * as everything but the matmuls together (figures: docs/quantization.md). Here the same calls
  * run in the same order on the same data: the matmuls are the plan's own kernels (torch's
- * int4 / int8 through the dispatcher, so torch.profiler sees them, or q4_matmul.c's), the
- * rest the fused C kernels of decode_ops.c, passed in as function pointers. The result is bitwise that of the
- * Python loop, which stays for machines without a C++ compiler (tests compare the two).
+ * int4 / int8 through the dispatcher, so torch.profiler sees them, or q4_matmul.c's, in a
+ * tercel::q4_matmul scope), the rest the fused C kernels of decode_ops.c, passed in as
+ * function pointers. The result is bitwise that of the Python loop, which stays for
+ * machines without a C++ compiler (tests compare the two).
  *
  * Tensors cross from Python as their TensorImpl addresses (`Tensor._cdata`); a Model holds
  * references to its weights, so they live as long as it does. Every entry point catches
@@ -76,6 +77,7 @@ struct Linear {
     at::Tensor run(const at::Tensor &x) const {      /* x bf16 [M, K] -> bf16 [M, n] */
         Clock clock(MATMUL);
         if (kind == 16) {
+            RECORD_FUNCTION("tercel::q4_matmul", std::vector<c10::IValue>());
             at::Tensor y = at::empty({x.size(0), n}, x.options());
             if (q4(w.data_ptr(), n, x.size(1), bits(x), x.size(0), bits_mut(y)))
                 throw std::runtime_error("q4_matmul failed (K not a multiple of 32, or out of memory)");
