@@ -1,5 +1,6 @@
 /* Tercel's own int4 matmul for the sampled rows (decode steps, tree nodes): int4 weights
- * against activations quantized to int8, as llama.cpp's Q4_1 x Q8_1 dot products.
+ * against activations quantized to integers, as llama.cpp's Q4_1 x Q8_1 dot products, but
+ * with 15 bits held in two int8 digits (one digit cost 1.4 points of top-1 agreement).
  *
  * Why: torch's int4 kernel converts the weights for every row it multiplies, so on these
  * CPUs each verify row past the first costs about a fifth of a decode step, and a tree of 8
@@ -8,9 +9,9 @@
  * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd): the weight stream, which bounds a decode step,
  * is read once for all of them.
  *
- * Weights, packed at load by verifier/q4.py (w = (q - 8) * scale + zero per 32 weights of a
- * row, q in 0..15): tiles of Q4_TILE = 16 output channels, a tile's K / 32 blocks in order,
- * each Q4_BLOCK_BYTES = 320 bytes:
+ * Weights, packed at load by verifier/qlinear.py:pack_q4 (w = (q - 8) * scale + zero per 32
+ * weights of a row, q in 0..15): tiles of Q4_TILE = 16 output channels, a tile's K / 32
+ * blocks in order, each Q4_BLOCK_BYTES = 320 bytes:
  *   bytes 0..255    4 groups j of 64 bytes; byte 4 r + b of group j holds channel r's
  *                   weight 4 j + b in its low nibble and weight 16 + 4 j + b in its high one
  *   bytes 256..287  the 16 channels' scales, bf16
@@ -18,9 +19,10 @@
  * so that one 32-bit lane of a vector is one channel and vpdpbusd against four activation
  * bytes broadcast to every lane adds four products into each of 16 channels.
  *
- * Activations: each row of x (bf16 [M, K]) is quantized per 32 values, d = max |x| / 127,
- * qx = round(x / d), in C before the tiles run. For a channel and a block, with A = sum of
- * q * qx (an exact integer) and S = sum of qx:
+ * Activations: each row of x (bf16 [M, K]) is quantized per 32 values before the tiles run,
+ * X = round(x / d) with d = max |x| / 32512, stored as two int8 digits X = 256 hi + lo
+ * (lo in -128..127). For a channel and a block, with A = 256 (sum of q * hi) + (sum of q * lo)
+ * (an exact integer, below 2^24 in magnitude after the - 8 S) and S = sum of X:
  *   y += scale * (float(A - 8 S) * d) + zero * (d * S)          (two fmas, in block order)
  *
  * Exactness: every output is computed by one thread, over the blocks in order, with the
@@ -51,7 +53,8 @@
 
 typedef uint16_t bf16;
 
-/* One call's activations, quantized: q int8 [M, K]; per row and block: d, 8 S and d * S. */
+/* One call's activations, quantized: q int8 [M, K / 32, 64] (per block the 32 hi digits, then
+ * the 32 lo ones); per row and block: d, 8 S and d * S. */
 typedef struct {
     int8_t *q;
     float *d, *ds;
@@ -157,14 +160,8 @@ static inline __m512 bf16x16(const void *p) {
 /* acc += w (u8) . the four s8 at x, broadcast: one instruction with its memory operand
  * (the compiler loads the broadcast into a register first, an instruction per product). */
 static inline __m512i dot_bcast(__m512i acc, __m512i w, const int8_t *x) {
-#ifdef Q4_NOASM
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
-#else
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
     return acc;
-#endif
 }
 
 static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const Act *a, int64_t r0, const int rows,
