@@ -39,7 +39,8 @@ def kernels_report(model: str, mode: str, args) -> str:
     plan = target.kernel_plan
     exact = plan.own            # the sampled rows' kernel
     paths = list(t.ms)
-    lines = [f"quantization {target.quantization}: decoder matmuls of one forward, ms (the LM head is not included)", "",
+    lines = [f"quantization {target.quantization}: decoder matmuls of one forward, ms (the LM head is not "
+             "included)", "",
              "| rows | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
     for m in t.rows:
         lines.append(f"| {m} | " + " | ".join("-" if t.ms[p].get(m) is None else f"{t.ms[p][m]:.2f}"

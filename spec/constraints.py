@@ -16,9 +16,10 @@ plain decoding from the target's masked, renormalised distribution:
 
 Jump-forward: where the grammar forces the next characters, the tokens spelling them are
 a chain drafted for free (`forced_proposal`), with a drafter's tree below it where the
-drafter proposes from tokens alone (`Drafter.drafts_ahead`: n-gram and datastore). A token the grammar alone allows has p = 1 after
-masking and is always accepted; a forced string's tokens are point-mass drafts, accepted
-as often as the target would spell the string that way, and exact either way.
+drafter proposes from tokens alone (`Drafter.drafts_ahead`: n-gram and datastore). A token
+the grammar alone allows has p = 1 after masking and is always accepted; a forced string's
+tokens are point-mass drafts, accepted as often as the target would spell the string that
+way, and exact either way.
 """
 from __future__ import annotations
 

@@ -259,6 +259,8 @@ def q4_isa() -> int:
 def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
     """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W as `verifier.qlinear.pack_q4`
     lays it out; `reference`: through the scalar code every path must match bit for bit."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"q4_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)
     fn = _library().q4_matmul_ref if reference else _library().q4_matmul
