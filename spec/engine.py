@@ -31,7 +31,7 @@ from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOu
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.grammar import GrammarBackend, apply_bitmask, sole_tokens
+from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.parallel import open_target
@@ -420,13 +420,19 @@ class LLMEngine:
         if plan.proposal is not None:
             tree = plan.proposal.tree       # root at slot `start`, node j at start + j
             return SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
-                            mask=tree.ancestor_mask(), logits_indices=plan.logit_rows)
+                            mask=tree.ancestor_mask(), logits_indices=plan.logit_rows,
+                            logits_tokens=self._few_allowed(plan, plan.logit_rows))
         # Logits of the last token only; none for a chunk with more of the prompt after it, or
         # where the grammar allows one token. The last token is a sampled row either way.
         n = plan.seq.num_new_tokens
         sampled = not plan.mid_prefill and plan.logit_rows
         return SeqInput(req.token_ids[start:start + n], start, table, logits_indices=None if sampled else [],
-                        sampled_from=None if plan.mid_prefill else n - 1)
+                        sampled_from=None if plan.mid_prefill else n - 1,
+                        logits_tokens=self._few_allowed(plan, [0]) if sampled else None)
+
+    def _few_allowed(self, plan: SeqPlan, rows: list[int]) -> tuple | None:
+        """Per logits row of a constrained plan, the tokens its mask allows if they are few."""
+        return None if plan.masks is None else few_allowed(plan.masks, rows, self.target.config.vocab_size)
 
     def _drafter_prefill(self, plans: list[SeqPlan]) -> None:
         """Hand the drafter the prompt chunks the target just ran, for its own KV."""

@@ -94,3 +94,38 @@ def test_the_step_clocks_time_a_native_forward_only_while_on(smollm2_dir):
     clock = step_clock(False)
     assert 0 < clock["matmul"] and 0 < clock["attention"]
     assert clock["matmul"] + clock["attention"] <= clock["call"]
+
+
+def test_rows_with_few_tokens_get_exact_logits_there_alone_in_both_loops(smollm2_dir):
+    """Logits asked at a few tokens only (a grammar mask that allows few; `SeqInput.logits_tokens`):
+    the native loop and the Python loop give the same bits; at those tokens the exact rescoring
+    the full head gives its own 16 candidates, -inf elsewhere; the other rows as without them."""
+    target = TargetModel(str(smollm2_dir), quantization="int4")
+    target.allocate_kv(16, BLOCK)
+    target.forward(ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3]),
+                                 SeqInput(list(range(500, 530)), 0, [4, 5, 6, 7])]))
+
+    def tree(tokens):
+        return ForwardBatch([SeqInput([7], 40, [0, 1, 2, 3]),
+                             SeqInput(list(range(20, 26)), 30, [4, 5, 6, 7], mask=_tree(6),
+                                      logits_indices=list(range(6)), logits_tokens=tokens)])
+    full = target.forward(tree(None)).logits                     # rows: a's decode row, then the tree's 6
+    picks = full[1:].topk(5, dim=-1).indices                     # tokens the full head rescored exactly
+    tokens = (picks[0], None, torch.cat([picks[2], torch.tensor([3, 9000])]), None, None, picks[5][:1])
+    native = target._cpu_native
+    outs = []
+    for loop in (native, None):
+        target._cpu_native = loop
+        outs.append(target.forward(tree(tokens)).logits)
+    target._cpu_native = native
+    assert torch.equal(outs[0], outs[1])
+    few = outs[0]
+    for row, t in enumerate(tokens, start=1):
+        if t is None:
+            assert torch.equal(few[row], full[row])
+            continue
+        allowed = torch.zeros(few.shape[1], dtype=torch.bool)
+        allowed[t] = True
+        assert torch.equal(few[row, picks[row - 1][:len(t)]], full[row, picks[row - 1][:len(t)]])
+        assert torch.isfinite(few[row, allowed]).all() and (few[row, ~allowed] == float("-inf")).all()
+    assert torch.equal(few[0], full[0])

@@ -9,6 +9,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from bench.structured import load_tasks
 from conftest import spec_drafters, write_reply_corpus
@@ -164,6 +165,30 @@ def test_every_output_token_runs_as_a_sampled_row(plain, prompts, monkeypatch):
         decided += sole_tokens(matcher.mask())[0] >= 0
         matcher.accept(t)
     assert decided > 0 and bulk and max(bulk) == len(prompts[0]) - 1
+
+
+def test_rows_whose_mask_allows_few_tokens_ask_for_those_logits_alone(plain, prompts, reference, monkeypatch):
+    """few_allowed lists a row's tokens where they are at most 1/64 of the vocabulary; a
+    constrained request sends them with its forwards (the target then skips the vocabulary
+    scan for those rows), and its output stays plain constrained decoding's (the reference)."""
+    from verifier.grammar import few_allowed
+    masks = torch.zeros(3, 4, dtype=torch.int32)
+    masks[0, 1] = 0b1001                                   # tokens 32 and 35
+    masks[1] = -1                                          # all 128
+    masks[2, 3] = -2 ** 31                                 # token 127 (the sign bit)
+    got = few_allowed(masks, [0, 1, 2], vocab_size=100 * 64)     # at most 100 tokens
+    assert got[0].tolist() == [32, 35] and got[1] is None and got[2].tolist() == [127]
+    assert few_allowed(masks, [1], vocab_size=100 * 64) is None
+    target, sent = plain.engine.target, []
+    forward = target.forward
+
+    def spy(batch):
+        sent.extend(t for s in batch.seqs for t in (s.logits_tokens or ()) if t is not None)
+        return forward(batch)
+    monkeypatch.setattr(target, "forward", spy)
+    out = plain.generate(prompts[1], constrained(TASKS[1]))[0]
+    assert sent and all(0 < len(t) <= target.config.vocab_size // 64 for t in sent)
+    assert out.token_ids == reference[1].token_ids
 
 
 def test_a_drafter_that_drafts_ahead_extends_the_forced_chain(prompts, reference, monkeypatch):

@@ -29,6 +29,10 @@ class SeqInput:
     # decode step whose grammar allows one token needs no logits and is still a sampled row:
     # the same token inside a draft chain is one, and its KV must not depend on which it was.
     sampled_from: int | None = None
+    # Per row with logits (in sample_indices order): int64 token ids, the only ones whose logits
+    # are needed (a grammar mask that allows few; the rest come back -inf), or None for all.
+    # A quantized target computes just those, exactly; others compute every logit.
+    logits_tokens: tuple | None = None
 
     def __post_init__(self):
         q = len(self.token_ids)
@@ -37,6 +41,9 @@ class SeqInput:
         if self.sampled_from is not None and not 0 <= self.sampled_from <= min(self.sample_indices, default=q - 1):
             raise ValueError(f"sampled_from {self.sampled_from} must lie in 0..{q - 1}, at or before the first "
                              "token with logits")
+        if self.logits_tokens is not None and len(self.logits_tokens) != len(self.sample_indices):
+            raise ValueError(f"logits_tokens has {len(self.logits_tokens)} entries for "
+                             f"{len(self.sample_indices)} rows with logits")
         if self.positions is not None and len(self.positions) != q:
             raise ValueError(f"positions has {len(self.positions)} entries for {q} tokens")
         if self.mask is not None and tuple(self.mask.shape) != (q, q):

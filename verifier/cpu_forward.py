@@ -90,16 +90,18 @@ def cpu_layers(net) -> list[CpuLayer]:
 def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.Tensor, plan: cpu_ops.Rows,
                  kv: KVCache,
                  logits_rows: torch.Tensor, capture_layers: tuple[int, ...] = (),
-                 own: bool = True, native: NativeLayers | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 own: bool = True, native: NativeLayers | None = None,
+                 logits_tokens: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them. With `native` (`verifier.cpu_loop`), sampled
     rows (`own`) run the layers, and where it holds the head the final norm and the head, in one
-    C++ call: the same kernels in the same order."""
+    C++ call: the same kernels in the same order. `logits_tokens` (per logits row, int64 ids or
+    None): rows whose logits are needed at those tokens only (exact, the rest -inf)."""
     c = net.cfg
     x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
     logits = None
     if own and native is not None:
-        logits, taps = native.run(plan, x, kv, capture_layers, logits_rows)
+        logits, taps = native.run(plan, x, kv, capture_layers, logits_rows, logits_tokens)
     else:
         taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own if own else _planned)
     if c.num_layers in capture_layers:
@@ -109,7 +111,7 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
     if logits_rows.shape[0] == 0:
         return torch.empty(0, c.vocab_size), taps
     normed = cpu_ops.rms_norm_rows(x, logits_rows, net.model.norm.weight, net.model.norm.eps)
-    return net.lm_head(normed), taps
+    return net.lm_head(normed, logits_tokens), taps
 
 
 def _layers(c, layers: list[CpuLayer], heads: cpu_ops.Heads, plan: cpu_ops.Rows, kv: KVCache, x: torch.Tensor,

@@ -44,7 +44,7 @@ _SIGNATURES = {
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
     "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
                                _I], _I),
-    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, ctypes.c_char_p, _I], _I),
+    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P, _P, ctypes.c_char_p, _I], _I),
     "tercel_clock": ([_I, ctypes.POINTER(ctypes.c_double)], None),
 }
 _lib: ctypes.CDLL | None = None
@@ -142,11 +142,13 @@ class NativeLayers:
         return self._kv_ptrs
 
     def run(self, plan: cpu_ops.Rows, x: torch.Tensor, kv: KVCache, capture_layers: tuple[int, ...],
-            logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict]:
+            logits_rows: torch.Tensor | None = None,
+            logits_tokens: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, dict]:
         """Every layer over x fp32 [T, H] in place (up to the last residual add, before the final
         norm) -> (logits fp32 [len(logits_rows), V] of those rows through the final norm and the
         head, or None: no rows asked, or no head here; taps: layer -> x as that layer sees it,
-        for the layers below the last)."""
+        for the layers below the last). `logits_tokens`: per logits row, int64 ids whose logits
+        alone it needs (exact; -inf elsewhere), or None."""
         k_ptrs, v_ptrs = self._caches(kv)
         tapped = sorted(i for i in set(capture_layers) if i < len(self._layers))
         taps = {i: torch.empty_like(x) for i in tapped}
@@ -155,10 +157,32 @@ class NativeLayers:
         m = 0 if logits_rows is None or not self.has_head else logits_rows.shape[0]
         logits = torch.empty(m, self._vocab) if m else None
         top = torch.empty(m, self._k, dtype=torch.int64) if m else None
+        sparse = _sparse_rows(logits_tokens) if m else None
         _check(self._lib.tercel_forward(self._model, ctypes.byref(plan), x.shape[0], x._cdata, k_ptrs, v_ptrs,
                                         len(tapped), tap_layer, tap_impl, m, logits_rows.data_ptr() if m else None,
-                                        logits._cdata if m else 0, top._cdata if m else 0, self._err, _ERR), self._err)
+                                        logits._cdata if m else 0, top._cdata if m else 0,
+                                        *(sparse.args() if sparse else (0, None, None, None)), self._err, _ERR),
+               self._err)
         return logits, taps
+
+
+class _SparseRows:
+    """The rows of a forward whose logits are needed at a few tokens only, as the loop reads
+    them: their indices among the logits rows, where each one's tokens start, the tokens."""
+
+    def __init__(self, logits_tokens: list[torch.Tensor | None]):
+        rows = [i for i, t in enumerate(logits_tokens) if t is not None]
+        lists = [logits_tokens[i].to(torch.int64) for i in rows]
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        self.start = torch.tensor([0, *torch.tensor([len(t) for t in lists]).cumsum(0).tolist()], dtype=torch.int64)
+        self.tokens = torch.cat(lists).contiguous()
+
+    def args(self) -> tuple:
+        return len(self.rows), self.rows.data_ptr(), self.start.data_ptr(), self.tokens.data_ptr()
+
+
+def _sparse_rows(logits_tokens: list[torch.Tensor | None] | None) -> _SparseRows | None:
+    return None if logits_tokens is None or all(t is None for t in logits_tokens) else _SparseRows(logits_tokens)
 
 
 def step_clock(on: bool) -> dict[str, float]:

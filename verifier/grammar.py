@@ -31,6 +31,11 @@ from verifier.structured import StructuredOutputs
 JSON_SEPARATORS = (", ", ": ")
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[11:07:15] /project/cpp/x.cc:94: "
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+_BIT = np.arange(32, dtype=np.uint32)
+# A row that allows at most 1/FEW_SHARE of the vocabulary gets logits at those tokens alone: the
+# exact rescoring costs about (allowed tokens) x (hidden) int8 products against the scan's
+# vocabulary x hidden int4 ones, far below it at 1/64 whatever the machine.
+FEW_SHARE = 64
 
 
 class GrammarBackend:
@@ -155,6 +160,30 @@ class Matcher:
             return tokens
         allowed = allowed_tokens(self.mask(), self.vocab_size)[0].nonzero().flatten()
         return allowed.tolist() if allowed.numel() == 1 else []
+
+
+def few_allowed(masks: torch.Tensor, rows: list[int], vocab_size: int) -> tuple | None:
+    """Per mask row in `rows`: the int64 ids it allows where they are at most vocab_size /
+    FEW_SHARE, else None; None where no row has so few. Such a row's masked distribution needs
+    logits at those tokens alone: the target computes them exactly and skips the scan of the
+    whole vocabulary (`verifier.qlinear.RescoredHead`). The choice depends on the row's mask
+    only, so a token gets the same logits as a decode step, a chain node or a tree node."""
+    if not rows:
+        return None
+    m = masks.numpy().view(np.uint32)
+    counts = np.bitwise_count(m[rows]).sum(1)
+    limit = vocab_size // FEW_SHARE
+    if not (counts <= limit).any():
+        return None
+    out = []
+    for r, c in zip(rows, counts):
+        if c > limit:
+            out.append(None)
+            continue
+        words = np.flatnonzero(m[r])
+        bits = (m[r][words][:, None] >> _BIT) & 1            # [words, 32]
+        out.append(torch.from_numpy((words[:, None] * 32 + _BIT)[bits.astype(bool)].astype(np.int64)))
+    return tuple(out)
 
 
 def sole_tokens(masks: torch.Tensor) -> list[int]:

@@ -227,12 +227,32 @@ class RescoredHead(nn.Module):
         self._c_rescore = (table._kind is Int8Weight and table.embedding_dim % 8 == 0
                            and (table.embedding_dim // table.scale.shape[1]) % 8 == 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, hidden] -> logits [M, vocab] fp32
+    def forward(self, x: torch.Tensor, tokens: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """x [M, hidden] -> logits [M, vocab] fp32. `tokens`: per row, int64 ids whose logits alone
+        are needed (a grammar mask that allows few), computed exactly from `table`, the rest
+        -inf; None (or a None entry): the whole vocabulary, scanned and rescored. Decode steps
+        (verifier/csrc/decode_loop.cpp, sparse_head) compute the same, row by row."""
+        sparse = [] if tokens is None else [i for i, t in enumerate(tokens) if t is not None]
+        if not sparse:
+            return self._scanned(x)
+        logits = torch.full((x.shape[0], self.scan.out_features), float("-inf"))
+        dense = [i for i in range(x.shape[0]) if tokens[i] is None]
+        if dense:                       # every step of the scan is row by row: the same bits
+            logits[dense] = self._scanned(x[dense])
+        for i in sparse:
+            self._exact(x[i:i + 1], tokens[i].to(torch.int64).view(1, -1), logits[i:i + 1])
+        return logits
+
+    def _scanned(self, x: torch.Tensor) -> torch.Tensor:
         logits, top = cpu_ops.scan_topk(self.scan.run(self.scan.own, x), self.RESCORE_K)  # [M, V], [M, k]
+        self._exact(x, top, logits)
+        return logits
+
+    def _exact(self, x: torch.Tensor, top: torch.Tensor, logits: torch.Tensor) -> None:
+        """logits[m, top[m, j]] = x[m] . w[top[m, j]] in fp32, in place (logits contiguous rows)."""
         x = x.float().contiguous()
         if self._c_rescore:
-            cpu_ops.rescore_int8(x, top, self.table.q, self.table.scale, logits)
-            return logits
-        rows = self.table(top.view(-1)).view(*top.shape, self.table.embedding_dim)       # [M, k, hidden]
-        return logits.scatter_(1, top, (rows * x[:, None, :]).sum(-1))
+            cpu_ops.rescore_int8(x, top.contiguous(), self.table.q, self.table.scale, logits)
+            return
+        rows = self.table(top.reshape(-1)).view(*top.shape, self.table.embedding_dim)    # [M, k, hidden]
+        logits.scatter_(1, top, (rows * x[:, None, :]).sum(-1))

@@ -176,9 +176,10 @@ class TargetModel:
         ids, _, rows, offsets = _flatten(batch)
         cfg = self.net.cfg
         plan = row_plan(batch.seqs, self.kv.block_size, cfg.num_heads // cfg.num_kv_heads)
+        tokens = [t for s in batch.seqs for t in (s.logits_tokens or [None] * len(s.sample_indices))]
         logits, taps = forward_rows(self.net, self._cpu_heads, self._cpu_layers, torch.tensor(ids), plan,
                                     self.kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own,
-                                    self._cpu_native)
+                                    self._cpu_native, tokens if any(t is not None for t in tokens) else None)
         return ForwardOutput(logits, offsets, taps)
 
 
@@ -193,7 +194,7 @@ def split_at_first_sample(seq: SeqInput) -> tuple[SeqInput | None, SeqInput | No
     pos = seq.positions
     head = SeqInput(seq.token_ids[:first], seq.ctx_len, seq.block_table, pos and pos[:first], logits_indices=[])
     tail = SeqInput(seq.token_ids[first:], seq.ctx_len + first, seq.block_table, pos and pos[first:],
-                    logits_indices=[i - first for i in seq.sample_indices])
+                    logits_indices=[i - first for i in seq.sample_indices], logits_tokens=seq.logits_tokens)
     return head, tail
 
 

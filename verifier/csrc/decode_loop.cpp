@@ -18,13 +18,17 @@
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <exception>
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
@@ -193,15 +197,48 @@ int64_t tercel_model_set_head(void *model, const float *norm, float eps, const L
     }
 }
 
+/* The head over normed rows np [num_logits, H] into lp [num_logits, V] (top: scratch [num_logits, k]):
+ * rows with a token list (sparse[r] = s >= 0: tokens start[s] .. start[s + 1]) get exact logits at
+ * those tokens and -inf elsewhere; the rest scan the vocabulary and rescore their k best. Row by
+ * row: scan_topk and the rescoring are serial and per row, so a row's logits are those of the
+ * whole-batch calls. */
+static void sparse_head(const Head &hd, const at::Tensor &normed, int64_t hidden, const std::vector<int64_t> &sparse,
+                        const int64_t *start, const int64_t *tokens, float *lp, int64_t *topp) {
+    const float *np = normed.data_ptr<float>();
+    std::vector<int64_t> dense;
+    for (int64_t r = 0; r < static_cast<int64_t>(sparse.size()); r++) {
+        if (sparse[r] < 0) {
+            dense.push_back(r);
+            continue;
+        }
+        int64_t s = sparse[r];
+        std::fill(lp + r * hd.vocab, lp + (r + 1) * hd.vocab, -std::numeric_limits<float>::infinity());
+        hd.rescore(np + r * hidden, tokens + start[s], hd.q.data_ptr<int8_t>(), hd.scale.data_ptr<float>(), 1,
+                   start[s + 1] - start[s], hidden, hd.g, lp + r * hd.vocab, hd.vocab);
+    }
+    if (dense.empty()) return;
+    at::Tensor idx = at::from_blob(dense.data(), {static_cast<int64_t>(dense.size())}, at::kLong);
+    at::Tensor scan = hd.scan.run(normed.index_select(0, idx).to(at::kBFloat16));
+    for (size_t j = 0; j < dense.size(); j++) {
+        int64_t r = dense[j];
+        hd.scan_topk(bits(scan) + j * hd.vocab, 1, hd.vocab, hd.k, lp + r * hd.vocab, topp + r * hd.k);
+        hd.rescore(np + r * hidden, topp + r * hd.k, hd.q.data_ptr<int8_t>(), hd.scale.data_ptr<float>(), 1, hd.k,
+                   hidden, hd.g, lp + r * hd.vocab, hd.vocab);
+    }
+}
+
 /* Every layer over T rows: x fp32 [T, H] (the embeddings; the residual stream, updated in
  * place, ends after the last layer's residual add, before the final norm). k_cache[i],
  * v_cache[i]: layer i's bf16 caches. taps[j] (fp32 [T, H]) gets x as layer tap_layer[j] sees
  * it, for j < num_taps. With num_logits > 0 (and a head set), logits fp32 [num_logits, V]
- * and top int64 [num_logits, k] get the head's output for rows logit_rows. */
+ * and top int64 [num_logits, k] get the head's output for rows logit_rows; the num_sparse rows
+ * sparse_rows[s] (indices into logit_rows) need logits only at tokens sparse_tokens[sparse_start[s]
+ * .. sparse_start[s + 1]) (see sparse_head). */
 int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl, void *const *k_cache,
                        void *const *v_cache, int64_t num_taps, const int64_t *tap_layer, const int64_t *tap_impl,
                        int64_t num_logits, const int64_t *logit_rows, int64_t logits_impl, int64_t top_impl,
-                       char *err, int64_t cap) {
+                       int64_t num_sparse, const int64_t *sparse_rows, const int64_t *sparse_start,
+                       const int64_t *sparse_tokens, char *err, int64_t cap) {
     Clock clock(CALL);
     try {
         c10::InferenceMode guard;
@@ -243,6 +280,12 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
             at::Tensor normed = at::empty({num_logits, m.hidden}, at::kFloat), top = tensor_at(top_impl);
             float *np = normed.data_ptr<float>(), *lp = tensor_at(logits_impl).data_ptr<float>();
             hd.rms_norm_rows(xp, logit_rows, hd.norm, hd.eps, num_logits, m.hidden, np);
+            if (num_sparse > 0) {
+                std::vector<int64_t> sparse(num_logits, -1);
+                for (int64_t s = 0; s < num_sparse; s++) sparse.at(sparse_rows[s]) = s;
+                sparse_head(hd, normed, m.hidden, sparse, sparse_start, sparse_tokens, lp, top.data_ptr<int64_t>());
+                return 0;
+            }
             at::Tensor scan = hd.scan.run(normed.to(at::kBFloat16));
             hd.scan_topk(bits(scan), num_logits, hd.vocab, hd.k, lp, top.data_ptr<int64_t>());
             hd.rescore(np, top.data_ptr<int64_t>(), hd.q.data_ptr<int8_t>(), hd.scale.data_ptr<float>(), num_logits,
