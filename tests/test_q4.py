@@ -90,8 +90,8 @@ def test_the_avx2_build_gives_the_same_bits():
     import ctypes
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
-    path = cpu_ops.compile_library([cpu_ops.SOURCES[1]], [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"],
-                                   ("CC", "cc", "gcc"), salt="avx2")
+    path = cpu_ops.compile_library([cpu_ops.Q4_MATMUL], [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"],
+                                   ("CC", "cc", "gcc"), salt="avx2", headers=cpu_ops.HEADERS)
     lib = ctypes.CDLL(str(path))
     lib.q4_isa.restype = lib.q4_matmul.restype = ctypes.c_int64
     lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

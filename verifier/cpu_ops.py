@@ -27,7 +27,9 @@ from verifier.machine import cache_bytes, machine_key
 from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_ops.c", "q4_matmul.c")]
+_CSRC = Path(__file__).parent / "csrc"
+DECODE_OPS, Q4_MATMUL = SOURCES = [_CSRC / "decode_ops.c", _CSRC / "q4_matmul.c"]
+HEADERS = [_CSRC / "bf16.h"]        # included by both: part of the library's cache key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -72,20 +74,21 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _build() -> Path:
-    return compile_library(SOURCES, [*FLAGS, "-lm"], ("CC", "cc", "gcc"))
+    return compile_library(SOURCES, [*FLAGS, "-lm"], ("CC", "cc", "gcc"), headers=HEADERS)
 
 
-def compile_library(sources: list[Path], args: list[str], compilers: tuple[str, ...], salt: str = "") -> Path:
-    """`sources` compiled into one shared library in the Tercel cache, once per (sources, `args`,
-    compiler version, CPU flags, `salt`). `compilers`: an environment variable naming one, then
+def compile_library(sources: list[Path], args: list[str], compilers: tuple[str, ...], salt: str = "",
+                    headers: list[Path] = ()) -> Path:
+    """`sources` compiled into one shared library in the Tercel cache, once per (sources and the
+    `headers` they include, `args`, compiler version, CPU flags, `salt`). `compilers`: an environment variable naming one, then
     the names to look for on PATH. FileNotFoundError without one; CalledProcessError if it fails."""
     env, *names = compilers
     cc = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if cc is None:
         raise FileNotFoundError(f"no compiler ({' or '.join(names)}) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + " ".join(args).encode() + version.encode()
-                         + machine_key()["flags"].encode() + salt.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *headers]) + " ".join(args).encode()
+                         + version.encode() + machine_key()["flags"].encode() + salt.encode()).hexdigest()[:16]
     out = cache_root() / "cpu_kernels" / f"{sources[0].stem}-{key}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,7 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
                 lin.add_dense(path)
         return time_paths(decoder, rows)
 
-    q4_source = hashlib.sha256(cpu_ops.SOURCES[1].read_bytes()).hexdigest()[:16]    # a new kernel is timed anew
+    q4_source = hashlib.sha256(cpu_ops.Q4_MATMUL.read_bytes()).hexdigest()[:16]    # a new kernel is timed anew
     timings = load_or_time(rows, {**model_key, "q4x16": q4_source}, cache_dir, measure, refresh)
     plan = apply_plan(decoder, head, timings)
     log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,

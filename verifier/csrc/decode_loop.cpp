@@ -284,12 +284,12 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
                 std::vector<int64_t> sparse(num_logits, -1);
                 for (int64_t s = 0; s < num_sparse; s++) sparse.at(sparse_rows[s]) = s;
                 sparse_head(hd, normed, m.hidden, sparse, sparse_start, sparse_tokens, lp, top.data_ptr<int64_t>());
-                return 0;
+            } else {                    /* every row scans: one call each, all rows at once */
+                at::Tensor scan = hd.scan.run(normed.to(at::kBFloat16));
+                hd.scan_topk(bits(scan), num_logits, hd.vocab, hd.k, lp, top.data_ptr<int64_t>());
+                hd.rescore(np, top.data_ptr<int64_t>(), hd.q.data_ptr<int8_t>(), hd.scale.data_ptr<float>(),
+                           num_logits, hd.k, m.hidden, hd.g, lp, hd.vocab);
             }
-            at::Tensor scan = hd.scan.run(normed.to(at::kBFloat16));
-            hd.scan_topk(bits(scan), num_logits, hd.vocab, hd.k, lp, top.data_ptr<int64_t>());
-            hd.rescore(np, top.data_ptr<int64_t>(), hd.q.data_ptr<int8_t>(), hd.scale.data_ptr<float>(), num_logits,
-                       hd.k, m.hidden, hd.g, lp, hd.vocab);
         }
         return 0;
     } catch (const std::exception &e) {

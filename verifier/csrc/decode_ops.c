@@ -21,23 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define LANES 16
-
-typedef uint16_t bf16;
-
-static inline float bf16_to_f32(bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) {           /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-    return (bf16)(nan ? (u >> 16) | 0x40 : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* sum of a[i] * b[i] with LANES partial sums and a fixed final order (n % LANES == 0 or not) */
 static inline float dot(const float *a, const float *b, int64_t n) {
