@@ -12,7 +12,7 @@ import torch
 from verifier import cpu_ops
 from verifier.gguf_quant import read_block_tensor
 from verifier.kernels import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
-from verifier.qlinear import QuantEmbedding, QuantLinear, served_weights
+from verifier.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, served_weights
 from verifier.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
                             quantize_int4, quantize_int8)
 
@@ -64,7 +64,7 @@ def _linear(kind: str, n: int = 64, k: int = 128, seed: int = 0) -> tuple[QuantL
 def test_every_path_computes_the_served_weights(kind):
     """The kernel and both dense copies agree with x @ W.T on the weights as served."""
     lin, w = _linear(kind, n=72)            # 72 output channels: the int4 kernel pads to 80
-    for path in ("bf16", "fp32"):
+    for path in DENSE_PATHS:            # bf16 only where oneDNN has bf16 kernels
         lin.add_dense(path)
     x = torch.randn(5, 128)
     want = x.to(torch.bfloat16).float() @ w.t()
@@ -90,11 +90,12 @@ def test_own_kernel_rows_are_batch_invariant(kind):
 
 def test_forward_serves_prefill_rows_on_the_plan_path_in_tiles():
     lin, _ = _linear("int4")
-    lin.add_dense("bf16")
-    lin.plan = KernelPlan("bf16", tile=32)
+    dense = DENSE_PATHS[0]
+    lin.add_dense(dense)
+    lin.plan = KernelPlan(dense, tile=32)
     x = torch.randn(40, 128)
     padded = torch.cat([x, torch.zeros(24, 128)])
-    want = torch.cat([lin.run("bf16", padded[:32]), lin.run("bf16", padded[32:])])[:40]
+    want = torch.cat([lin.run(dense, padded[:32]), lin.run(dense, padded[32:])])[:40]
     assert torch.equal(lin.run_planned(x), want)
     lin.plan = KernelPlan("int4")
     assert torch.equal(lin.run_planned(x), lin.run("int4", x))

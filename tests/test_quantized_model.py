@@ -109,7 +109,7 @@ def test_int4_serves_the_gguf_blocks(int4, smollm2_dir):
     from safetensors import safe_open
     lin = int4.net.model.layers[4].mlp.down_proj
     x = torch.eye(lin.in_features)
-    served = lin.run("int4", x).float().t()                         # [N, K]: the weights themselves
+    served = lin.run(lin.own, x).float().t()        # [N, K]: the weights themselves (int4 or q4x16)
     with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as st:
         file_w = st.get_tensor("model.layers.4.mlp.down_proj.weight")
     err = (served - file_w).abs()

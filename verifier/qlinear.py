@@ -23,13 +23,15 @@ from verifier import cpu_ops
 from verifier.linear import onednn_available
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, per_channel
 
-DENSE_PATHS = ("bf16", "fp32")
+_ONEDNN = onednn_available()
+# oneDNN packs and multiplies bf16 only with AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; on an
+# AVX2-only CPU it refuses to pack bf16 and torch would emulate the products, far below fp32.
+DENSE_PATHS = ("bf16", "fp32") if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ("fp32",)
 Q4_TILE, Q4_BLOCK = 16, 32      # csrc/q4_matmul.c: output channels per tile, weights per scale
 # torch's own bindings of the kernels: a call through torch.ops.aten costs more (figures:
 # docs/performance.md, "Matmul paths and quantized kernels").
 _INT4_MM = torch._weight_int4pack_mm_for_cpu
 _INT8_MM = torch._weight_int8pack_mm
-_ONEDNN = onednn_available()
 _N_ALIGN = 16          # the int4 packer needs a multiple of 16 output channels
 
 
