@@ -16,7 +16,7 @@ from conftest import mtbench_prompts
 from spec import LLM, SamplingParams
 from verifier.batch import ForwardBatch, SeqInput
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def prompts(llm) -> list[list[int]]:
-    return [llm.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(8)]
+    return [llm.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(4)]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def _engine_greedy(llm, prompts):
 
 
 def test_greedy_matches_hf_generate_one_at_a_time(llm, prompts, hf_greedy):
-    """8 MT-bench prompts x 64 new tokens, run one at a time: token-identical to HF generate."""
+    """4 MT-bench prompts x 32 new tokens, run one at a time: token-identical to HF generate."""
     ours = [_engine_greedy(llm, [p])[0] for p in prompts]
     for i, (a, b) in enumerate(zip(ours, hf_greedy)):
         assert a == b, f"prompt {i}: first mismatch at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
@@ -84,7 +84,7 @@ def test_greedy_matches_hf_generate_one_at_a_time(llm, prompts, hf_greedy):
 
 
 def test_greedy_matches_hf_generate_as_one_batch(llm, prompts, hf_greedy):
-    """The same 8 prompts as one continuous batch of 8: still token-identical to HF."""
+    """The same 4 prompts as one continuous batch of 4: still token-identical to HF."""
     ours = _engine_greedy(llm, prompts)
     assert ours == hf_greedy
     assert llm.engine.blocks.num_used_blocks == 0

@@ -12,8 +12,9 @@ from conftest import drive_random_requests, mtbench_prompts, spec_drafters, writ
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 
-NEW = 64
+NEW = 48
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+ALONE = 2          # prompts also run one at a time (the batch runs all 8)
 DRAFTERS = spec_drafters()
 
 
@@ -46,13 +47,13 @@ def corpus(tmp_path_factory, plain, reference):
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_head, corpus):
-    """8 MT-bench prompts x 64 tokens, one at a time and as a batch of 8: the same tokens as
-    plain greedy decoding; the drafter is really used (tokens accepted)."""
+    """8 MT-bench prompts x 48 tokens as a batch of 8, and the first 2 one at a time: the same
+    tokens as plain greedy decoding; the drafter is really used (tokens accepted)."""
     drafter, spec = DRAFTERS[name]
     llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
-    alone = [llm.generate(p, GREEDY)[0] for p in prompts]
+    alone = [llm.generate(p, GREEDY)[0] for p in prompts[:ALONE]]
     batch = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in alone] == reference
+    assert [o.token_ids for o in alone] == reference[:ALONE]
     assert [o.token_ids for o in batch] == reference
     accepted = sum(o.stats.accepted_tokens for o in alone + batch)
     steps = sum(o.stats.verify_steps for o in alone + batch)

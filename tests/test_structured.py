@@ -19,6 +19,7 @@ from tree.token_tree import TokenTree
 from verifier.grammar import GrammarBackend, allowed_tokens, sole_tokens
 
 TASKS = load_tasks(8)
+ALONE = 2          # tasks also run one at a time (the batch runs all 8)
 DRAFTERS = spec_drafters()
 NEW = 128
 
@@ -223,9 +224,9 @@ def corpus(tmp_path_factory, plain, reference):
 def test_every_drafter_with_jump_forward_is_token_identical(name, prompts, reference, smol_head, corpus):
     drafter, spec = DRAFTERS[name]
     llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
-    alone = [llm.generate(p, constrained(t))[0] for p, t in zip(prompts, TASKS)]
+    alone = [llm.generate(p, constrained(t))[0] for p, t in zip(prompts[:ALONE], TASKS)]
     batch = llm.generate(prompts, [constrained(t) for t in TASKS])
-    assert [o.token_ids for o in alone] == [o.token_ids for o in reference]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in reference[:ALONE]]
     assert [o.token_ids for o in batch] == [o.token_ids for o in reference]
     print(f"{name}: {sum(o.stats.accepted_tokens for o in alone)} drafted tokens accepted, "
           f"{sum(o.stats.forced_tokens for o in alone)} forced")

@@ -125,7 +125,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# `make test` runs plain + jump-forward, a sampled chain with frequent rejections (masked q)
+# and a sampled tree; the other cases run under `make test-slow` (20-30 s each here).
+SLOW_CASES = {"ngram-chain", "small-tree-topk"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_constrained_samples_follow_the_masked_target_law(target_dir, other_dir, eagle_dir, exact_joint, case):
     drafter, spec, min_accepted = CASES[case]
     drafter = drafter.format(target=target_dir, other=other_dir, eagle=eagle_dir) if drafter else None

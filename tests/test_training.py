@@ -139,7 +139,7 @@ def test_the_gpu_recipe_is_one_invocation(tiny_llama_dir, tiny_data, tmp_path, c
     steps, evaluate on MT-bench questions: one command, with tokens/s on the progress bars."""
     out = tmp_path / "recipe"
     assert train_main(_args(tiny_llama_dir, tiny_data, out, "--regenerate", "--regen-max-tokens", "8",
-                            "--draft-vocab", "49152", "--ttt-steps", "3", "--dtype", "bf16", "--max-tokens", "600",
+                            "--draft-vocab", "49152", "--ttt-steps", "3", "--dtype", "bf16", "--max-tokens", "300",
                             "--eval-data", str(SHARED_DATA / "mtbench" / "question.jsonl"), "--eval-prompts", "2",
                             "--eval-tokens", "8")) == 0
     summary = json.loads((out / "training_summary.json").read_text())

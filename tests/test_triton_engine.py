@@ -95,6 +95,7 @@ def test_prefill_chunks_beside_verify_trees(target_dir, draft_dir, prompts, refe
     assert engine.blocks.num_used_blocks == 0
 
 
+@pytest.mark.slow     # 2 minutes in the interpreter; the torch backend runs the same rules in `make test`
 def test_sampling_at_t_above_zero_keeps_the_target_distribution(target_dir, prompts):
     """300 seeded requests of 3 tokens, speculating from the second on with a tree of the
     target's own top-2 proposals (some accepted, so accepted nodes are committed). The first token
