@@ -133,8 +133,8 @@ CASES = {
 
 
 # `make test` runs one case per rule: plain, sampled chains with frequent rejections
-# (residual sampling), a sampled top-k tree; over int4, a deterministic chain. The rest of the matrix runs under
-# `make test-slow` (each case costs 15-40 s on these CPUs).
+# (residual sampling), a sampled top-k tree; over int4, a deterministic chain. The rest of
+# the matrix runs under `make test-slow` (each case costs 15-40 s on these CPUs).
 SLOW_CASES = {"ngram-chain", "small-chain-sampled", "eagle3-tree", "tree-small+ngram"}
 
 
