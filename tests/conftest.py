@@ -19,6 +19,11 @@ def mtbench_prompts(n: int) -> list[str]:
     return [r["turns"][0] for r in rows[:n]]
 
 
+def slow_marked(cases, slow) -> list:
+    """Parametrize values: the names in `slow` marked slow (run by `make test-slow` only)."""
+    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
+
+
 def load_jsonl_prompts(path: Path, n: int) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[:n]]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import spec.rejection as rejection
-from conftest import make_random_eagle_head, make_tiny_model
+from conftest import make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
@@ -138,11 +138,7 @@ CASES = {
 SLOW_CASES = {"ngram-chain", "small-chain-sampled", "eagle3-tree", "tree-small+ngram"}
 
 
-def _cases(names, slow=SLOW_CASES):
-    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in names]
-
-
-@pytest.mark.parametrize("case", _cases(CASES))
+@pytest.mark.parametrize("case", slow_marked(CASES, SLOW_CASES))
 def test_first_three_tokens_match_target_distribution(tiny_vocab_dir, other_draft_dir, eagle_head_dir, prompt,
                                                       exact_joint, case):
     """10,000 samples of the first three tokens: chi-square p > 0.001 against the exact law.
@@ -161,7 +157,7 @@ def test_first_three_tokens_match_target_distribution(tiny_vocab_dir, other_draf
 INT4_CASES = ("plain", "ngram-chain", "small-tree-topk", "eagle3-tree")
 
 
-@pytest.mark.parametrize("case", _cases(INT4_CASES, slow={"plain", "small-tree-topk", "eagle3-tree"}))
+@pytest.mark.parametrize("case", slow_marked(INT4_CASES, {"plain", "small-tree-topk", "eagle3-tree"}))
 def test_int4_target_samples_its_own_distribution(int4_dir, prompt, int4_joint, tmp_path_factory, case):
     """The same chi-square test with quantization="int4": speculation over the int4 target
     (drafters on the dense checkpoint) samples exactly what plain int4 decoding samples."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import spec.constraints as constraints
-from conftest import make_random_eagle_head, make_tiny_model
+from conftest import make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams, StructuredOutputs
 from stats import chi_square_pvalue, total_variation
@@ -130,7 +130,7 @@ CASES = {
 SLOW_CASES = {"ngram-chain", "small-tree-topk"}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
+@pytest.mark.parametrize("case", slow_marked(CASES, SLOW_CASES))
 def test_constrained_samples_follow_the_masked_target_law(target_dir, other_dir, eagle_dir, exact_joint, case):
     drafter, spec, min_accepted = CASES[case]
     drafter = drafter.format(target=target_dir, other=other_dir, eagle=eagle_dir) if drafter else None

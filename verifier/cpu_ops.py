@@ -80,8 +80,9 @@ def _build() -> Path:
 def compile_library(sources: list[Path], args: list[str], compilers: tuple[str, ...], salt: str = "",
                     headers: list[Path] = ()) -> Path:
     """`sources` compiled into one shared library in the Tercel cache, once per (sources and the
-    `headers` they include, `args`, compiler version, CPU flags, `salt`). `compilers`: an environment variable naming one, then
-    the names to look for on PATH. FileNotFoundError without one; CalledProcessError if it fails."""
+    `headers` they include, `args`, compiler version, CPU flags, `salt`). `compilers`: an
+    environment variable naming one, then the names to look for on PATH. FileNotFoundError
+    without one; CalledProcessError if it fails."""
     env, *names = compilers
     cc = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if cc is None:
