@@ -5,7 +5,7 @@ written here), and the grammar (a regex) `(a[b-e]|bz|[c-f][g-m])[n-z]+`: three b
 a forced token after "b" (jump-forward), and at every step a mask that leaves out most of
 the vocabulary, so drafters propose tokens the grammar forbids. The exact law of the first
 three tokens is the target's masked, renormalised distribution, computed here from HF
-transformers' logits and the grammar written out by hand; 10,000 seeded requests per
+transformers' logits and the grammar written out by hand; 6,000 seeded requests per
 configuration must match it (chi-square). Masking p but not a sampling drafter's q must
 fail the same test.
 """
@@ -26,7 +26,7 @@ from verifier.sampler import target_probs
 V = 32
 CHARS = "abcdefghijklmnopqrstuvwxyz012"          # token 3 + i; 0-2 are <unk>, <s>, </s>
 REGEX = "(a[b-e]|bz|[c-f][g-m])[n-z]+"
-N_SAMPLES = 10_000
+N_SAMPLES = 6_000
 PARAMS = dict(temperature=0.9, top_k=12, top_p=0.9, max_tokens=3, ignore_eos=True)
 
 
@@ -125,9 +125,10 @@ CASES = {
 }
 
 
-# `make test` runs plain + jump-forward, a sampled chain with frequent rejections (masked q)
-# and a sampled tree; the other cases run under `make test-slow` (20-30 s each here).
-SLOW_CASES = {"ngram-chain", "small-tree-topk"}
+# `make test` runs plain + jump-forward and a sampled chain with frequent rejections (masked q),
+# beside the broken controls; the trees and the n-gram chain run under `make test-slow`
+# (20-40 s each on a 2-vCPU machine). T=0 identity covers every drafter's tree in `make test`.
+SLOW_CASES = {"ngram-chain", "small-tree-topk", "eagle3-tree"}
 
 
 @pytest.mark.parametrize("case", slow_marked(CASES, SLOW_CASES))
@@ -184,7 +185,9 @@ def test_a_row_taken_as_decided_when_it_is_not_fails_the_same_test(target_dir, e
 
     monkeypatch.setattr(engine, "sole_tokens", first_allowed)
     counts, _ = sample_counts(target_dir, None, None)
-    assert chi_square_pvalue(counts, exact_joint) < 1e-3
+    p = chi_square_pvalue(counts, exact_joint)
+    print(f"rows taken as decided: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
+    assert p < 1e-3
 
 
 def test_sole_tokens_finds_rows_that_allow_exactly_one_token():
