@@ -105,6 +105,9 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), smollm2_dir)
 
 
+IDENTITY_ALONE = 2      # prompts the T=0 identity tests also run one at a time (the batch runs all 8)
+
+
 def spec_drafters() -> dict:
     """Every drafter kind on SmolLM2, as the T=0 identity tests run them: name -> (drafter
     spec, SpecConfig or None). {head} (an EAGLE-3 head directory) and {corpus} (a datastore

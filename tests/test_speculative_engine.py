@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from conftest import drive_random_requests, mtbench_prompts, slow_marked, spec_drafters, write_reply_corpus
+from conftest import (IDENTITY_ALONE as ALONE, drive_random_requests, mtbench_prompts, slow_marked,
+                      spec_drafters, write_reply_corpus)
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 
 NEW = 48
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-ALONE = 2          # prompts also run one at a time (the batch runs all 8)
 DRAFTERS = spec_drafters()
 
 

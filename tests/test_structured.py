@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from bench.structured import load_tasks
-from conftest import spec_drafters, write_reply_corpus
+from conftest import IDENTITY_ALONE as ALONE, spec_drafters, write_reply_corpus
 from spec import LLM, SamplingParams, StructuredOutputs
 from spec.constraints import kept_nodes
 from tree.token_tree import TokenTree
 from verifier.grammar import GrammarBackend, allowed_tokens, sole_tokens
 
 TASKS = load_tasks(8)
-ALONE = 2          # tasks also run one at a time (the batch runs all 8)
 DRAFTERS = spec_drafters()
 NEW = 128
 
