@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from drafters.base import DraftDistributions, Proposal
+from spec.faults import NO_TOKEN_ALLOWED, RequestFault
 from tree.token_tree import TokenTree
 from verifier.grammar import Matcher, allowed_tokens, allows
 
@@ -43,6 +44,8 @@ def constrain(proposal: Proposal, matcher: Matcher) -> tuple[Proposal, torch.Ten
     """The proposal without the nodes the grammar forbids, and the bitmask of each kept node
     (int32 [kept nodes, W]); a sampling drafter's q rows masked and renormalised."""
     masks = matcher.tree_masks(proposal.tree)
+    if not masks[0].any():      # the state the request is in allows nothing: it fails alone
+        raise RequestFault(NO_TOKEN_ALLOWED)
     keep = kept_nodes(proposal.tree, masks)
     tree, old = proposal.tree.pruned(keep) if not all(keep) else (proposal.tree, list(range(len(keep))))
     masks = masks if len(old) == len(keep) else masks[old]

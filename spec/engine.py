@@ -25,6 +25,7 @@ from spec.adaptive import AdaptiveController
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.detokenizer import IncrementalDetokenizer
+from spec.faults import NO_TOKEN_ALLOWED, RequestError, RequestFault
 from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
@@ -90,6 +91,8 @@ class SeqPlan:
     # accept: tokens to append: a tree's accepted path + one corrected or bonus token, else one
     # sampled token; none mid-prompt
     tokens: list[int] = field(default_factory=list)
+    # any phase: what failed for this request alone; later phases skip it and emit fails it
+    fault: Exception | None = None
 
     def __post_init__(self):
         req = self.seq.request
@@ -322,7 +325,12 @@ class LLMEngine:
         """Tree slots a decoding request needs this step: its grammar's forced tokens if it
         forces any (jump-forward; `req.forced`, read by _draft), and the drafter's tree (below
         them: only a drafter that drafts ahead)."""
-        req.forced = self._forced(req)
+        req.forced, req.fault = [], None
+        try:
+            req.forced = self._forced(req)
+        except Exception as e:   # this request's grammar: it fails alone, in emit
+            req.fault = e
+            return 0
         ahead = not req.forced or (self.drafter is not None and self.drafter.drafts_ahead)
         return len(req.forced) + (self._spec_limits(req)[1] if ahead else 0)
 
@@ -355,7 +363,9 @@ class LLMEngine:
     def _draft(self, sched: SchedulerOutput) -> list[SeqPlan]:
         """One plan per scheduled sequence; decoding requests given tree slots get a proposal."""
         plans = [SeqPlan(s) for s in sched.seqs]
-        picked = [p for p in plans if p.seq.num_lookahead and not p.request.in_prefill]
+        for plan in plans:
+            plan.fault = plan.request.fault
+        picked = [p for p in plans if p.seq.num_lookahead and not p.request.in_prefill and p.fault is None]
         for plan in picked:
             if plan.request.forced:
                 plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced)
@@ -367,9 +377,8 @@ class LLMEngine:
                 plan.proposal = prop
             elif prop.draft is None:        # point masses below the chain (drafts_ahead drafters)
                 plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced, prop.tree)
-        for plan in plans:
-            if plan.request.grammar is not None and not plan.mid_prefill:
-                self._constrain(plan)
+        constrained = [p for p in plans if p.request.grammar is not None and not p.mid_prefill]
+        self._each(constrained, "constrain", self._constrain)
         return plans
 
     @staticmethod
@@ -378,6 +387,8 @@ class LLMEngine:
         matcher = plan.request.grammar
         if plan.proposal is None:
             plan.masks = matcher.mask()
+            if not plan.masks.any():
+                raise RequestFault(NO_TOKEN_ALLOWED)
         else:
             plan.proposal, plan.masks = constrain(plan.proposal, matcher)
         plan.sole = sole_tokens(plan.masks)
@@ -402,9 +413,22 @@ class LLMEngine:
         return props
 
     # ---- verify ---------------------------------------------------------------------------
-    def _verify(self, plans: list[SeqPlan]) -> ForwardOutput:
+    def _verify(self, plans: list[SeqPlan]) -> ForwardOutput | None:
         """One target forward over every plan's new tokens (prefill chunks, plain decode tokens,
-        whole trees), ragged and flattened in plan order: plan rows first_row .. + num_rows."""
+        whole trees), ragged and flattened in plan order: plan rows first_row .. + num_rows.
+        Plans that failed earlier in the step are left out (None: no plan left). A forward
+        that raises is run again without the plans that fail alone (`_isolate`)."""
+        live = [p for p in plans if p.fault is None]
+        try:
+            return self._forward(live)
+        except Exception:   # noqa: BLE001 - attributed below, or raised again
+            log.exception("target forward over %d sequences failed; looking for the request at fault", len(live))
+            self._isolate(live)
+        return self._forward([p for p in live if p.fault is None])
+
+    def _forward(self, plans: list[SeqPlan]) -> ForwardOutput | None:
+        if not plans:
+            return None
         row = 0
         for plan in plans:
             plan.first_row, row = row, row + plan.num_rows
@@ -413,6 +437,34 @@ class LLMEngine:
         for i, plan in enumerate(plans):
             plan.logits = fwd.seq_logits(i)    # a view of fwd.logits: [len(sample_indices), V]
         return fwd
+
+    def _isolate(self, plans: list[SeqPlan]) -> None:
+        """Fault each plan whose forward fails alone. Rewriting a plan's KV slots writes the
+        same values, so a plan that passes alone is unchanged. When every plan fails, the fault
+        is the request's only if a scratch forward still passes; otherwise it is the engine's
+        and is raised (the server fails every request and reports itself unhealthy)."""
+        failed = []
+        for plan in plans:
+            try:
+                self._forward([plan])
+            except Exception as e:   # noqa: BLE001 - this plan's own failure
+                failed.append((plan, e))
+        if len(failed) == len(plans) and not self.probe():
+            raise failed[0][1]
+        for plan, e in failed:
+            plan.fault = e
+
+    def probe(self) -> bool:
+        """Whether a one-token forward on scratch blocks passes (False also when no block is free)."""
+        if self.blocks.blocks_needed(None, 1) > self.blocks.num_free_blocks:
+            return False
+        try:
+            with self.blocks.scratch(-1, 1) as table:
+                self.target.forward(ForwardBatch([SeqInput([0], 0, table, logits_indices=[0])]))
+        except Exception:   # noqa: BLE001 - the answer is no
+            log.exception("probe forward failed")
+            return False
+        return True
 
     def _seq_input(self, plan: SeqPlan) -> SeqInput:
         req, start = plan.request, plan.ctx_len
@@ -441,7 +493,8 @@ class LLMEngine:
         from drafters.base import PrefillChunk
         chunks = [PrefillChunk(p.request.seq_id, p.request.token_ids, p.ctx_len,
                                p.ctx_len + p.seq.num_new_tokens)
-                  for p in plans if p.proposal is None and p.request.speculate and p.seq.num_new_tokens > 1]
+                  for p in plans if p.proposal is None and p.request.speculate and p.seq.num_new_tokens > 1
+                  and p.fault is None]
         if chunks:
             try:
                 self.drafter.prefill(chunks)
@@ -454,25 +507,30 @@ class LLMEngine:
         """Choose each plan's tokens from the target's logits. A tree: its accepted path plus one
         corrected or bonus token (exact rejection sampling). A plain decode step or a prompt's
         last chunk: one token sampled from its last row. A mid-prompt chunk: none. Tokens come
-        back to the host as ints: at least one device sync per plan."""
-        for plan in plans:
-            req = plan.request
-            if plan.masks is not None and plan.logits.shape[0]:
-                # in place: the rows of this forward only
-                apply_bitmask(plan.logits, plan.masks[plan.logit_rows])
-            if plan.proposal is not None:
-                plan.accepted, plan.tokens = self._accept_proposal(req, plan)
-                # the forced chain is nodes 1..forced: the accepted path runs through it first
-                plan.forced_accepted = sum(1 for j in plan.accepted if j <= plan.forced)
-                req.spec.forced_tokens += plan.forced_accepted
-                if plan.drafted is not None:
-                    self._count(req, plan.proposal.num_draft_nodes - plan.forced,
-                                plan.proposal.tree.max_depth - plan.forced, len(plan.accepted) - plan.forced_accepted)
-            elif not plan.mid_prefill and plan.sole and plan.sole[0] >= 0:
-                plan.tokens = [plan.sole[0]]                # the grammar allows this one token
-            elif not plan.mid_prefill:
-                plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
-                                            req.output_token_ids, req.generator)]
+        back to the host as ints: at least one device sync per plan. Each plan alone: what one
+        raises fails that request only."""
+        self._each(plans, "accept", self._accept_one)
+
+    def _accept_one(self, plan: SeqPlan) -> None:
+        req = plan.request
+        if plan.masks is not None and plan.logits.shape[0]:
+            # in place: the rows of this forward only
+            apply_bitmask(plan.logits, plan.masks[plan.logit_rows])
+            if not torch.isfinite(plan.logits).any(-1).all():
+                raise RequestFault(NO_TOKEN_ALLOWED)
+        if plan.proposal is not None:
+            plan.accepted, plan.tokens = self._accept_proposal(req, plan)
+            # the forced chain is nodes 1..forced: the accepted path runs through it first
+            plan.forced_accepted = sum(1 for j in plan.accepted if j <= plan.forced)
+            req.spec.forced_tokens += plan.forced_accepted
+            if plan.drafted is not None:
+                self._count(req, plan.proposal.num_draft_nodes - plan.forced,
+                            plan.proposal.tree.max_depth - plan.forced, len(plan.accepted) - plan.forced_accepted)
+        elif not plan.mid_prefill and plan.sole and plan.sole[0] >= 0:
+            plan.tokens = [plan.sole[0]]                # the grammar allows this one token
+        elif not plan.mid_prefill:
+            plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
+                                        req.output_token_ids, req.generator)]
 
     def _accept_proposal(self, req: Request, plan: SeqPlan) -> tuple[tuple[int, ...], list[int]]:
         """Exact acceptance over the plan's verified tree (plan.logits: a raw row per
@@ -523,6 +581,8 @@ class LLMEngine:
         path, moved into consecutive slots; its rejected slots are truncated in emit, after the
         publish (or freed with the request if it finishes)."""
         for plan in plans:
+            if plan.fault is not None:
+                continue
             if plan.proposal is not None:
                 self._commit_kv(plan.request, plan.accepted)
             else:
@@ -539,7 +599,7 @@ class LLMEngine:
 
     def _drafter_observe(self, plans: list[SeqPlan], fwd: ForwardOutput) -> None:
         """Hand the tapped hidden states of kept positions to a feature-reading drafter."""
-        if self.drafter is None or not self.drafter.capture_layers:
+        if self.drafter is None or not self.drafter.capture_layers or fwd is None:
             return
         from drafters.base import TargetHidden
         live = [p for p in plans if p.request.speculate and not p.request.finished]
@@ -564,6 +624,14 @@ class LLMEngine:
         return [out for plan in plans if (out := self._emit_one(plan)) is not None]
 
     def _emit_one(self, plan: SeqPlan) -> RequestOutput | None:
+        if plan.fault is None:
+            try:
+                return self._emit_ok(plan)
+            except Exception as e:   # noqa: BLE001 - this request's alone (its grammar, its stop strings)
+                self._note_fault(plan, "emit", e)
+        return self._fail(plan.request, plan.fault)
+
+    def _emit_ok(self, plan: SeqPlan) -> RequestOutput | None:
         req = plan.request
         if plan.mid_prefill:        # more prompt to come: publish its full blocks, emit nothing
             self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
@@ -613,6 +681,29 @@ class LLMEngine:
             return "length"
         return None
 
+    def _fail(self, req: Request, e: Exception) -> RequestOutput:
+        """End a request that failed alone: finish_reason "error", its blocks back to the pool."""
+        req.error = RequestError.of(e)
+        self.scheduler.finish(req, "error")
+        return self._finalize(req)
+
+    def _each(self, plans: list[SeqPlan], phase: str, fn) -> None:
+        """fn(plan) for each plan not yet faulted; what one raises faults that plan alone."""
+        for plan in plans:
+            if plan.fault is None:
+                try:
+                    fn(plan)
+                except Exception as e:   # noqa: BLE001 - the request fails in emit, the step goes on
+                    self._note_fault(plan, phase, e)
+
+    @staticmethod
+    def _note_fault(plan: SeqPlan, phase: str, e: Exception) -> None:
+        plan.fault = e
+        if isinstance(e, RequestFault):
+            log.info("request %s failed in %s: %s", plan.request.request_id, phase, e)
+        else:
+            log.error("request %s failed in %s", plan.request.request_id, phase, exc_info=e)
+
     def _finalize(self, req: Request, added: list[int] | None = None) -> RequestOutput:
         self._release_draft(req)
         req.finish_time = time.perf_counter()
@@ -628,7 +719,7 @@ class LLMEngine:
             text=req.detok.text, token_ids=req.output_token_ids, finished=req.finished,
             finish_reason=req.finish_reason, delta_text=req.detok.take_delta(req.finished),
             delta_token_ids=added, ttft=ttft, total_time=total,
-            num_cached_tokens=req.num_cached_prompt_tokens, stats=req.spec)
+            num_cached_tokens=req.num_cached_prompt_tokens, stats=req.spec, error=req.error)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

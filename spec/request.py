@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from spec.detokenizer import IncrementalDetokenizer
+from spec.faults import RequestError
 from verifier.sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class Request:
         self.speculation = None                  # a per-request SpecConfig cap (None: the engine's)
         self.grammar = None                      # verifier.grammar.Matcher of params.structured, or None
         self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
+        self.fault: Exception | None = None      # raised for this request alone in schedule (it then fails)
+        self.error: RequestError | None = None   # why it failed alone (finish_reason "error")
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -100,10 +103,11 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None while running
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     ttft: float | None = None          # seconds from arrival to the first output token
     total_time: float | None = None    # seconds from arrival to finish
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     stats: SpecStats = field(default_factory=SpecStats)
+    error: RequestError | None = None  # finish_reason "error": this request failed alone, and why
