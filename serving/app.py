@@ -9,17 +9,23 @@ and its own state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import hmac
+import threading
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
-from serving.bridge import EngineBridge, QueueFullError, RequestStream, Submission
-from serving.errors import engine_stopped, install_error_handlers, queue_full, refused, unauthorized, unknown_model
+from serving.bridge import EngineBridge, EngineUnavailable, QueueFullError, RequestStream, Submission
+from serving.disconnect import until_disconnected
+from serving.errors import engine_stopped, engine_unavailable, install_error_handlers, queue_full, refused, \
+    unauthorized, unknown_model
+from serving.limits import BodyLimit, ServerLimits
 from serving.middleware import ServerErrors
-from serving.protocol import ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
+from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
 from serving.streaming import Reply, full_reply, sse_events
 from verifier.sampling_params import SamplingParams
@@ -32,6 +38,8 @@ OPEN_PATHS = {"/health"}
 class ServerConfig:
     model_names: tuple[str, ...]      # names a client may send as "model"; the first is reported
     api_key: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    allowed_origins: tuple[str, ...] = ()   # CORS for browser clients; none: no CORS headers at all
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -45,6 +53,11 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     app.get("/v1/models")(routes.models)
     app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion))(routes.chat)
     app.post("/v1/completions", response_model=None, responses=_responses(Completion))(routes.completions)
+    app.add_middleware(BodyLimit, limit=config.limits.max_body_bytes)
+    if config.allowed_origins:      # outside BodyLimit: a 413 still carries the CORS headers
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(ServerErrors)   # added last: the outermost layer
     app.openapi = lambda: _openapi(app)
     return app
@@ -58,11 +71,14 @@ class Routes:
     def __init__(self, bridge: EngineBridge, config: ServerConfig):
         self.bridge, self.config = bridge, config
         self.served = config.model_names[0]
+        self._expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._token_chars = longest_token(bridge.tokenizer)
 
     async def authorize(self, request: Request, call_next):
-        key = self.config.api_key
-        if key and request.url.path not in OPEN_PATHS and request.headers.get("authorization", "") != f"Bearer {key}":
-            return JSONResponse(unauthorized().body(), status_code=401)
+        if self._expected is not None and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "").encode("latin-1", "replace")
+            if not hmac.compare_digest(given, self._expected):   # constant time: no key by timing
+                return JSONResponse(unauthorized().body(), status_code=401)
         return await call_next(request)
 
     async def health(self):
@@ -83,45 +99,71 @@ class Routes:
     async def models(self):
         return {"object": "list", "data": [{"id": self.served, "object": "model", "created": 0, "owned_by": "tercel"}]}
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, request: Request):
         req = parse_chat(body)
-        self._check_model(req.model)
-        try:
-            ids = self.bridge.tokenizer.apply_chat_template(req.prompts[0])
+        self._check(req, [m["content"] for m in req.prompts[0]], "messages")
+        return await until_disconnected(request, self._chat(req))
+
+    async def _chat(self, req: ParsedRequest):
+        try:    # off the event loop: a long prompt takes seconds to tokenize
+            ids = await run_in_threadpool(self.bridge.tokenizer.apply_chat_template, req.prompts[0])
         except ValueError as e:
             raise bad("messages", str(e)) from None
         return await self._generate(req, [ids], chat=True)
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         req = parse_completion(body)
-        self._check_model(req.model)
+        self._check(req, [p for p in req.prompts if isinstance(p, str)], "prompt")
+        return await until_disconnected(request, self._completions(req))
+
+    async def _completions(self, req: ParsedRequest):
+        tok = self.bridge.tokenizer
         try:
-            # on the event loop: the tokenizer reads no engine state
-            ids = [prompt_ids(self.bridge.tokenizer, p) for p in req.prompts]
+            ids = await run_in_threadpool(lambda: [prompt_ids(tok, p) for p in req.prompts])
         except ValueError as e:
             raise bad("prompt", str(e)) from None
         return await self._generate(req, ids, chat=False)
 
-    def _check_model(self, name: str) -> None:
-        if name not in self.config.model_names:
-            raise unknown_model(name, self.served)
+    def _check(self, req: ParsedRequest, texts: list[str], param: str) -> None:
+        """What can be refused before tokenizing: the model, the stop strings, and a prompt so
+        long that even at the vocabulary's longest token it would not fit the context."""
+        if req.model not in self.config.model_names:
+            raise unknown_model(req.model, self.served)
+        self.config.limits.check_stop(req.sampling["stop"])
+        if self._token_chars:
+            context = self.bridge.limits.max_model_len
+            for text in texts:
+                least = len(text) // self._token_chars
+                if least >= context:
+                    raise APIError(400, f"the prompt is at least {least} tokens, and this model's context length "
+                                        f"is {context} tokens", param=param, code="context_length_exceeded")
 
     async def _generate(self, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
         limits = self.bridge.limits
         spec = resolve_speculation(req.speculation, limits.speculation, limits.drafter)
         if req.structured is not None:
-            try:    # compiled (and cached) off the event loop; a bad schema is a 400 before any byte
-                await run_in_threadpool(self.bridge.grammars.compile, req.structured)
-            except ValueError as e:
-                raise bad(req.structured_param, str(e)) from None
+            await self._compile(req)
         jobs = [(ids, i * req.n + c) for i, ids in enumerate(prompt_ids) for c in range(req.n)]
         subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree)
                 for ids, choice in jobs]
         streams = self._submit(subs)
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage)
         if req.stream:
-            return EventSourceResponse(sse_events(reply, streams), ping=15)
+            return EventSourceResponse(sse_events(reply, streams), ping=15,
+                                       send_timeout=self.config.limits.send_timeout_s)
         return await full_reply(reply, streams)
+
+    async def _compile(self, req: ParsedRequest) -> None:
+        """Compile (and cache) the constraint off the event loop: a bad, too large, too slow or
+        empty grammar is a 400 naming its field before any byte; a client that leaves cancels it."""
+        cancel = threading.Event()
+        try:
+            await run_in_threadpool(self.bridge.grammars.compile, req.structured, cancel)
+        except ValueError as e:
+            raise bad(req.structured_param, str(e)) from None
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
     def _params(self, req: ParsedRequest, ids: list[int], choice: int, chat: bool) -> SamplingParams:
         limits = self.bridge.limits
@@ -141,6 +183,10 @@ class Routes:
         try:
             for sub in subs:
                 streams.append(self.bridge.submit(sub))
+        except EngineUnavailable as e:
+            for s in streams:
+                s.cancel()
+            raise engine_unavailable(e) from None
         except QueueFullError as e:
             for s in streams:
                 s.cancel()
@@ -170,6 +216,15 @@ def _responses(ok_model) -> dict:
                             "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
     sse = {"text/event-stream": {"schema": event}}
     errors = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
-              429: "queue full (Retry-After)", 500: "unexpected server error", 503: "engine unavailable"}
+              413: "request body too large", 429: "queue full (Retry-After)", 500: "unexpected server error",
+              503: "engine unavailable"}
     return {200: {"model": ok_model, "content": sse},
             **{code: {"model": ErrorResponse, "description": text} for code, text in errors.items()}}
+
+
+def longest_token(tokenizer) -> int | None:
+    """Characters in the vocabulary's longest token (its stored spelling, at least the text it
+    covers), or None without a vocabulary: a text of c characters is then at least c / that
+    many tokens."""
+    vocab = getattr(tokenizer, "vocab", None)
+    return max((len(t) for t in vocab), default=None) if vocab else None

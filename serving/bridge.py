@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from drafters.config import SpecConfig
 from spec.engine import LLMEngine
+from spec.faults import RequestError
 from spec.request import RequestOutput
 from spec.stats import EngineLimits, EngineStats
 from verifier.sampling_params import SamplingParams
@@ -57,6 +58,24 @@ def debug_from_env() -> bool:
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-queue allows."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve this request: it stopped, failed a step no request owns, or is
+    shutting down (a 503). The message is safe to show a client."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (spec/faults.py): `error.invalid` is its own fault
+    (a 400 with the message), else a 500 whose details stay in the server's log."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class SlowReader(RuntimeError):
+    """The client read so little that its stream's buffer filled: its request was aborted."""
 
 
 @dataclass(frozen=True)
@@ -99,18 +118,35 @@ Message = Add | Abort | AbortAll | Call
 
 
 class RequestStream:
-    """One request's outputs as an async iterator; ends after the finished output."""
+    """One request's outputs as an async iterator; ends after the finished output. At most
+    `buffer` outputs wait unread (each holds the whole output so far): past that the client is
+    not reading, and its request is aborted (SlowReader)."""
 
     def __init__(self, bridge: "EngineBridge", request_id: str, loop: asyncio.AbstractEventLoop,
-                 num_prompt_tokens: int):
+                 num_prompt_tokens: int, buffer: int = 64):
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self._bridge, self._loop = bridge, loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffer = buffer
+        self._overflowed = False
         self.done = False
 
-    def _push(self, item) -> None:          # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def _push(self, item) -> None:          # engine thread (or the loop, for a refusal)
+        try:
+            self._loop.call_soon_threadsafe(self._offer, item)
+        except RuntimeError:                # the loop is closed: nobody is left to read it
+            pass
+
+    def _offer(self, item) -> None:         # event loop
+        if self._overflowed:
+            return
+        if isinstance(item, RequestOutput) and not item.finished and self._queue.qsize() >= self._buffer:
+            self._overflowed = True
+            self._queue.put_nowait(SlowReader(f"the client read none of the last {self._buffer} outputs"))
+            self._bridge.abort(self.request_id)
+            return
+        self._queue.put_nowait(item)
 
     def __aiter__(self):
         return self
@@ -132,7 +168,8 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, metrics: Metrics, max_queue: int = 256, check_integrity_when_idle: bool | None = None):
+    def __init__(self, metrics: Metrics, max_queue: int = 256, check_integrity_when_idle: bool | None = None,
+                 stream_buffer: int = 64):
         """Use `launch`: it builds the engine on the bridge's own thread.
         `check_integrity_when_idle`: None takes it from TERCEL_DEBUG (see the module's docstring)."""
         self.engine: LLMEngine | None = None   # the engine thread's alone (tests reach in on purpose)
@@ -144,6 +181,10 @@ class EngineBridge:
         self.check_integrity_when_idle = debug_from_env() if check_integrity_when_idle is None \
             else check_integrity_when_idle
         self.integrity_error: Exception | None = None   # the first failed idle check
+        # A step failed that no request owned; cleared once a probe forward and the pool check pass.
+        self.step_error: Exception | None = None
+        self._died: BaseException | None = None       # what ended the engine thread, if anything
+        self.stream_buffer = stream_buffer
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -157,10 +198,10 @@ class EngineBridge:
     # ---- event-loop side --------------------------------------------------------------
     @classmethod
     def launch(cls, make_engine: Callable[[], LLMEngine], metrics: Metrics, max_queue: int = 256,
-               check_integrity_when_idle: bool | None = None) -> "EngineBridge":
+               check_integrity_when_idle: bool | None = None, stream_buffer: int = 64) -> "EngineBridge":
         """Build the engine on the engine thread, start stepping it there, and return once it
         is loaded; a failure to build is raised here."""
-        bridge = cls(metrics, max_queue, check_integrity_when_idle)
+        bridge = cls(metrics, max_queue, check_integrity_when_idle, stream_buffer)
         ready, failed = threading.Event(), []
 
         def main() -> None:
@@ -173,7 +214,10 @@ class EngineBridge:
                 return
             finally:
                 ready.set()
-            bridge._run()
+            try:
+                bridge._run()
+            except BaseException as e:   # noqa: BLE001 - no request may wait on a dead thread
+                bridge._die(e)
             engine.close()           # the tensor-parallel worker processes, if any
 
         bridge._thread = threading.Thread(target=main, name="tercel-engine", daemon=True)
@@ -192,6 +236,8 @@ class EngineBridge:
         """Why the engine cannot be trusted to serve (/health answers 503 with it), or None."""
         if not self.alive:
             return "engine stopped"
+        if self.step_error is not None:
+            return "an engine step failed; recovering"
         if self.integrity_error is not None:
             return f"KV block pool failed its integrity check: {self.integrity_error}"
         return None
@@ -203,13 +249,19 @@ class EngineBridge:
     def submit(self, sub: Submission) -> RequestStream:
         # Capacity = the running slots plus the queue; counted here, on the event loop, so a
         # burst is refused before the engine thread has even seen it.
+        problem = self.problem
+        if problem is not None and self.integrity_error is None:
+            raise EngineUnavailable(problem)
         slots = self.limits.max_num_seqs
         if self._in_flight >= slots + self.max_queue:
             raise QueueFullError(f"{self._in_flight - slots} requests are waiting (limit {self.max_queue})")
         rid = f"req-{next(self._ids)}"
-        stream = RequestStream(self, rid, asyncio.get_running_loop(), len(sub.prompt_token_ids))
+        stream = RequestStream(self, rid, asyncio.get_running_loop(), len(sub.prompt_token_ids),
+                               self.stream_buffer)
         self._add_in_flight(1)
         self._send(Add(rid, sub, stream))
+        if not self.alive:        # the thread died after the check: nothing will drain the inbox
+            self._drain_dead()
         return stream
 
     def _add_in_flight(self, delta: int) -> None:
@@ -258,6 +310,8 @@ class EngineBridge:
             if self._stop.is_set() and not engine.has_unfinished:
                 return
             if not engine.has_unfinished:
+                if self.step_error is not None:     # unhealthy: probe again while idle
+                    self._recover()
                 if not idle_seen:
                     self._on_idle()
                     idle_seen = True
@@ -267,13 +321,38 @@ class EngineBridge:
             idle_seen = False
             try:
                 outputs = engine.step()
-            except Exception as e:   # an engine bug: fail every request rather than hang them
+            except Exception as e:   # no request owns it (the engine isolates those): fail them all
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
             self._publish()
             for out in outputs:
                 self._deliver(out)
+
+    def _die(self, e: BaseException) -> None:
+        """The engine thread is ending on an exception: every request waiting now or later is told."""
+        log.critical("the engine thread died", exc_info=e)
+        self._died = e
+        self._stop.set()
+        self._drain_dead()
+
+    def _drain_dead(self) -> None:
+        """With no engine thread: refuse every message in the inbox and fail every stream."""
+        gone = EngineUnavailable("the engine stopped")
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, Add):
+                msg.stream._push(gone)
+                self._add_in_flight(-1)
+            elif isinstance(msg, Call):
+                msg.done.get_loop().call_soon_threadsafe(_set_exception, msg.done, gone)
+        for rid, stream in list(self._streams.items()):
+            stream._push(gone)
+            self._add_in_flight(-1)
+        self._streams.clear()
 
     def _publish(self) -> None:
         self.stats = self.engine.stats()     # one reference swap: readers see this or the last
@@ -322,15 +401,18 @@ class EngineBridge:
     def _add(self, rid: str, sub: Submission, stream: RequestStream) -> None:
         if self._stop.is_set():
             self._add_in_flight(-1)
-            stream._push(RuntimeError("the server is shutting down"))
+            stream._push(EngineUnavailable("the server is shutting down"))
             return
         try:
             self.engine.add_request(rid, None, sub.params, prompt_token_ids=sub.prompt_token_ids,
                                     speculate=sub.speculate, speculation=sub.speculation)
-        except ValueError as e:
+        except Exception as e:   # noqa: BLE001 - this request's alone; a ValueError is its own fault
             self._add_in_flight(-1)
-            self.metrics.errors.labels(reason="invalid_request").inc()
-            stream._push(e)
+            invalid = isinstance(e, ValueError)
+            self.metrics.errors.labels(reason="invalid_request" if invalid else "request_error").inc()
+            if not invalid:
+                log.error("%s could not be queued", rid, exc_info=e)
+            stream._push(e if invalid else RequestFailed(RequestError.of(e)))
             return
         self._streams[rid] = stream
 
@@ -346,6 +428,9 @@ class EngineBridge:
             elif last is not None:
                 self.metrics.itl.observe((now - last) / len(out.delta_token_ids))
             self._last_token_time[out.request_id] = now
+        if out.error is not None:
+            self._fail_one(out, stream)
+            return
         if out.finished:
             del self._streams[out.request_id]
             self._last_token_time.pop(out.request_id, None)
@@ -357,9 +442,10 @@ class EngineBridge:
         stream._push(out)
 
     def _fail_all(self, e: Exception) -> None:
+        self.step_error = e      # /health answers 503 until _recover passes
         for rid, stream in list(self._streams.items()):
             self.engine.abort(rid)
-            stream._push(RuntimeError(f"engine error: {e}"))
+            stream._push(EngineUnavailable("the engine failed a step; the request was lost"))
             self.metrics.errors.labels(reason="engine_error").inc()
             self._add_in_flight(-1)
         self._streams.clear()
@@ -367,6 +453,31 @@ class EngineBridge:
             self.engine.step()   # drain the abort outputs; the pool is whole again
         except Exception:        # the thread must survive to serve the next requests
             log.exception("engine step failed again while aborting the failed requests")
+        self._recover()
+
+    def _recover(self) -> None:
+        """After a failed step: healthy again once a scratch forward and the pool check pass."""
+        try:
+            self.engine.check_integrity()
+            ok = self.engine.probe()
+        except Exception:   # noqa: BLE001 - still broken; tried again when idle
+            log.exception("the engine has not recovered")
+            ok = False
+        if ok:
+            log.warning("the engine recovered from a failed step")
+            self.step_error = None
+        else:
+            time.sleep(0.5)      # an idle engine retries; no tight loop on a broken device
+
+    def _fail_one(self, out: RequestOutput, stream: RequestStream) -> None:
+        """The engine failed this request alone: its stream gets the error, the others nothing."""
+        del self._streams[out.request_id]
+        self._last_token_time.pop(out.request_id, None)
+        self._add_in_flight(-1)
+        reason = "invalid_request" if out.error.invalid else "request_error"
+        self.metrics.errors.labels(reason=reason).inc()
+        log.warning("%s failed alone: %s", out.request_id, out.error.message)
+        stream._push(RequestFailed(out.error))
 
     @staticmethod
     def _log(out: RequestOutput, stream: RequestStream) -> None:
@@ -375,3 +486,8 @@ class EngineBridge:
         log.info("%s prompt=%d completion=%d ttft=%s tok/s=%.1f accepted_len=%.2f finish=%s",
                  out.request_id, stream.num_prompt_tokens, len(out.token_ids), ttft, tps,
                  out.stats.mean_accepted_length, out.finish_reason)
+
+
+def _set_exception(future: asyncio.Future, e: Exception) -> None:
+    if not future.done():
+        future.set_exception(e)

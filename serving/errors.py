@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.bridge import EngineUnavailable, RequestFailed
 from serving.protocol import APIError, validation_error
 
 
@@ -64,8 +65,24 @@ def queue_full(e: Exception) -> APIError:
 
 
 def engine_unavailable(e: Exception) -> APIError:
-    """The engine failed the request, or the server is stopping: a 503, not a bare 500."""
-    return APIError(503, str(e), type_="server_error", code="engine_unavailable")
+    """The engine stopped, failed a step no request owned, or is stopping: a 503, not a bare
+    500. Only an EngineUnavailable's own message reaches the client; anything else is logged."""
+    return APIError(503, _safe(e, "the engine is unavailable"), type_="server_error", code="engine_unavailable")
+
+
+def request_failed(e: RequestFailed) -> APIError:
+    """The engine failed this request alone: its own fault is a 400 saying what, an engine bug
+    its data reached a 500 (the details are in the server's log, under the request's id)."""
+    if e.error.invalid:
+        return APIError(400, e.error.message, code="request_failed")
+    return APIError(500, INTERNAL, type_="server_error", code="internal_error")
+
+
+def _safe(e: Exception, fallback: str) -> str:
+    return str(e) if isinstance(e, EngineUnavailable) else fallback
+
+
+INTERNAL = "the server failed while running this request; the server logged it"
 
 
 def replica_lost(e: Exception) -> APIError:
@@ -80,5 +97,10 @@ def engine_stopped() -> APIError:
 
 
 def stream_error(e: Exception) -> dict:
-    """The `error` object of the event that ends a stream whose request failed once under way."""
-    return APIError(500, str(e), type_="server_error").body()["error"]
+    """The `error` object of the event that ends a stream whose request failed once under way:
+    no internal exception text, which stays in the server's log."""
+    if isinstance(e, RequestFailed):
+        return request_failed(e).body()["error"]
+    if isinstance(e, ValueError):
+        return APIError(400, str(e)).body()["error"]
+    return engine_unavailable(e).body()["error"]

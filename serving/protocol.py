@@ -126,8 +126,9 @@ def resolve_speculation(field: Speculation | None, server: SpecConfig, drafter: 
     if field == "off" or field.drafter in ("none", "off"):
         return SpeculationChoice(False, None)
     if field.drafter is not None and field.drafter not in (drafter, (drafter or "").partition(":")[0]):
-        raise APIError(400, f"this server drafts with {drafter or 'no drafter'!r}; 'speculation.drafter' "
-                            f"can name that drafter or 'none', not {field.drafter!r}",
+        kind = (drafter or "").partition(":")[0] or "no drafter"    # a drafter's path is the server's own
+        raise APIError(400, f"this server drafts with {kind!r}; 'speculation.drafter' "
+                            f"can name that drafter or 'none', not {field.drafter[:64]!r}",
                        param="speculation.drafter", code="unsupported_drafter")
     over = server.first_above(field.gamma, field.topk, field.budget)
     if over:

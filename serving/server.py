@@ -33,6 +33,7 @@ def add_serve_args(sub) -> None:
                    help="size the KV pool as this fraction of the device's memory (instead of --kv-blocks)")
     p.add_argument("--api-key", default=os.environ.get("TERCEL_API_KEY"), help="require Bearer auth")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    add_limit_args(p)
     p.add_argument("--profile", default=None, help="a tuned profile from `tercel bench grid` (JSON)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to finish requests on SIGTERM (30: what Kubernetes waits before it kills)")
@@ -43,6 +44,28 @@ def add_serve_args(sub) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from serving.cluster import add_replica_args
     add_replica_args(p)
+
+
+def add_limit_args(p) -> None:
+    """What one request may ask (serving/limits.py; docs/serving.md, "Limits")."""
+    from serving.limits import ServerLimits
+    d = ServerLimits()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size (413 above)")
+    p.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
+    p.add_argument("--stream-buffer", type=int, default=d.stream_buffer,
+                   help="outputs a stream holds unread before its client is dropped and its request aborted")
+    p.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
+                   help="seconds one SSE write may block before the client is dropped")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated origins browser clients may call from (CORS); '*' for any; off by default")
+
+
+def server_limits(args):
+    from serving.limits import ServerLimits
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_stop=args.max_stop,
+                        max_stop_chars=args.max_stop_chars, stream_buffer=args.stream_buffer,
+                        send_timeout_s=args.send_timeout)
 
 
 def parse_serve_args(argv: list[str]):
@@ -99,11 +122,15 @@ def launch_app(args):
     from spec.engine import LLMEngine
 
     config = engine_config(args)
+    limits = server_limits(args)
     log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
     bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue,
-                                 check_integrity_when_idle=args.log_level == "debug" or debug_from_env())
+                                 check_integrity_when_idle=args.log_level == "debug" or debug_from_env(),
+                                 stream_buffer=limits.stream_buffer)
     names = (args.model, Path(args.model).name)
-    return bridge, build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key))
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    return bridge, build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key,
+                                                  limits=limits, allowed_origins=origins))
 
 
 def run_serve(args) -> int:

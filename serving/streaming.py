@@ -6,7 +6,7 @@ SSE format, as OpenAI's: one `data: {json}` event per chunk. A chat stream opens
 with a role delta; every text delta is a chunk; a choice ends with a chunk carrying its
 finish_reason; `stream_options.include_usage` adds a last chunk with no choices and the
 usage; the stream ends with `data: [DONE]`. A request that fails once its stream is under
-way sends one error event instead of the rest.
+way sends one error event instead of the rest, and no `[DONE]`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from serving.bridge import RequestStream
-from serving.errors import engine_unavailable, stream_error
+from serving.bridge import RequestFailed, RequestStream
+from serving.errors import engine_unavailable, request_failed, stream_error
 from serving.protocol import bad, envelope, tercel_stats, usage
 from spec.request import RequestOutput
 
@@ -49,6 +49,8 @@ async def full_reply(reply: Reply, streams: list[RequestStream]) -> dict:
         finals = await asyncio.gather(*(_last(s) for s in streams))
     except ValueError as e:          # refused by the engine after all
         raise bad(None, str(e)) from None
+    except RequestFailed as e:       # failed alone: its own 400, or a 500 that names no internals
+        raise request_failed(e) from None
     except RuntimeError as e:        # engine failure or shutdown: an OpenAI-shaped 503, not a bare 500
         raise engine_unavailable(e) from None
     finally:
@@ -61,7 +63,9 @@ async def full_reply(reply: Reply, streams: list[RequestStream]) -> dict:
 
 async def sse_events(reply: Reply, streams: list[RequestStream]) -> AsyncIterator[dict]:
     """The events of a streamed reply, choices interleaved as their tokens come."""
-    merged: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that stops reading stops the pumps, and each stream's own bound then
+    # drops it (bridge.SlowReader) instead of memory growing with every step.
+    merged: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     tasks = [asyncio.create_task(_pump(i, s, merged)) for i, s in enumerate(streams)]
     finals, open_streams = {}, len(streams)
     try:
@@ -71,9 +75,9 @@ async def sse_events(reply: Reply, streams: list[RequestStream]) -> AsyncIterato
                                     "logprobs": None, "finish_reason": None}])
         while open_streams:
             i, out = await merged.get()
-            if isinstance(out, Exception):
+            if isinstance(out, Exception):   # one error event and no [DONE]: the stream failed
                 yield {"data": json.dumps({"error": stream_error(out)}, ensure_ascii=False)}
-                break
+                return
             if out.delta_text:
                 yield reply.chunk([_delta(i, out.delta_text, None, reply.chat)])
             if out.finished:

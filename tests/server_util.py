@@ -10,6 +10,7 @@ import uvicorn
 
 from serving.app import ServerConfig, build_app
 from serving.bridge import EngineBridge
+from serving.limits import ServerLimits
 from serving.metrics import Metrics
 from spec.engine import LLMEngine
 
@@ -21,11 +22,14 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, config, model_name: str, api_key: str | None = None, max_queue: int = 256):
+    def __init__(self, config, model_name: str, api_key: str | None = None, max_queue: int = 256,
+                 limits: ServerLimits | None = None, allowed_origins: tuple[str, ...] = ()):
+        limits = limits or ServerLimits()
         self.bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=max_queue,
-                                          check_integrity_when_idle=True)
+                                          check_integrity_when_idle=True, stream_buffer=limits.stream_buffer)
         self.engine = self.bridge.engine     # for tests that patch the engine; reads go through bridge.stats
-        app = build_app(self.bridge, ServerConfig(model_names=(model_name,), api_key=api_key))
+        app = build_app(self.bridge, ServerConfig(model_names=(model_name,), api_key=api_key, limits=limits,
+                                                  allowed_origins=allowed_origins))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_name
