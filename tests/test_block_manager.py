@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -210,16 +213,125 @@ def test_lru_evicts_least_recently_freed_tail_first():
 
 
 def test_hash_collision_never_serves_wrong_kv(monkeypatch):
-    """With every chain hash forced equal, a hit is served only when parent and tokens match."""
-    monkeypatch.setattr(block_manager_module, "_chain_hash", lambda parent, tokens: 42)
+    """With every key forced equal, a hit is served only when parent and tokens match."""
+    monkeypatch.setattr(block_manager_module, "_chain_hash", lambda parent, tokens: b"k" * 16)
     bm = make(num_blocks=16, block_size=4)
     admit(bm, 1, [1, 2, 3, 4, 5, 6, 7, 8, 0])
-    assert admit(bm, 2, [9, 9, 9, 9, 9]) == 0  # same hash, other tokens
-    # Same tokens as seq 1's block 1, but its stored parent hash (42) differs from the
-    # root's (None): a block's KV depends on its prefix, so this is a miss too.
+    assert admit(bm, 2, [9, 9, 9, 9, 9]) == 0  # same key, other tokens
+    # Same tokens as seq 1's block 1, but its stored parent key (b"k" * 16) differs from
+    # the root's: a block's KV depends on its prefix, so this is a miss too.
     assert admit(bm, 3, [5, 6, 7, 8, 0]) == 0
     assert admit(bm, 4, [1, 2, 3, 4, 5]) == 4  # the genuine match still hits
     assert len(bm._cache) == 1  # colliding publishes kept the first entry
+
+
+# ----- forged prefix collisions --------------------------------------------------------
+
+# Two 4-token blocks, tokens below 2**31, on which CPython's tuple hash collides. Found by
+# sorting hash(t) * inverse(XXPRIME_2) mod 2**64 over 2**18 random 3-token tuples (seeded
+# 0): two neighbours less than 2**31 apart differ by (d - d') * XXPRIME_2 in the tuple
+# hash's state, which the fourth tokens d, d' cancel. So the old key
+# hash((parent, tokens)) collides for any shared parent.
+TUPLE_HASH_PAIR = ((1159905542, 545980246, 1780906500, 179700154), (251373949, 2094202703, 408421151, 0))
+LAST_TOKEN_PAIR = ((10, 11, 12, 13), (20, 21, 22, 13))  # equal under a key of the last token only
+TUPLE_HASH_COLLIDES = hash(TUPLE_HASH_PAIR[0]) == hash(TUPLE_HASH_PAIR[1])  # CPython >= 3.8, 64-bit
+
+
+def _old_key(parent, tokens):
+    """The key before issue 31: Python's built-in hash, invertible step by step."""
+    return hash((parent, tokens))
+
+
+def _last_token_key(parent, tokens, _real=block_manager_module._chain_hash):
+    """A chained key that reads only the block's last token: a weak hash made to collide."""
+    return _real(parent, tokens[-1:])
+
+
+def forge(block_q: tuple[int, ...], block_q2: tuple[int, ...]) -> tuple[int, bool]:
+    """Victim A computes P+Q+X; the attacker's P+Q2 takes Q's block; then P+Q2+X is admitted.
+
+    Q and Q2 differ, so X's KV in A's block was computed after the wrong prefix for the
+    last request. Returns its cached tokens and whether A's X block was among its hits.
+    """
+    bm = make(num_blocks=8, block_size=4)
+    p, x = [1, 2, 3, 4], [5, 6, 7, 8]
+    admit(bm, 1, p + list(block_q) + x + [9])
+    victim_x = bm.block_table(1)[2]
+    bm.free(1)  # LRU, tail first: X's block, Q's, P's
+    bm.check_integrity()
+    # P hits; P+Q2 must be computed, in the block after P: Q's, a continuation of P
+    # this seq is about to replace (BlockManager._take_fresh_block). X's block stays cached.
+    assert admit(bm, 2, p + list(block_q2)) == 4
+    cached = admit(bm, 3, p + list(block_q2) + x + [9])
+    reused = victim_x in bm.block_table(3)[: cached // 4]  # served as cached, not recomputed in place
+    bm.free(2)
+    bm.free(3)
+    bm.check_integrity()
+    return cached, reused
+
+
+@pytest.mark.parametrize(
+    "weak_key, pair",
+    [
+        pytest.param(_old_key, TUPLE_HASH_PAIR, id="old-builtin-hash",
+                     marks=pytest.mark.skipif(not TUPLE_HASH_COLLIDES, reason="not CPython's 64-bit tuple hash")),
+        pytest.param(_last_token_key, LAST_TOKEN_PAIR, id="last-token-only"),
+    ],
+)
+def test_a_colliding_parent_key_serves_wrong_kv_under_weak_keys(monkeypatch, weak_key, pair):
+    """The attack has teeth: under the old key (or any weak one) a crafted parent collision
+    hands the last request the victim's KV for X, computed after Q, not Q2."""
+    assert pair[0] != pair[1] and weak_key(b"p", pair[0]) == weak_key(b"p", pair[1])
+    monkeypatch.setattr(block_manager_module, "_chain_hash", weak_key)
+    assert forge(*pair) == (12, True)
+
+
+@pytest.mark.parametrize("pair", [TUPLE_HASH_PAIR, LAST_TOKEN_PAIR], ids=["old-builtin-hash", "last-token-only"])
+def test_chained_digests_never_reuse_a_block_after_a_different_parent(pair):
+    """With the real keys the same forgery gets no hit on X: the key chains the whole prefix."""
+    assert forge(*pair) == (8, False)
+
+
+def test_keys_are_fixed_size_digests_chained_from_the_root():
+    """A key is DIGEST_SIZE bytes, depends on the parent and on every token of the block."""
+    key = block_manager_module._chain_hash
+    root, tokens = block_manager_module.ROOT_DIGEST, (1, 2, 3, 4)
+    k = key(root, tokens)
+    assert isinstance(k, bytes) and len(k) == block_manager_module.DIGEST_SIZE == len(root)
+    assert k == key(root, tokens) != key(k, tokens)
+    assert len({key(root, tokens[:i] + (t,) + tokens[i + 1:]) for i in range(4) for t in (0, 9)}) == 8
+    with pytest.raises(OverflowError):
+        key(root, (2**31,))
+
+
+def test_keys_differ_between_processes():
+    """The key is drawn per process: a fresh interpreter keys the same block differently."""
+    code = ("from verifier.block_manager import ROOT_DIGEST, _chain_hash; "
+            "print(_chain_hash(ROOT_DIGEST, (1, 2, 3, 4)).hex())")
+    root = Path(__file__).resolve().parents[1]
+    other = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    here = block_manager_module._chain_hash(block_manager_module.ROOT_DIGEST, (1, 2, 3, 4)).hex()
+    assert len(other.stdout.strip()) == len(here) and other.stdout.strip() != here
+
+
+def test_integrity_holds_with_digest_keys_through_publishes_and_frees():
+    """Cache entries, block keys and each seq's frozen keys stay consistent across the lifecycle."""
+    bm = make(num_blocks=8, block_size=4)
+    prompt = list(range(13))
+    bm.allocate(1, prompt)
+    for computed in (3, 8, 13):  # publish in steps, as prefill chunks do
+        bm.publish(1, prompt, computed)
+        bm.check_integrity()
+    assert admit(bm, 2, prompt[:9]) == 8
+    keys = bm._seqs[1].block_hashes
+    assert len(keys) == 3 and bm._seqs[2].block_hashes == keys[:2]
+    assert all(bm._cache[k] == b for k, b in zip(keys, bm.block_table(1)))
+    bm.free(1)
+    bm.check_integrity()
+    bm.free(2)
+    bm.check_integrity()
+    assert bm.reset_prefix_cache() == 3 and not bm._cache  # seq 1's three full blocks
+    bm.check_integrity()
 
 
 # ----- ensure_slots / truncate ---------------------------------------------------------
@@ -320,7 +432,7 @@ def test_bad_calls_raise():
         (lambda bm: setattr(bm._blocks[bm.block_table(1)[0]], "ref_count", 2), "held by"),
         (lambda bm: bm._free.setdefault(bm.block_table(1)[0]), "exactly one state"),
         (lambda bm: bm.block_table(1).append(bm.block_table(1)[0]), "duplicate"),
-        (lambda bm: bm._cache.__setitem__(123, bm.block_table(1)[1]), "mismatch"),
+        (lambda bm: bm._cache.__setitem__(b"forged".ljust(16), bm.block_table(1)[1]), "mismatch"),
     ],
 )
 def test_integrity_check_catches_corruption(corrupt, message):

@@ -11,8 +11,8 @@ verifier/.
 
 Block states. Every physical block is in exactly one of three states:
 
-- free: ref_count 0, no hash, on the free list. Its KV is garbage.
-- evictable: ref_count 0, published (the prefix cache's entry for its hash), on the LRU
+- free: ref_count 0, no key, on the free list. Its KV is garbage.
+- evictable: ref_count 0, published (the prefix cache's entry for its key), on the LRU
   list. Its KV is still valid, so a later prompt with the same prefix can reuse it, until
   a fresh allocation finds the free list empty and evicts it (least recently freed first).
 - used: ref_count > 0, held by exactly ref_count block tables. A published used block
@@ -20,13 +20,22 @@ Block states. Every physical block is in exactly one of three states:
 
 ``num_free_blocks`` counts free plus evictable blocks: both can be handed out now.
 
-Prefix cache. Full block i of a token list has the chain hash
-``h_i = hash((h_{i-1}, tuple(block_i_tokens)))`` with ``h_{-1} = None``, so a hash names
-the whole prefix up to the end of the block, not only the block's own tokens (KV depends
-on every earlier token). A lookup hit must also match the stored (parent hash, tokens)
-key exactly, so a collision of the block hash can never serve wrong KV. (What remains
-is a collision of an earlier block's 64-bit chain hash, with the colliding block
-evicted in between: odds about 2**-64 per pair of prefixes, as in vLLM's default.)
+Prefix cache. Full block i of a token list is keyed by the chained digest
+``h_i = BLAKE2b-128_K(h_{i-1} || tokens_i)``, with ``h_{-1}`` sixteen zero bytes and the
+tokens packed as 32-bit ints, so a key names the whole prefix up to the end of the block,
+not only the block's own tokens (KV depends on every earlier token). A hit therefore
+implies that the whole prefix matches, unless BLAKE2b collides. A lookup hit must also
+match the stored (parent digest, tokens) exactly, a cheap second check on the last link.
+
+Why a keyed cryptographic digest. Python's ``hash`` of an int tuple is the same in every
+process and invertible step by step, so a client could craft a block whose chain hash
+equals that of another prompt's block; a later prompt that continues the crafted one
+would then be served KV computed after different tokens (vLLM's CVE-2025-25183). The key
+K is drawn from ``secrets`` once per process: keys never leave the process (each
+replica keeps its own cache), so nothing needs them stable, and a client who cannot see
+K cannot even compute the key of its own prompt, let alone search for a collision.
+BLAKE2b rather than SHA-256: as fast per block here (docs/performance.md, "Prefix cache"),
+and keyed natively, where a key prefixed to SHA-256 is open to length extension.
 
 Lifecycle of one sequence:
 
@@ -40,23 +49,34 @@ Lifecycle of one sequence:
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+DIGEST_SIZE = 16  # bytes per prefix-cache key: a blind collision takes ~2**64 tries
+ROOT_DIGEST = bytes(DIGEST_SIZE)  # the parent of block 0
+# Keyed once per process, copied per block: cheaper than passing key= each time.
+_KEYED_BLAKE2B = hashlib.blake2b(key=secrets.token_bytes(32), digest_size=DIGEST_SIZE)
 
 
 class NoFreeBlocksError(RuntimeError):
     """An allocation needs more blocks than the pool can hand out now. Nothing was changed."""
 
 
-def _chain_hash(parent_hash: int | None, block_tokens: tuple[int, ...]) -> int:
-    """Chain hash of one full block given its parent block's chain hash (None for block 0).
+def _chain_hash(parent_hash: bytes, block_tokens: tuple[int, ...]) -> bytes:
+    """Key of one full block: the keyed digest of its parent's key (ROOT_DIGEST for block 0)
+    and its tokens. Module-level so tests can swap in weak functions.
 
-    Built-in hash of a tuple of ints: deterministic within a process, which is all the
-    cache needs. Module-level so tests can force collisions by replacing it.
+    Raises OverflowError for a token outside a 32-bit int, rather than packing it ambiguously.
     """
-    return hash((parent_hash, block_tokens))
+    digest = _KEYED_BLAKE2B.copy()
+    digest.update(parent_hash)  # fixed length, so parent and tokens cannot shift into each other
+    digest.update(array("i", block_tokens))
+    return digest.digest()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -88,15 +108,15 @@ class BlockManagerConfig:
 
 @dataclass(slots=True)
 class _Block:
-    """One physical block. ``hash`` is set iff the prefix cache maps that hash to this block."""
+    """One physical block. ``hash`` is set iff the prefix cache maps that key to this block."""
 
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
-    parent_hash: int | None = None  # chain hash of the previous block when published
+    hash: bytes | None = None  # its prefix-cache key while published
+    parent_hash: bytes | None = None  # the previous block's key (ROOT_DIGEST for block 0) when published
     token_ids: tuple[int, ...] | None = None  # the tokens it was published with
 
-    def holds(self, parent_hash: int | None, token_ids: tuple[int, ...]) -> bool:
+    def holds(self, parent_hash: bytes, token_ids: tuple[int, ...]) -> bool:
         """True when this block's published key equals (parent_hash, token_ids) exactly."""
         return self.parent_hash == parent_hash and self.token_ids == token_ids
 
@@ -106,9 +126,9 @@ class _Seq:
     """What the manager keeps per sequence."""
 
     block_table: list[int] = field(default_factory=list)
-    # Chain hashes of the leading blocks that are full of computed KV (cache hits and
+    # Prefix-cache keys of the leading blocks that are full of computed KV (cache hits and
     # published blocks). These blocks are frozen: truncate() may not cut into them.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +136,7 @@ class _AdmissionPlan:
     """Result of a read-only prefix-cache lookup: what allocate() would do for a prompt."""
 
     hit_blocks: tuple[int, ...]  # cached blocks to reuse, in order
-    hit_hashes: tuple[int, ...]  # their chain hashes
+    hit_hashes: tuple[bytes, ...]  # their prefix-cache keys
     num_fresh: int  # new blocks needed for the rest of the prompt
     num_evictable_hits: int  # hits now on the LRU list: each also uses up a free block
     num_queried_tokens: int  # tokens in full blocks (0 when the cache is off)
@@ -135,7 +155,7 @@ class BlockManager:
         self._blocks = [_Block(i) for i in range(config.num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(config.num_blocks))  # oldest first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
-        self._cache: dict[int, int] = {}  # chain hash -> block id
+        self._cache: dict[bytes, int] = {}  # prefix-cache key -> block id
         self._seqs: dict[int, _Seq] = {}
         # Metrics, cumulative, in tokens. Counted on successful allocate() only, so an
         # admission retried every step while the pool is full is not counted each time.
@@ -250,11 +270,11 @@ class BlockManager:
         """Register every newly full, computed block of the seq in the prefix cache.
 
         token_ids is the seq's full token list so far; the model has written KV for its
-        first num_computed_tokens tokens. If the cache already maps a block's hash to
-        another block (same prefix computed twice, or a collision), the existing entry
-        is kept and this block stays unhashed: it is returned to the free list, not the
-        LRU, when released. Its chain hash is still recorded for the seq so later blocks
-        chain correctly. No-op when the prefix cache is disabled.
+        first num_computed_tokens tokens. If the cache already maps a block's key to
+        another block (same prefix computed twice), the existing entry is kept and this
+        block stays unhashed: it is returned to the free list, not the LRU, when
+        released. Its key is still recorded for the seq so later blocks chain correctly.
+        No-op when the prefix cache is disabled.
         """
         if not self.config.enable_prefix_cache:
             return
@@ -266,7 +286,7 @@ class BlockManager:
                 f"capacity={capacity})], got {num_computed_tokens}"
             )
         bs = self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_DIGEST
         for i in range(len(seq.block_hashes), num_computed_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = self._register(seq.block_table[i], parent, tokens)
@@ -325,7 +345,7 @@ class BlockManager:
         Checks: every block is in exactly one state (free list, LRU list, referenced);
         ref counts equal the number of tables holding the block; no table repeats a
         block; hashed blocks and cache entries agree one to one; each seq's frozen
-        prefix matches the hashes of its blocks. Explicit raises, not `assert`, so it
+        prefix matches the keys of its blocks. Explicit raises, not `assert`, so it
         still runs under `python -O`; messages are built only on failure (it runs after
         every call in the stress test).
         """
@@ -360,24 +380,25 @@ class BlockManager:
         if len(set(table)) != len(table):
             _fail(f"seq {seq_id} has duplicate blocks: {table}")
         if len(hashes) > len(table):
-            _fail(f"seq {seq_id} has {len(hashes)} hashes for {len(table)} blocks")
+            _fail(f"seq {seq_id} has {len(hashes)} keys for {len(table)} blocks")
         for i, block_id in enumerate(table):
             stored = self._blocks[block_id].hash
-            # A frozen block is published under its chain hash or is an unhashed duplicate;
+            # A frozen block is published under its key or is an unhashed duplicate;
             # a block past the frozen prefix is this seq's own and never published.
             expected = (None, hashes[i]) if i < len(hashes) else (None,)
             if stored not in expected:
-                _fail(f"seq {seq_id} block {i} ({block_id}) has hash {stored}, expected one of {expected}")
+                _fail(f"seq {seq_id} block {i} ({block_id}) has key {_show(stored)}, "
+                      f"expected one of {[_show(e) for e in expected]}")
 
     def _check_cache(self) -> None:
         if self._cache and not self.config.enable_prefix_cache:
             _fail("prefix cache disabled but has entries")
         for h, block_id in self._cache.items():
             if self._blocks[block_id].hash != h:
-                _fail(f"cache entry {h} -> {self._blocks[block_id]}: hash mismatch")
+                _fail(f"cache entry {_show(h)} -> {self._blocks[block_id]}: key mismatch")
         hashed = sum(b.hash is not None for b in self._blocks)
         if hashed != len(self._cache):
-            _fail(f"{hashed} hashed blocks but {len(self._cache)} cache entries")
+            _fail(f"{hashed} published blocks but {len(self._cache)} cache entries")
 
     # ----- internals ---------------------------------------------------------------
 
@@ -395,10 +416,10 @@ class BlockManager:
         """Read-only: walk the prefix cache over the full blocks of token_ids."""
         bs = self.block_size
         hits: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         num_full = len(token_ids) // bs
         if self.config.enable_prefix_cache:
-            parent = None
+            parent = ROOT_DIGEST
             for i in range(num_full):
                 tokens = tuple(token_ids[i * bs : (i + 1) * bs])
                 h = _chain_hash(parent, tokens)
@@ -435,14 +456,14 @@ class BlockManager:
         last_hash = hashes[-1] if hashes and len(hashes) == len(table) else None   # last block frozen
         table.append(self._take_fresh_block(table[-1] if table else None, last_hash))
 
-    def _take_fresh_block(self, after: int | None = None, after_hash: int | None = None) -> int:
+    def _take_fresh_block(self, after: int | None = None, after_hash: bytes | None = None) -> int:
         """A block for new KV: the free list first, else evict the least recently freed.
 
         Block `after + 1` (after: the sequence's last block) is preferred, so that a
         sequence's blocks form one physical run that attention reads as a view, not a
         gather. It is taken when free (a tree step's temporary block comes back to the
         same place after truncate), or when cached and unused but worth nothing to the
-        cache: a continuation of this sequence's own prefix (parent hash `after_hash`),
+        cache: a continuation of this sequence's own prefix (parent key `after_hash`),
         which it is about to recompute or diverge from, or an orphan whose parent block
         was evicted, which no lookup can reach. A prompt that shares a system prompt with
         an earlier one thus replaces that one's diverged blocks in order. Any other cached
@@ -464,10 +485,13 @@ class BlockManager:
         self._blocks[block_id].ref_count = 1
         return block_id
 
-    def _worthless(self, block: _Block, after_hash: int | None) -> bool:
+    def _worthless(self, block: _Block, after_hash: bytes | None) -> bool:
         """A cached block the prefix cache loses nothing by: see _take_fresh_block."""
         parent = block.parent_hash
-        return parent is not None and (parent == after_hash or parent not in self._cache)
+        # A block-0 entry (root parent) is never an orphan, nor a continuation of a seq's blocks.
+        if parent is None or parent == ROOT_DIGEST:
+            return False
+        return parent == after_hash or parent not in self._cache
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; at zero the block goes to the LRU list or the free list."""
@@ -480,8 +504,8 @@ class BlockManager:
         else:
             self._free[block_id] = None
 
-    def _register(self, block_id: int, parent: int | None, tokens: tuple[int, ...]) -> int:
-        """Publish one full block; return its chain hash. An existing entry is kept."""
+    def _register(self, block_id: int, parent: bytes, tokens: tuple[int, ...]) -> bytes:
+        """Publish one full block; return its key. An existing entry is kept."""
         h = _chain_hash(parent, tokens)
         if h not in self._cache:
             block = self._blocks[block_id]
@@ -496,3 +520,8 @@ class BlockManager:
 
 def _fail(message: str) -> None:
     raise AssertionError(message)
+
+
+def _show(key: object) -> str:
+    """A key for a failure message: hex for digests (tests may plant other values)."""
+    return key.hex() if isinstance(key, bytes) else repr(key)
