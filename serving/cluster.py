@@ -76,6 +76,8 @@ def run_replicas(args) -> int:
         ray.init(address=args.ray_address)
     else:   # a replica reserves --replica-cpus: let a small machine hold them all
         cpus = max(os.cpu_count() or 1, math.ceil(args.replicas * args.replica_cpus))
+        # No dashboard (its job API runs code; serve.run needs none). The node's agent still listens
+        # on the node's IP: Ray token-authenticates a new local instance unless RAY_AUTH_MODE=disabled.
         ray.init(address="local", num_cpus=cpus, include_dashboard=False)   # a new instance, even if one runs
     stop = threading.Event()
     before = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
