@@ -40,6 +40,7 @@ class ServerConfig:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     allowed_origins: tuple[str, ...] = ()   # CORS for browser clients; none: no CORS headers at all
+    special_tokens_in_content: bool = False  # parse `<|im_start|>` in messages as a token (unsafe)
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -106,7 +107,8 @@ class Routes:
 
     async def _chat(self, req: ParsedRequest):
         try:    # off the event loop: a long prompt takes seconds to tokenize
-            ids = await run_in_threadpool(self.bridge.tokenizer.apply_chat_template, req.prompts[0])
+            ids = await run_in_threadpool(self.bridge.tokenizer.apply_chat_template, req.prompts[0],
+                                          allow_special_tokens_in_content=self.config.special_tokens_in_content)
         except ValueError as e:
             raise bad("messages", str(e)) from None
         return await self._generate(req, [ids], chat=True)

@@ -44,7 +44,8 @@ def too_large(limit: int) -> APIError:
 class BodyLimit:
     """ASGI middleware: a body over `limit` bytes is a 413, by its Content-Length before a byte
     is read, or as soon as a chunked body passes the limit. The body is read here whole (FastAPI
-    reads it whole too) and handed to the app as one message."""
+    reads it whole too) and handed to the app as one message. The connection stays open: uvicorn
+    discards the rest of a refused body, so the client, still sending, then reads its 413."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -94,6 +95,5 @@ def _content_length(scope) -> int | None:
 async def _send_413(send, limit: int) -> None:
     body = json.dumps(too_large(limit).body()).encode()
     await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

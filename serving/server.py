@@ -57,6 +57,8 @@ def add_limit_args(p) -> None:
                    help="outputs a stream holds unread before its client is dropped and its request aborted")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
                    help="seconds one SSE write may block before the client is dropped")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="read special-token text in chat messages as tokens (lets a client forge turns)")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins browser clients may call from (CORS); '*' for any; off by default")
 
@@ -130,7 +132,8 @@ def launch_app(args):
     names = (args.model, Path(args.model).name)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return bridge, build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key,
-                                                  limits=limits, allowed_origins=origins))
+                                                  limits=limits, allowed_origins=origins,
+                                                  special_tokens_in_content=args.allow_special_tokens_in_content))
 
 
 def run_serve(args) -> int:
@@ -141,6 +144,9 @@ def run_serve(args) -> int:
     if args.grace < 0:
         raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without --api-key (or TERCEL_API_KEY): anyone who reaches it can use it",
+                    args.host)
     from serving.cluster import run_replicas, uses_ray
     if uses_ray(args):
         return run_replicas(args)

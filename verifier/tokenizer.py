@@ -8,6 +8,7 @@ this wrapper against it).
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size()
         self._template = None
+        self._specials = None     # ({text: AddedToken}, pattern) of special added tokens
+        self._plain = None
 
     @property
     def vocab(self) -> dict[str, int]:
@@ -60,7 +63,9 @@ class Tokenizer:
         return {"input_ids": self.encode(text, add_special_tokens)}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it): a long prompt tokenized on a
+        # server's worker thread then does not stall the event loop.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -69,14 +74,100 @@ class Tokenizer:
         return [self._tok.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = True, **_ignored) -> list[int] | str:
-        """Render the template as transformers does (sandboxed Jinja, trim/lstrip blocks)."""
+                            tokenize: bool = True, allow_special_tokens_in_content: bool = False,
+                            **_ignored) -> list[int] | str:
+        """Render the template as transformers does (sandboxed Jinja, trim/lstrip blocks).
+
+        Special-token strings inside message content (`<|im_start|>`, EOS) become plain text
+        tokens, so a client cannot forge a turn; `allow_special_tokens_in_content=True` parses
+        them as tokens instead, as transformers does. The rendered text is the same either way."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        text = self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
+        if not tokenize:
+            return self._render(messages, add_generation_prompt)
+        if allow_special_tokens_in_content or not any(map(self._has_special_text, _contents(messages))):
+            # Nothing to forge: encode the whole text, so ordinary chats keep their ids exactly.
+            # The template already writes special tokens such as BOS; do not add them twice.
+            return self.encode(self._render(messages, add_generation_prompt), add_special_tokens=False)
+        return self._encode_escaped(messages, add_generation_prompt)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
                                        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        # The template already writes special tokens such as BOS; do not add them twice.
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _special_table(self) -> tuple[dict, re.Pattern]:
+        """Special added tokens by text, and a pattern of their texts longest first (the
+        tokenizer's leftmost-longest match)."""
+        if self._specials is None:
+            specials = {t.content: t for t in self._tok.get_added_tokens_decoder().values() if t.special}
+            words = sorted(specials, key=len, reverse=True)
+            self._specials = specials, re.compile("|".join(map(re.escape, words)) if words else "(?!)")
+        return self._specials
+
+    def _special_pattern(self) -> re.Pattern:
+        return self._special_table()[1]
+
+    def _has_special_text(self, text: str) -> bool:
+        pattern, norm = self._special_pattern(), self._tok.normalizer
+        # A normalized added token matches the normalized text, so look there too.
+        return bool(pattern.search(text) or (norm is not None and pattern.search(norm.normalize_str(text))))
+
+    def _encode_escaped(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Hide content's special-token strings behind placeholders while rendering, so the
+        only special strings left are the template's; the text between those is encoded with
+        special-token parsing off, the hidden strings restored."""
+        hidden: list[str] = []
+        mark = _free_mark(self.chat_template)
+        # The mark itself is hidden too, so content cannot spell a placeholder.
+        pattern = re.compile(f"{self._special_pattern().pattern}|{mark}")
+
+        def hide(text: str) -> str:
+            def one(m: re.Match) -> str:
+                hidden.append(m[0])
+                return f"{mark}{len(hidden) - 1}{mark}"
+            return pattern.sub(one, text)
+
+        text = self._render([_map_contents(m, hide) for m in messages], add_generation_prompt)
+        placeholder = re.compile(f"{mark}(\\d+){mark}")
+
+        def restore(m: re.Match) -> str:
+            # A non-content field may spell a placeholder; it stays as written.
+            return hidden[int(m[1])] if int(m[1]) < len(hidden) else m[0]
+
+        ids: list[int] = []
+        for piece, special in self._split_specials(text):
+            if special:
+                ids.append(self._tok.token_to_id(piece))
+            elif piece:
+                ids += self._as_text(placeholder.sub(restore, piece))
+        return ids
+
+    def _split_specials(self, text: str) -> list[tuple[str, bool]]:
+        """(piece, is special token) in order, as the tokenizer splits on added tokens first;
+        an lstrip/rstrip token takes the whitespace beside it, as it does in the tokenizer."""
+        specials, pattern = self._special_table()
+        pieces: list[tuple[str, bool]] = []
+        start = 0
+        for m in pattern.finditer(text):
+            pieces += [(text[start:m.start()], False), (m[0], True)]
+            start = m.end()
+        pieces.append((text[start:], False))
+        for i in range(1, len(pieces), 2):
+            tok = specials[pieces[i][0]]
+            if tok.lstrip:
+                pieces[i - 1] = (pieces[i - 1][0].rstrip(), False)
+            if tok.rstrip:
+                pieces[i + 1] = (pieces[i + 1][0].lstrip(), False)
+        return pieces
+
+    def _as_text(self, text: str) -> list[int]:
+        # A copy of the tokenizer that reads special-token strings as ordinary text.
+        if self._plain is None:
+            from tokenizers import Tokenizer as HFTokenizer
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _compiled(self):
         if self._template is None:
@@ -95,6 +186,32 @@ def prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer(prompt)["input_ids"] if prompt else []
     return list(prompt)
+
+
+def _contents(messages: list[dict]):
+    """Every text a client wrote into messages: string content and text parts."""
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def _map_contents(message, fn):
+    """`message` with `fn` applied to its string content or its parts' text."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return {**message, "content": fn(content)}
+    if isinstance(content, list):
+        return {**message, "content": [{**p, "text": fn(p["text"])} if isinstance(p, dict)
+                                       and isinstance(p.get("text"), str) else p for p in content]}
+    return message
+
+
+def _free_mark(template: str) -> str:
+    """A private-use character the template never writes: placeholders nothing else spells."""
+    return next(c for c in map(chr, range(0xE000, 0xF900)) if c not in template)
 
 
 def _raise(message: str):
