@@ -143,10 +143,9 @@ class Routes:
     async def _generate(self, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
         limits = self.bridge.limits
         spec = resolve_speculation(req.speculation, limits.speculation, limits.drafter)
-        if req.structured is not None:
-            await self._compile(req)
+        grammar = await self._compile(req) if req.structured is not None else None
         jobs = [(ids, i * req.n + c) for i, ids in enumerate(prompt_ids) for c in range(req.n)]
-        subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree)
+        subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree, grammar)
                 for ids, choice in jobs]
         streams = self._submit(subs)
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage)
@@ -155,12 +154,12 @@ class Routes:
                                        send_timeout=self.config.limits.send_timeout_s)
         return await full_reply(reply, streams)
 
-    async def _compile(self, req: ParsedRequest) -> None:
+    async def _compile(self, req: ParsedRequest):
         """Compile (and cache) the constraint off the event loop: a bad, too large, too slow or
         empty grammar is a 400 naming its field before any byte; a client that leaves cancels it."""
         cancel = threading.Event()
         try:
-            await run_in_threadpool(self.bridge.grammars.compile, req.structured, cancel)
+            return await run_in_threadpool(self.bridge.grammars.compile, req.structured, cancel)
         except ValueError as e:
             raise bad(req.structured_param, str(e)) from None
         except asyncio.CancelledError:

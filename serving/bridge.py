@@ -85,6 +85,7 @@ class Submission:
     params: SamplingParams
     speculate: bool = True
     speculation: SpecConfig | None = None
+    grammar: object | None = None     # params.structured compiled (verifier.grammar), or None
 
 
 # ---- the inbox: one message per operation, handled on the engine thread between two steps ----
@@ -405,7 +406,7 @@ class EngineBridge:
             return
         try:
             self.engine.add_request(rid, None, sub.params, prompt_token_ids=sub.prompt_token_ids,
-                                    speculate=sub.speculate, speculation=sub.speculation)
+                                    speculate=sub.speculate, speculation=sub.speculation, grammar=sub.grammar)
         except Exception as e:   # noqa: BLE001 - this request's alone; a ValueError is its own fault
             self._add_in_flight(-1)
             invalid = isinstance(e, ValueError)

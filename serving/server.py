@@ -57,10 +57,26 @@ def add_limit_args(p) -> None:
                    help="outputs a stream holds unread before its client is dropped and its request aborted")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
                    help="seconds one SSE write may block before the client is dropped")
+    from verifier.grammar_limits import GrammarLimits
+    g = GrammarLimits()
+    p.add_argument("--grammar-timeout", type=float, default=10.0,
+                   help="seconds a constraint may take to compile (in a child process, killed past it)")
+    p.add_argument("--max-grammar-bytes", type=int, default=g.max_bytes, help="size of a schema, pattern or grammar")
+    p.add_argument("--max-grammar-depth", type=int, default=g.max_depth,
+                   help="nesting of a JSON schema, or of a regular expression's groups")
+    p.add_argument("--grammar-cache-bytes", type=int, default=g.cache_bytes,
+                   help="compiled grammars kept (LRU), and as much again for xgrammar's own cache")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token text in chat messages as tokens (lets a client forge turns)")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins browser clients may call from (CORS); '*' for any; off by default")
+
+
+def grammar_limits(args):
+    from verifier.grammar_limits import GrammarLimits
+    return GrammarLimits(max_bytes=args.max_grammar_bytes, max_depth=args.max_grammar_depth,
+                         cache_bytes=args.grammar_cache_bytes, xgrammar_cache_bytes=args.grammar_cache_bytes,
+                         timeout_s=args.grammar_timeout)
 
 
 def server_limits(args):
@@ -103,6 +119,7 @@ def engine_config(args):
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
+                        grammar=grammar_limits(args),
                         tensor_parallel_size=args.tensor_parallel_size,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch,
                                                 step_draft_tokens=args.spec_step_tokens), **kv)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
 from verifier.checks import positive_int
+from verifier.grammar_limits import GrammarLimits
 from verifier.loader import DEFAULT_MODEL
 from verifier.shard import check_tp_quantization
 
@@ -38,6 +39,9 @@ class EngineConfig:
     # Constrained requests verify the tokens their grammar forces as a drafted chain, with or
     # without a drafter (spec/constraints.py); False samples them one step each.
     jump_forward: bool = True
+    # What compiling a constraint may cost (size, depth, caches; a time limit runs it in a
+    # child process): the server sets a time limit, the offline API compiles in-process.
+    grammar: GrammarLimits = GrammarLimits()
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",

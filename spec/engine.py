@@ -155,7 +155,7 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
         # Compiles `SamplingParams.structured`; xgrammar loads on the first constrained request.
-        self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size, sorted(self.eos_ids))
+        self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size, sorted(self.eos_ids), config.grammar)
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
@@ -201,10 +201,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, speculate: bool = True,
-                    speculation: SpecConfig | None = None) -> Request:
+                    speculation: SpecConfig | None = None, grammar=None) -> Request:
         """Validate and queue; ValueError (naming the problem) leaves no state behind.
         `speculate=False` decodes this request plainly; `speculation` caps its tree (depth,
-        top-k, budget) below the engine's own SpecConfig."""
+        top-k, budget) below the engine's own SpecConfig; `grammar`: params.structured already
+        compiled (the server compiles before queueing; the cache may have dropped it since)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -218,7 +219,8 @@ class LLMEngine:
         req.speculate = speculate
         req.speculation = self._cap_speculation(speculation)
         if params.structured is not None:
-            req.grammar = self.grammars.matcher(params.structured)
+            req.grammar = self.grammars.matcher(params.structured) if grammar is None \
+                else self.grammars.matcher_of(grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -725,5 +727,7 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     def close(self) -> None:
-        """Release the target's processes (the worker ranks under tensor parallelism)."""
+        """Release the target's processes (the worker ranks under tensor parallelism) and the
+        grammar compiler's."""
+        self.grammars.close()
         self.target.close()

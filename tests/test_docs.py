@@ -1,4 +1,4 @@
-"""Every code reference in docs/design.md resolves: `path.py` names a file of the repository,
+"""Every code reference in docs/design.md and docs/serving.md resolves: `path.py` names a file of the repository,
 `path.py:Name` a class or function defined at its top level, `path.py:Class.method` a method
 of that class. A rename that forgets the page fails here."""
 from __future__ import annotations
@@ -28,12 +28,15 @@ def defined(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path, name", references("docs/design.md"))
-def test_design_doc_reference_resolves(path, name):
+CHECKED = ("docs/design.md", "docs/serving.md")
+
+
+@pytest.mark.parametrize("doc, path, name", [(d, *r) for d in CHECKED for r in references(d)])
+def test_design_doc_reference_resolves(doc, path, name):
     file = ROOT / path
-    assert file.is_file(), f"docs/design.md names {path}, which does not exist"
+    assert file.is_file(), f"{doc} names {path}, which does not exist"
     if name:
-        assert name in defined(file), f"docs/design.md names {path}:{name}, which {path} does not define"
+        assert name in defined(file), f"{doc} names {path}:{name}, which {path} does not define"
 
 
 def test_the_design_doc_names_code_at_all():

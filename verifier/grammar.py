@@ -15,21 +15,17 @@ xgrammar (and the transformers import it brings) loads on the first constrained 
 """
 from __future__ import annotations
 
-import re
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from verifier import cpu_ops
+from verifier.grammar_limits import GrammarLimits
+from verifier.grammar_worker import GrammarWorker, compile_spec
 from verifier.structured import StructuredOutputs
 
-# JSON from a schema or json_object: no free whitespace between tokens. A small model let
-# loose on "any whitespace" can emit newlines until max_tokens (vLLM's `disable-any-whitespace`
-# exists for that), and fixed separators make keys and punctuation forced, which
-# jump-forward then emits without sampling.
-JSON_SEPARATORS = (", ", ": ")
-_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[11:07:15] /project/cpp/x.cc:94: "
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _BIT = np.arange(32, dtype=np.uint32)
 # A row that allows at most 1/FEW_SHARE of the vocabulary gets logits at those tokens alone: the
@@ -40,34 +36,90 @@ FEW_SHARE = 64
 
 class GrammarBackend:
     """One model's grammar compiler; safe to call from any thread (the server's handlers
-    compile before a request is queued, so a bad schema is a 400 and not a failed stream)."""
+    compile before a request is queued, so a bad schema is a 400 and not a failed stream).
+    Compiled grammars are kept in an LRU bounded by their size (`GrammarLimits.cache_bytes`);
+    with `limits.timeout_s` the compiles run in a child process that is killed past it."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], limits: GrammarLimits | None = None):
         self._tokenizer, self.vocab_size, self._stop_ids = tokenizer, vocab_size, sorted(stop_ids)
+        self.limits = limits or GrammarLimits()
         self._lock = threading.Lock()
-        self._compiler = None
-        self._compiled: dict[tuple[str, str], object] = {}
+        self._compiler = self._worker = None
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cached_bytes = 0
 
-    def compile(self, spec: StructuredOutputs):
-        """The compiled grammar of `spec`; ValueError naming what is wrong with it."""
-        with self._lock:
-            hit = self._compiled.get(spec.key)
+    def compile(self, spec: StructuredOutputs, cancel: threading.Event | None = None):
+        """The compiled grammar of `spec`; ValueError naming what is wrong with it (too large,
+        too deep, too slow, cancelled, invalid, or a language with no output at all)."""
+        hit = self._cached(spec.key)
         if hit is not None:
             return hit
-        compiled = self._compile(self._xgr_compiler(), spec)
+        self.limits.check(spec)
+        if self.limits.timeout_s is None:
+            compiled = compile_spec(self._xgr_compiler(), spec)
+        else:
+            compiled = self._xgr_worker().compile(spec, self.limits.timeout_s, cancel)
+        self._check_not_empty(compiled)
+        return self._store(spec.key, compiled)
+
+    def _cached(self, key):
         with self._lock:
-            return self._compiled.setdefault(spec.key, compiled)
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+            return hit
+
+    def _store(self, key, compiled):
+        with self._lock:
+            if key in self._compiled:
+                return self._compiled[key]
+            self._compiled[key] = compiled
+            self._cached_bytes += compiled.memory_size_bytes
+            while self._cached_bytes > self.limits.cache_bytes and len(self._compiled) > 1:
+                _, old = self._compiled.popitem(last=False)
+                self._cached_bytes -= old.memory_size_bytes
+            return compiled
+
+    @property
+    def cached(self) -> int:
+        """Compiled grammars held now."""
+        return len(self._compiled)
+
+    def _check_not_empty(self, compiled) -> None:
+        """A grammar whose first mask allows no token and that is not complete has no output:
+        refused here, it would otherwise reach a step with nothing to sample."""
+        import xgrammar as xgr
+        matcher = xgr.GrammarMatcher(compiled)
+        mask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(mask)
+        if not mask.any() and not matcher.is_completed():
+            raise ValueError("the constraint allows no output: its language is empty")
+
+    def matcher_of(self, compiled) -> Matcher:
+        """A fresh matcher of an already compiled grammar (the server compiles before queueing)."""
+        import xgrammar as xgr
+        return Matcher(xgr.GrammarMatcher(compiled), self.vocab_size)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
 
     def matcher(self, spec: StructuredOutputs) -> Matcher:
-        import xgrammar as xgr
-        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+        return self.matcher_of(self.compile(spec))
 
     def _xgr_compiler(self):
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
-                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1)
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1,
+                                                     cache_limit_bytes=self.limits.xgrammar_cache_bytes)
             return self._compiler
+
+    def _xgr_worker(self) -> GrammarWorker:
+        with self._lock:
+            if self._worker is None:
+                self._worker = GrammarWorker(self._tokenizer_info(), self.limits.xgrammar_cache_bytes)
+            return self._worker
 
     def _tokenizer_info(self):
         import xgrammar as xgr
@@ -87,28 +139,6 @@ class GrammarBackend:
                 "raw": xgr.VocabType.RAW}[encoding]
         return xgr.TokenizerInfo(vocab, kind, vocab_size=self.vocab_size, stop_token_ids=self._stop_ids,
                                  add_prefix_space=prefix_space)
-
-    @staticmethod
-    def _compile(compiler, spec: StructuredOutputs):
-        kind, text = spec.key
-        try:
-            if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                    separators=JSON_SEPARATORS)
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "choice":
-                return compiler.compile_regex("|".join(re.escape(c) for c in spec.choice))
-            return compiler.compile_grammar(text)
-        except (RuntimeError, ValueError, TypeError) as e:
-            message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-            raise ValueError(f"invalid {_NAMES[kind]}: {message}") from None
-
-
-_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-          "choice": "choice", "grammar": "grammar"}
 
 
 class Matcher:
