@@ -311,8 +311,8 @@ class EngineBridge:
             if self._stop.is_set() and not engine.has_unfinished:
                 return
             if not engine.has_unfinished:
-                if self.step_error is not None:     # unhealthy: probe again while idle
-                    self._recover()
+                if self.step_error is not None and not self._recover():
+                    time.sleep(0.5)                  # unhealthy: probe again, no tight loop
                 if not idle_seen:
                     self._on_idle()
                     idle_seen = True
@@ -443,20 +443,24 @@ class EngineBridge:
         stream._push(out)
 
     def _fail_all(self, e: Exception) -> None:
+        """Abort every request, see whether the engine is whole again, then tell the clients:
+        one that retries at once meets the engine as it is, not as it was mid-recovery."""
         self.step_error = e      # /health answers 503 until _recover passes
-        for rid, stream in list(self._streams.items()):
+        failed = list(self._streams.items())
+        for rid, _ in failed:
             self.engine.abort(rid)
-            stream._push(EngineUnavailable("the engine failed a step; the request was lost"))
-            self.metrics.errors.labels(reason="engine_error").inc()
-            self._add_in_flight(-1)
         self._streams.clear()
         try:
             self.engine.step()   # drain the abort outputs; the pool is whole again
         except Exception:        # the thread must survive to serve the next requests
             log.exception("engine step failed again while aborting the failed requests")
         self._recover()
+        for _, stream in failed:
+            stream._push(EngineUnavailable("the engine failed a step; the request was lost"))
+            self.metrics.errors.labels(reason="engine_error").inc()
+            self._add_in_flight(-1)
 
-    def _recover(self) -> None:
+    def _recover(self) -> bool:
         """After a failed step: healthy again once a scratch forward and the pool check pass."""
         try:
             self.engine.check_integrity()
@@ -467,8 +471,7 @@ class EngineBridge:
         if ok:
             log.warning("the engine recovered from a failed step")
             self.step_error = None
-        else:
-            time.sleep(0.5)      # an idle engine retries; no tight loop on a broken device
+        return ok
 
     def _fail_one(self, out: RequestOutput, stream: RequestStream) -> None:
         """The engine failed this request alone: its stream gets the error, the others nothing."""

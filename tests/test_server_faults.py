@@ -127,3 +127,26 @@ def test_limits_are_validated():
     """A limit below 1 is refused when the server starts, not at the first request."""
     with pytest.raises(ValueError, match="max_stop"):
         ServerLimits(max_stop=0)
+
+
+def test_a_stream_that_fails_alone_ends_with_its_error_and_no_done(server, monkeypatch):
+    """A streamed request whose rows make the forward raise: one error event, no [DONE], no
+    exception text; a stream beside it ends normally with [DONE]."""
+    target, real, poison = server.engine.target, server.engine.target.forward, 4242
+
+    def forward(batch):
+        if any(poison in s.token_ids for s in batch.seqs):
+            raise RuntimeError("secret kernel detail")
+        return real(batch)
+
+    monkeypatch.setattr(target, "forward", forward)
+
+    def events(prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+            return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    bad = events([1, 2, poison])
+    assert '"internal_error"' in bad[-1] and "[DONE]" not in bad and "secret" not in "".join(bad)
+    assert events([1, 2, 3])[-1] == "[DONE]"
+    server.wait_idle()
