@@ -86,7 +86,8 @@ class Routes:
         problem = self.bridge.problem
         if problem is not None:
             return JSONResponse({"status": problem}, status_code=503)
-        return {"status": "ok"}
+        st = self.bridge.stats
+        return {"status": "ok", "threads": st.threads, "max_threads": st.max_threads}
 
     async def metrics(self):
         return Response(self.bridge.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

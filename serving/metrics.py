@@ -35,6 +35,9 @@ class Metrics:
         self.spec_enabled = Gauge("tercel_spec_enabled", "1 while the engine speculates", registry=r)
         self.spec_draft_budget = Gauge("tercel_spec_draft_budget",
                                        "draft tokens each request may propose per step (0 while off)", registry=r)
+        self.threads = Gauge("tercel_threads", "CPU threads the engine's steps run on", registry=r)
+        self.thread_switches = Counter("tercel_thread_switches", "thread count changes by the governor",
+                                       registry=r)
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
         self.drafter_errors = Counter("tercel_drafter_errors", "drafter exceptions (the requests decoded plainly)",
                                       registry=r)
@@ -54,6 +57,8 @@ class Metrics:
         self.prefix_queries.inc(s.prefix_cache_queries - self._seen.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits - self._seen.prefix_cache_hits)
         self.drafter_errors.inc(s.drafter_errors - self._seen.drafter_errors)
+        self.thread_switches.inc(s.thread_switches - self._seen.thread_switches)
+        self.threads.set(s.threads)
         self._seen = s
         self.spec_enabled.set(1 if s.speculating else 0)
         self.spec_draft_budget.set(s.draft_budget)

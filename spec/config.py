@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
+from spec.threads import ThreadConfig
 from verifier.checks import positive_int
 from verifier.grammar_limits import GrammarLimits
 from verifier.loader import DEFAULT_MODEL
@@ -24,7 +25,10 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30         # KV pool size per device when num_kv_blocks is None
     enable_prefix_cache: bool = True      # share KV of identical full-block prompt prefixes
     seed: int = 0                         # seeds the generators of requests without a seed
-    num_threads: int | None = None        # torch CPU threads; None keeps torch's default
+    # CPU threads at most; None: as many as the affinity mask and the cgroup's CPU quota allow
+    # (verifier/cpus.py). Steps run on fewer while that measures faster (spec/threads.py).
+    num_threads: int | None = None
+    thread_tuning: ThreadConfig = ThreadConfig()   # adaptive=False: always num_threads
     device: str | None = None             # None: cuda if available, else cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     # CPU weights: "int4" / "int8" kernels, "none" (dense, the checkpoint's dtype) or "auto":

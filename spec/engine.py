@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,8 +30,10 @@ from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
+from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
+from verifier.cpus import cpu_budget
 from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
@@ -126,14 +128,15 @@ class SeqPlan:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.cpu_budget = cpu_budget()
+        self.num_threads = config.num_threads or self.cpu_budget.threads   # the most a step runs on
+        torch.set_num_threads(self.num_threads)
         # One TargetModel, or rank 0 of a tensor-parallel one: the engine runs once, on rank 0,
         # and every call it makes on the target reaches all ranks (verifier/parallel.py).
         self.target: TargetModel = open_target(config.model, config.tensor_parallel_size, device=config.device,
                                   backend=config.attention_backend, quantization=config.quantization,
                                   kernel_rows=engine_rows(config.max_num_batched_tokens),
-                                  num_threads=config.num_threads)
+                                  num_threads=self.num_threads)
         try:
             self._set_up(config)
         except BaseException:
@@ -172,6 +175,7 @@ class LLMEngine:
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
         self._warm_up()
+        self.threads = self._thread_governor(config)
         # Everything loaded so far lives as long as the engine: move it out of the cyclic
         # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
         # as n-gram indexing of a long prompt) walks every object of the process: in a large
@@ -194,6 +198,38 @@ class LLMEngine:
         with self.blocks.scratch(seq_id, rows) as table:   # never published, not a request's lookup
             for n in range(1, rows + 1):
                 self.target.forward(ForwardBatch([SeqInput(tokens[:n], 0, table, logits_indices=list(range(n)))]))
+
+    def _thread_governor(self, config: EngineConfig) -> ThreadGovernor:
+        """Steps may run on fewer threads while that is faster (spec/threads.py), on a CPU target
+        of one process whose forward gives the same bits on every count (checked here)."""
+        tuning = config.thread_tuning
+        if tuning.adaptive and (self.target.device.type != "cpu" or config.tensor_parallel_size > 1):
+            tuning = replace(tuning, adaptive=False)
+        governor = ThreadGovernor(self.num_threads, tuning)
+        if governor.active and not self._same_on_fewer_threads():
+            log.warning("the forward's bits depend on the thread count here: steps stay on %d threads",
+                        self.num_threads)
+            governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=False))
+        chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
+        log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
+        return governor
+
+    def _same_on_fewer_threads(self) -> bool:
+        """A scratch prompt of 40 tokens (prompt rows, then a sampled row) and a 3-token chain
+        after it give the same logits on every thread count the governor may pick."""
+        rows = 43
+        if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
+            return True                 # a pool this small serves nothing anyway
+        tokens = torch.randint(0, self.target.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
+        tokens = tokens.tolist()
+
+        def forward() -> torch.Tensor:
+            with self.blocks.scratch(-1, rows) as table:
+                first = self.target.forward(ForwardBatch([SeqInput(tokens[:40], 0, table)]))
+                chain = self.target.forward(ForwardBatch([SeqInput(tokens[40:], 40, table, logits_indices=[0, 1, 2])]))
+            return torch.cat([first.logits, chain.logits])
+        counts = sorted({1, self.num_threads - 1, self.num_threads} - {0})
+        return same_on_every_count(forward, counts)
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -252,7 +288,8 @@ class LLMEngine:
             kv_blocks_total=self.blocks.num_total_blocks, kv_blocks_free=self.blocks.num_free_blocks,
             prefix_cache_queries=self.blocks.prefix_queries, prefix_cache_hits=self.blocks.prefix_hits,
             speculating=on, draft_budget=self.draft_budget if on else 0, drafter_errors=self.drafter_errors,
-            preemptions=self.scheduler.num_preemptions,
+            preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
+            max_threads=self.num_threads, thread_switches=self.threads.switches,
             timing=PhaseTimes(t.steps, t.draft_seconds, t.verify_seconds, t.accept_seconds))
 
     def reset_prefix_cache(self) -> int:
@@ -282,6 +319,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> draft -> verify -> accept -> commit -> emit, each phase over the batch."""
         outputs, self._pending = self._pending, []     # aborted since the last step
+        self._set_threads(self.threads.next_step())
         start = time.perf_counter()
         sched = self._schedule()
         if sched.is_empty:
@@ -300,7 +338,12 @@ class LLMEngine:
         if speculated:
             self.timing.add(drafted - start, verified - drafted, end - verified)
         self._observe(sched, new, speculated, end - start)
+        self.threads.observe((sum(p.num_rows for p in plans), len(plans)), end - start)
         return outputs + new
+
+    def _set_threads(self, n: int) -> None:
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)     # this thread's OpenMP team; the kernels read it per call
 
     def _observe(self, sched: SchedulerOutput, new: list[RequestOutput], speculated: bool,
                  seconds: float) -> None:

@@ -74,6 +74,9 @@ class EngineStats:
     draft_budget: int = 0           # draft nodes a request could propose in the last step; 0 while not speculating
     drafter_errors: int = 0         # drafter exceptions caught (those requests decoded plainly)
     preemptions: int = 0            # running requests sent back to the queue for want of KV blocks
+    threads: int = 0                # CPU threads steps run on now (outside the governor's probes)
+    max_threads: int = 0            # the most they may: the configured count or the CPU budget
+    thread_switches: int = 0        # times the thread governor changed the count (spec/threads.py)
     timing: PhaseTimes = PhaseTimes()
 
     @property

@@ -1,0 +1,152 @@
+"""How many CPU threads each engine step runs on, measured while serving.
+
+On a machine of its own the engine is fastest on every CPU it may use. Beside other work it
+is not: when a neighbour holds a core, an OpenMP thread of the engine waits at every barrier
+of a step (hundreds per forward) for a partner the kernel has not scheduled, and a step can
+take several times longer on two threads than on one (figures: docs/performance.md, "Shared
+CPUs"). Which count is faster depends on what else runs, so it is measured, not guessed:
+
+- Every so often the governor *probes*: it runs `probe_pairs` pairs of consecutive steps,
+  the first of each pair on the current count and the second on a neighbouring one (one
+  fewer, or one more up to the budget), and compares the two steps of each pair. Adjacent
+  steps do nearly the same work; only pairs of the same shape (rows and sequences in the
+  forward) count. If the median ratio says the other count is faster by `margin`, it switches.
+- Probes come every `first_interval` steps, and twice as far apart each time the current count
+  wins, up to `max_interval`: a settled machine pays for few probes, and a neighbour that leaves
+  is still noticed. A step `slowdown` times slower than the recent steps of its shape (a
+  neighbour arrived) probes at once. After a switch probes start again at `first_interval`,
+  next in the same direction (from 8 threads to 7, then to 6 if that pays too).
+
+Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
+so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
+the count changing every step). The engine also checks this at load with one forward on each
+count and turns the governor off where they differ.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ThreadConfig:
+    adaptive: bool = True        # False: every step runs on the engine's thread count
+    probe_pairs: int = 4         # step pairs behind one comparison (one noisy pair cannot decide)
+    margin: float = 0.9          # switch when the other count's steps take under this share
+    first_interval: int = 32     # steps between probes after a switch (see the module's docstring)
+    max_interval: int = 1024     # the longest wait between probes (about 5 s of 5 ms steps)
+    slowdown: float = 1.5        # a step this much slower than its shape's recent ones probes now
+
+    def __post_init__(self):
+        if self.probe_pairs < 1 or not 0 < self.margin <= 1 or self.first_interval < 1 \
+                or self.max_interval < self.first_interval or self.slowdown <= 1:
+            raise ValueError("ThreadConfig: need probe_pairs >= 1, 0 < margin <= 1, first_interval >= 1, "
+                             "max_interval >= first_interval, slowdown > 1")
+
+
+Shape = tuple[int, int]      # (rows in the forward, sequences): steps of one shape do the same work
+
+
+@dataclass
+class Probe:
+    """One comparison under way: the count tried against the current one, the pairs so far."""
+    candidate: int
+    ratios: list[float] = field(default_factory=list)   # candidate step / current step, per pair
+    first: tuple[Shape, float] | None = None              # the pair's current-count step, waiting
+    steps: int = 0
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, config: ThreadConfig = ThreadConfig()):
+        """`max_threads`: the budget (verifier/cpus.py, or the configured count); the governor
+        starts there and never goes above it."""
+        self.config, self.max_threads = config, max(1, max_threads)
+        self.threads = self.max_threads     # the count steps run on outside probes
+        self.switches = 0                   # switches so far (for metrics)
+        self._interval = config.first_interval
+        self._until_probe = config.first_interval
+        self._probe: Probe | None = None
+        self._recent: dict[Shape, float] = {}   # shape -> moving average of its steps' seconds
+        self._down = True                        # which neighbour the next probe tries
+
+    @property
+    def active(self) -> bool:
+        return self.config.adaptive and self.max_threads > 1
+
+    def next_step(self) -> int:
+        """The thread count for the next step."""
+        p = self._probe
+        if p is None or p.first is None:
+            return self.threads
+        return p.candidate
+
+    def observe(self, shape: Shape, seconds: float) -> None:
+        """The step just run: its shape and wall time."""
+        if not self.active or seconds <= 0:
+            return
+        if self._probe is not None:
+            self._probe_step(shape, seconds)
+            return
+        if self._slowed(shape, seconds):
+            self._until_probe = 0
+        self._remember(shape, seconds)
+        self._until_probe -= 1
+        if self._until_probe <= 0:
+            self._start_probe()
+
+    def _slowed(self, shape: Shape, seconds: float) -> bool:
+        recent = self._recent.get(shape)
+        return recent is not None and seconds > self.config.slowdown * recent
+
+    def _remember(self, shape: Shape, seconds: float) -> None:
+        recent = self._recent.get(shape)
+        self._recent[shape] = seconds if recent is None else recent + 0.2 * (seconds - recent)
+
+    def _start_probe(self) -> None:
+        down, up = self.threads - 1, self.threads + 1
+        options = [n for n in ((down, up) if self._down else (up, down)) if 1 <= n <= self.max_threads]
+        self._probe = Probe(options[0])
+
+    def _probe_step(self, shape: Shape, seconds: float) -> None:
+        p = self._probe
+        p.steps += 1
+        if p.first is None:
+            p.first = (shape, seconds)
+        else:
+            (first_shape, first_seconds), p.first = p.first, None
+            if first_shape == shape:
+                p.ratios.append(seconds / first_seconds)
+        if len(p.ratios) >= self.config.probe_pairs:
+            self._decide(p)
+        elif p.steps >= 8 * self.config.probe_pairs and p.first is None:   # shapes kept changing
+            self._probe = None
+            self._until_probe = self._interval
+
+    def _decide(self, p: Probe) -> None:
+        self._probe = None
+        if statistics.median(p.ratios) < self.config.margin:
+            self._down = p.candidate < self.threads     # keep going the way that paid
+            self.threads, self.switches = p.candidate, self.switches + 1
+            self._recent.clear()                        # the old count's step times say nothing now
+            self._interval = self.config.first_interval
+        else:
+            self._down = not self._down                 # try the other neighbour next time
+            self._interval = min(2 * self._interval, self.config.max_interval)
+        self._until_probe = self._interval
+
+
+def same_on_every_count(forward: Callable[[], torch.Tensor], counts: list[int]) -> bool:
+    """Whether `forward()` (logits of a scratch forward) gives the same bits on each thread
+    count; the caller's count is set back afterwards."""
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(forward())
+        return all(torch.equal(results[0], r) for r in results[1:])
+    finally:
+        torch.set_num_threads(before)

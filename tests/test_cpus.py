@@ -1,0 +1,130 @@
+"""The CPUs a process may use (verifier/cpus.py): its affinity mask and its cgroup's CPU quota,
+read from fake cgroup trees (v1 and v2, nested, inside a container) and, where this machine lets
+the test make a cgroup, from a real one; the engine's default thread count follows both."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from verifier.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
+
+ROOT = Path(__file__).resolve().parents[1]
+V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
+V1_MOUNTS = ("32 31 0:29 /kubepods/pod1 /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+             "33 31 0:30 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n")
+
+
+def fake_tree(tmp_path: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> ProcFiles:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "cgroup").write_text(cgroup)
+    (tmp_path / "mountinfo").write_text(mountinfo)
+    return ProcFiles(tmp_path / "cgroup", tmp_path / "mountinfo", tmp_path)
+
+
+def test_v2_quota_is_the_smallest_on_the_path_to_the_root(tmp_path):
+    """A pod's limit sits on a parent cgroup: 1.5 CPUs there hold the leaf, whose own is max."""
+    files = fake_tree(tmp_path, "0::/pod/app\n", V2_MOUNT, {
+        "sys/fs/cgroup/cpu.max": "max 100000\n",
+        "sys/fs/cgroup/pod/cpu.max": "150000 100000\n",
+        "sys/fs/cgroup/pod/app/cpu.max": "max 100000\n"})
+    assert cgroup_quota(files) == 1.5
+
+
+def test_v2_without_a_quota(tmp_path):
+    files = fake_tree(tmp_path, "0::/app\n", V2_MOUNT, {"sys/fs/cgroup/app/cpu.max": "max 100000\n"})
+    assert cgroup_quota(files) is None
+
+
+def test_v1_in_a_container_strips_the_mount_root(tmp_path):
+    """Inside a container the cpu,cpuacct mount's root is the pod's own cgroup: the path in
+    /proc/self/cgroup is relative to it, and -1 means no quota."""
+    files = fake_tree(tmp_path, "5:cpuset:/kubepods/pod1/c1\n4:cpu,cpuacct:/kubepods/pod1/c1\n", V1_MOUNTS, {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "250000\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/cpu,cpuacct/c1/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu,cpuacct/c1/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_quota(files) == 2.5
+
+
+def test_no_cgroup_files_means_no_quota(tmp_path):
+    assert cgroup_quota(ProcFiles(tmp_path / "none", tmp_path / "none", tmp_path)) is None
+
+
+def test_threads_are_the_mask_or_the_quota_rounded_up():
+    assert CpuBudget(8).threads == 8
+    assert CpuBudget(8, 1.5).threads == 2
+    assert CpuBudget(2, 0.5).threads == 1
+    assert CpuBudget(1, 4.0).threads == 1
+    assert "a CPU quota of 1.5" in CpuBudget(8, 1.5).describe()
+
+
+BUDGET = "import json; from verifier.cpus import cpu_budget; print(json.dumps(cpu_budget().as_json()))"
+
+
+def run_python(code: str, **kw) -> str:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw).stdout
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs in the affinity mask")
+def test_affinity_mask_sets_the_engine_threads(tiny_llama_dir):
+    """A process pinned to one CPU (taskset) gets a budget of 1 thread, and its engine runs 1."""
+    cpu = min(os.sched_getaffinity(0))
+    code = ("import json, torch; from spec.engine import LLMEngine; from spec.config import EngineConfig\n"
+            f"e = LLMEngine(EngineConfig(model={str(tiny_llama_dir)!r}, max_model_len=64, num_kv_blocks=8))\n"
+            "print(json.dumps([e.cpu_budget.threads, e.num_threads, torch.get_num_threads(), e.threads.active]))")
+    out = run_python(code, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert json.loads(out.splitlines()[-1]) == [1, 1, 1, False]
+
+
+def made_cgroup(quota_cpus: float) -> tuple[Path, str] | None:
+    """A new cgroup with this CPU quota (v2 where its cpu controller is on, else v1), or None
+    where the machine does not let this process make one: (its directory, its procs file)."""
+    period = 100_000
+    candidates = [(Path("/sys/fs/cgroup"), "cpu.max", f"{int(quota_cpus * period)} {period}", "cgroup.procs"),
+                  (Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us", str(int(quota_cpus * period)), "tasks")]
+    for parent, knob, value, procs in candidates:
+        try:
+            if knob == "cpu.max" and "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
+                continue
+            d = parent / f"tercel-test-{uuid.uuid4().hex[:8]}"
+            d.mkdir()
+        except OSError:
+            continue
+        try:
+            (d / knob).write_text(value)
+            return d, procs
+        except OSError:
+            d.rmdir()
+    return None
+
+
+@pytest.mark.parametrize("quota, threads", [(1.5, 2), (0.5, 1)])
+def test_a_real_cgroup_quota_sets_the_budget(quota, threads):
+    """A process started in a cgroup with a CPU quota reads it back: 1.5 CPUs give 2 threads
+    (rounded up, as Go and the JVM do), 0.5 gives 1 (on a machine with 2 CPUs or more)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs in the affinity mask")
+    made = made_cgroup(quota)
+    if made is None:
+        pytest.skip("this machine does not let the test make a cgroup with a CPU quota")
+    d, procs = made
+    try:
+        out = run_python(BUDGET, preexec_fn=lambda: (d / procs).write_text(str(os.getpid())))
+        assert json.loads(out) == {"threads": threads, "affinity_cpus": len(os.sched_getaffinity(0)),
+                                   "quota_cpus": quota}
+    finally:
+        d.rmdir()
+
+
+def test_this_process_budget_is_within_the_mask():
+    b = cpu_budget()
+    assert 1 <= b.threads <= b.affinity == len(os.sched_getaffinity(0))

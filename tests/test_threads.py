@@ -1,0 +1,146 @@
+"""The thread governor (spec/threads.py): on a simulated machine it stays on every CPU while
+that is fastest, moves to fewer threads when a neighbour makes them faster, and back once the
+neighbour leaves; and the engine's output does not depend on the thread count (bit for bit, the
+count changing every step), with a load-time check that turns the governor off where it would."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from drafters.config import SpecConfig
+from spec import LLM, SamplingParams
+from spec.threads import ThreadConfig, ThreadGovernor
+
+QUIET = {1: 8.0, 2: 5.0, 3: 4.0, 4: 3.6}          # ms per step by thread count, a machine of its own
+BUSY = {1: 8.5, 2: 20.0, 3: 30.0, 4: 40.0}         # one neighbour: more threads wait at barriers
+SHAPE = (1, 1)
+
+
+def run(gov: ThreadGovernor, cost: dict[int, float], steps: int, shape=SHAPE) -> list[int]:
+    """Steps on a machine where a step on n threads takes cost[n] ms; the counts used."""
+    used = []
+    for _ in range(steps):
+        n = gov.next_step()
+        used.append(n)
+        gov.observe(shape, cost[n] / 1e3)
+    return used
+
+
+def test_a_quiet_machine_stays_on_every_cpu_and_probes_less_and_less():
+    gov = ThreadGovernor(2)
+    used = run(gov, QUIET, 3000)
+    assert gov.threads == 2 and gov.switches == 0
+    assert used.count(1) / len(used) < 0.02           # probe steps only, growing apart
+    assert used[-1000:].count(1) <= ThreadConfig().probe_pairs
+
+
+def test_a_busy_neighbour_moves_it_to_fewer_threads_and_back_once_it_leaves():
+    gov = ThreadGovernor(2)
+    run(gov, QUIET, 3000)                              # settled: probes are far apart
+    used = run(gov, BUSY, 12)                          # the slowdown probes at once
+    assert gov.threads == 1 and used[-1] == 1
+    run(gov, BUSY, 3000)
+    assert gov.threads == 1                            # 2 threads stay slower: no switch back
+    run(gov, QUIET, ThreadConfig().max_interval + 2 * ThreadConfig().probe_pairs)
+    assert gov.threads == 2 and gov.switches == 2
+
+
+def test_it_descends_one_count_at_a_time_to_the_fastest():
+    """On 4 CPUs with a neighbour, 1 thread is fastest: 4 -> 3 -> 2 -> 1, never below."""
+    gov = ThreadGovernor(4)
+    run(gov, BUSY, 400)
+    assert gov.threads == 1
+    gov2 = ThreadGovernor(4)
+    run(gov2, {1: 8.0, 2: 5.0, 3: 6.5, 4: 7.5}, 600)   # a neighbour on one core of four
+    assert gov2.threads == 2
+
+
+def test_pairs_of_different_shapes_do_not_count():
+    """A pair whose two steps differ in rows or sequences says nothing about the threads: with
+    every step's shape new, no probe ever decides."""
+    gov = ThreadGovernor(2, ThreadConfig(first_interval=1))
+    for i in range(200):
+        n = gov.next_step()
+        gov.observe((i, 1), BUSY[n] / 1e3)
+    assert gov.switches == 0
+
+
+def test_off_or_one_cpu_never_changes_the_count():
+    assert set(run(ThreadGovernor(2, ThreadConfig(adaptive=False)), BUSY, 500)) == {2}
+    assert set(run(ThreadGovernor(1), BUSY, 500)) == {1}
+
+
+@pytest.mark.parametrize("bad", [dict(probe_pairs=0), dict(margin=0), dict(margin=1.5),
+                                 dict(first_interval=0), dict(first_interval=64, max_interval=32),
+                                 dict(slowdown=1.0)])
+def test_config_is_checked(bad):
+    with pytest.raises(ValueError, match="ThreadConfig"):
+        ThreadConfig(**bad)
+
+
+class EveryStep:
+    """A governor that changes the thread count on every step: 1, 2, 1, 2, ..."""
+    active, switches = True, 0
+
+    def __init__(self):
+        self.threads = 1
+
+    def next_step(self) -> int:
+        self.threads = 3 - self.threads
+        return self.threads
+
+    def observe(self, shape, seconds) -> None:
+        pass
+
+
+PROMPTS = ["Name three rivers and say where each one flows. " * 3, "Why is the sky blue?",
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_output_is_the_same_whatever_the_thread_count(drafter, monkeypatch):
+    """SmolLM2 (int4 kernels, bf16 prompt rows): with the count changing every step, every
+    forward's logits equal those on 2 threads throughout, bit for bit, and so do the T=0 and
+    seeded T=0.8 outputs, plain and speculative."""
+    llm = LLM(drafter=drafter, num_threads=2, thread_tuning=ThreadConfig(adaptive=False),
+              speculation=SpecConfig(num_speculative_tokens=3) if drafter else None)
+    params = [SamplingParams(temperature=0, max_tokens=32),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=11)]
+    target, logits = llm.engine.target, []
+    forward = target.forward
+
+    def recorded(batch):
+        out = forward(batch)
+        logits.append(out.logits.clone())
+        return out
+    monkeypatch.setattr(target, "forward", recorded)
+
+    def outputs():
+        llm.engine.reset_prefix_cache()
+        logits.clear()
+        return [o.token_ids for p in params for o in llm.generate(PROMPTS, p)], list(logits)
+    fixed, fixed_logits = outputs()
+    llm.engine.threads = EveryStep()
+    changing, changing_logits = outputs()
+    torch.set_num_threads(2)
+    assert changing == fixed
+    assert len(changing_logits) == len(fixed_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fixed_logits, changing_logits))
+
+
+def test_a_forward_whose_bits_follow_the_thread_count_turns_the_governor_off(tiny_llama_dir, monkeypatch, caplog):
+    """The load-time check: were a kernel to sum in another order on fewer threads, the engine
+    keeps its thread count fixed (and says so) rather than change a row's bits mid-request."""
+    from verifier.target import TargetModel
+    forward = TargetModel.forward
+
+    def thread_dependent(self, batch):
+        out = forward(self, batch)
+        return replace(out, logits=out.logits + 1e-6) if torch.get_num_threads() == 1 else out
+    monkeypatch.setattr(TargetModel, "forward", thread_dependent)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2)
+    assert not llm.engine.threads.active and "depend on the thread count" in caplog.text
+    monkeypatch.setattr(TargetModel, "forward", forward)
+    assert LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2).engine.threads.active

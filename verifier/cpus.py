@@ -1,0 +1,122 @@
+"""How many CPUs this process may use: its affinity mask and its cgroup's CPU quota.
+
+A Kubernetes pod with `limits.cpu: 1500m` still sees every core of its node in `nproc` and
+/proc/cpuinfo; what holds it to 1.5 CPUs is the CFS quota of its cgroup (`cpu.max` in cgroup
+v2, `cpu.cfs_quota_us` / `cpu.cfs_period_us` in v1). Threads beyond the quota only make the
+cgroup burn its quota sooner and sit throttled for the rest of each period. So the default
+thread count is the smaller of the affinity mask's CPUs and the quota rounded up, as Go
+(GOMAXPROCS, 1.25) and the JVM (`-XX:+UseContainerSupport`) choose theirs. A limit set on an
+ancestor cgroup holds its children too, so the smallest quota on the path to the root counts.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    affinity: int               # CPUs in the process's affinity mask
+    quota: float | None = None  # CPUs the cgroup's CFS quota allows; None: no quota
+
+    @property
+    def threads(self) -> int:
+        """The default thread count: the mask, or the quota rounded up if that is fewer."""
+        limit = self.affinity if self.quota is None else min(self.affinity, math.ceil(self.quota))
+        return max(1, limit)
+
+    def describe(self) -> str:
+        quota = "no CPU quota" if self.quota is None else f"a CPU quota of {self.quota:g}"
+        return (f"{self.threads} thread{'s' * (self.threads != 1)} ({self.affinity} CPU{'s' * (self.affinity != 1)} "
+                f"in the affinity mask, {quota})")
+
+    def as_json(self) -> dict:
+        return {"threads": self.threads, "affinity_cpus": self.affinity, "quota_cpus": self.quota}
+
+
+@dataclass(frozen=True)
+class ProcFiles:
+    """Where the cgroup files are read (tests point it at a fake tree)."""
+    cgroup: Path = Path("/proc/self/cgroup")
+    mountinfo: Path = Path("/proc/self/mountinfo")
+    root: Path = Path("/")            # prefix for the mount points that mountinfo names
+
+
+def cpu_budget(files: ProcFiles = ProcFiles()) -> CpuBudget:
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not Linux
+        affinity = os.cpu_count() or 1
+    return CpuBudget(affinity, cgroup_quota(files))
+
+
+def cgroup_quota(files: ProcFiles = ProcFiles()) -> float | None:
+    """The smallest CPU quota on the path from this process's cgroup to the root, in CPUs;
+    None where there is none or the files cannot be read."""
+    try:
+        cgroups = files.cgroup.read_text()
+        mounts = files.mountinfo.read_text()
+    except OSError:
+        return None
+    quotas = [q for d in _cpu_dirs(cgroups, mounts, files.root) if (q := _dir_quota(d)) is not None]
+    return min(quotas, default=None)
+
+
+def _cpu_dirs(cgroups: str, mounts: str, root: Path) -> list[Path]:
+    """The process's cgroup directory for the CPU controller and each ancestor up to the mount."""
+    dirs = []
+    for mount_root, mount_point, v2 in _cpu_mounts(mounts):
+        path = _cgroup_path(cgroups, v2)
+        if path is None:
+            continue
+        # Inside a container the mount's root is the container's own cgroup: strip it.
+        rel = os.path.relpath(path, mount_root) if path.startswith(mount_root) else path.lstrip("/")
+        here = root / mount_point.lstrip("/")
+        parts = [] if rel in (".", "") else rel.split("/")
+        dirs += [here.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return dirs
+
+
+def _cpu_mounts(mounts: str) -> list[tuple[str, str, bool]]:
+    """(cgroup root, mount point, is v2) of each mount that carries the CPU controller."""
+    found = []
+    for line in mounts.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        fstype, options = fields[sep + 1], fields[-1].split(",") if len(fields) > sep + 3 else []
+        if fstype == "cgroup2" or (fstype == "cgroup" and "cpu" in options):
+            found.append((fields[3], fields[4], fstype == "cgroup2"))
+    return found
+
+
+def _cgroup_path(cgroups: str, v2: bool) -> str | None:
+    """The process's path in the v2 hierarchy (`0::/path`) or the v1 cpu one (`N:cpu,...:/path`)."""
+    for line in cgroups.splitlines():
+        num, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if v2 and num == "0" and controllers == "":
+            return path
+        if not v2 and "cpu" in controllers.split(","):
+            return path
+    return None
+
+
+def _dir_quota(d: Path) -> float | None:
+    """This cgroup directory's own quota in CPUs, or None."""
+    try:
+        quota, _, period = (d / "cpu.max").read_text().partition(" ")   # v2: "max 100000" or "150000 100000"
+        if quota.strip() != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())                # v1: -1 means none
+        period = int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
