@@ -14,7 +14,7 @@ each step and when it goes idle; and the bridge's own counters (`in_flight`, `al
 
 Lifecycle of one request: `submit()` (event loop) -> Add -> `engine.add_request` (engine
 thread; a ValueError goes back to the stream as an error) -> each step's RequestOutput -> the
-stream's queue -> the handler. `cancel()` (client gone) sends an Abort; the engine thread
+stream's queue (all of a step's outputs in one hand-over) -> the handler. `cancel()` (client gone) sends an Abort; the engine thread
 frees the request's KV blocks before its next step.
 
 With `check_integrity_when_idle` (TERCEL_DEBUG=1, `tercel serve --log-level debug`, the tests'
@@ -134,10 +134,7 @@ class RequestStream:
         self.done = False
 
     def _push(self, item) -> None:          # engine thread (or the loop, for a refusal)
-        try:
-            self._loop.call_soon_threadsafe(self._offer, item)
-        except RuntimeError:                # the loop is closed: nobody is left to read it
-            pass
+        _call_soon(self._loop, self._offer, item)
 
     def _offer(self, item) -> None:         # event loop
         if self._overflowed:
@@ -327,8 +324,7 @@ class EngineBridge:
                 self._fail_all(e)
                 continue
             self._publish()
-            for out in outputs:
-                self._deliver(out)
+            self._deliver_all(outputs)
 
     def _die(self, e: BaseException) -> None:
         """The engine thread is ending on an exception: every request waiting now or later is told."""
@@ -417,10 +413,23 @@ class EngineBridge:
             return
         self._streams[rid] = stream
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs reach the event loop in one wake-up, not one per request: each
+        `call_soon_threadsafe` writes to the loop's self-pipe, and on a busy CPU every wake-up
+        waits for a time slice (docs/performance.md, "Shared CPUs")."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        for out in outputs:
+            delivery = self._deliver(out)
+            if delivery is not None:
+                by_loop.setdefault(delivery[0]._loop, []).append(delivery)
+        for loop, deliveries in by_loop.items():
+            _call_soon(loop, _offer_each, deliveries)
+
+    def _deliver(self, out: RequestOutput) -> tuple[RequestStream, object] | None:
+        """The bookkeeping for one output; returns (its stream, what to hand it), or None."""
         stream = self._streams.get(out.request_id)
         if stream is None:
-            return
+            return None
         now = time.perf_counter()
         if out.delta_token_ids:
             last = self._last_token_time.get(out.request_id)
@@ -430,8 +439,7 @@ class EngineBridge:
                 self.metrics.itl.observe((now - last) / len(out.delta_token_ids))
             self._last_token_time[out.request_id] = now
         if out.error is not None:
-            self._fail_one(out, stream)
-            return
+            return stream, self._fail_one(out)
         if out.finished:
             del self._streams[out.request_id]
             self._last_token_time.pop(out.request_id, None)
@@ -440,7 +448,7 @@ class EngineBridge:
             if out.finish_reason == "abort":
                 self.metrics.errors.labels(reason="cancelled").inc()
             self._log(out, stream)
-        stream._push(out)
+        return stream, out
 
     def _fail_all(self, e: Exception) -> None:
         """Abort every request, see whether the engine is whole again, then tell the clients:
@@ -473,7 +481,7 @@ class EngineBridge:
             self.step_error = None
         return ok
 
-    def _fail_one(self, out: RequestOutput, stream: RequestStream) -> None:
+    def _fail_one(self, out: RequestOutput) -> RequestFailed:
         """The engine failed this request alone: its stream gets the error, the others nothing."""
         del self._streams[out.request_id]
         self._last_token_time.pop(out.request_id, None)
@@ -481,7 +489,7 @@ class EngineBridge:
         reason = "invalid_request" if out.error.invalid else "request_error"
         self.metrics.errors.labels(reason=reason).inc()
         log.warning("%s failed alone: %s", out.request_id, out.error.message)
-        stream._push(RequestFailed(out.error))
+        return RequestFailed(out.error)
 
     @staticmethod
     def _log(out: RequestOutput, stream: RequestStream) -> None:
@@ -490,6 +498,18 @@ class EngineBridge:
         log.info("%s prompt=%d completion=%d ttft=%s tok/s=%.1f accepted_len=%.2f finish=%s",
                  out.request_id, stream.num_prompt_tokens, len(out.token_ids), ttft, tps,
                  out.stats.mean_accepted_length, out.finish_reason)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:                # the loop is closed: nobody is left to read it
+        pass
+
+
+def _offer_each(deliveries: list[tuple[RequestStream, object]]) -> None:   # event loop
+    for stream, item in deliveries:
+        stream._offer(item)
 
 
 def _set_exception(future: asyncio.Future, e: Exception) -> None:
