@@ -37,7 +37,10 @@ def add_serve_args(sub) -> None:
     p.add_argument("--profile", default=None, help="a tuned profile from `tercel bench grid` (JSON)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to finish requests on SIGTERM (30: what Kubernetes waits before it kills)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads at most (default: the affinity mask's CPUs or the cgroup's CPU quota)")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="every step on --threads; by default steps run on fewer while that measures faster")
     from serving.cli import add_quantization_arg, add_tensor_parallel_arg
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
@@ -101,6 +104,7 @@ def engine_config(args):
     from serving.cli import speculation_from_args
     from spec.adaptive import AdaptiveConfig
     from spec.config import EngineConfig
+    from spec.threads import ThreadConfig
     drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
     profiled = None
     if args.profile:       # the profile's drafter and tree; explicit tree flags still apply
@@ -118,6 +122,7 @@ def engine_config(args):
         kv["kv_cache_bytes"] = int(_device_memory() * args.kv_memory_fraction)
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
+                        thread_tuning=ThreadConfig(adaptive=not args.fixed_threads),
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
                         grammar=grammar_limits(args),
                         tensor_parallel_size=args.tensor_parallel_size,

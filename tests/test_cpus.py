@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
+from bench.contention import make_cgroup
 from verifier.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +58,10 @@ def test_no_cgroup_files_means_no_quota(tmp_path):
     assert cgroup_quota(ProcFiles(tmp_path / "none", tmp_path / "none", tmp_path)) is None
 
 
-def test_threads_are_the_mask_or_the_quota_rounded_up():
+def test_threads_are_the_mask_or_the_quota_rounded_down():
     assert CpuBudget(8).threads == 8
-    assert CpuBudget(8, 1.5).threads == 2
+    assert CpuBudget(8, 1.5).threads == 1
+    assert CpuBudget(8, 2.5).threads == 2
     assert CpuBudget(2, 0.5).threads == 1
     assert CpuBudget(1, 4.0).threads == 1
     assert "a CPU quota of 1.5" in CpuBudget(8, 1.5).describe()
@@ -85,35 +86,13 @@ def test_affinity_mask_sets_the_engine_threads(tiny_llama_dir):
     assert json.loads(out.splitlines()[-1]) == [1, 1, 1, False]
 
 
-def made_cgroup(quota_cpus: float) -> tuple[Path, str] | None:
-    """A new cgroup with this CPU quota (v2 where its cpu controller is on, else v1), or None
-    where the machine does not let this process make one: (its directory, its procs file)."""
-    period = 100_000
-    candidates = [(Path("/sys/fs/cgroup"), "cpu.max", f"{int(quota_cpus * period)} {period}", "cgroup.procs"),
-                  (Path("/sys/fs/cgroup/cpu"), "cpu.cfs_quota_us", str(int(quota_cpus * period)), "tasks")]
-    for parent, knob, value, procs in candidates:
-        try:
-            if knob == "cpu.max" and "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
-                continue
-            d = parent / f"tercel-test-{uuid.uuid4().hex[:8]}"
-            d.mkdir()
-        except OSError:
-            continue
-        try:
-            (d / knob).write_text(value)
-            return d, procs
-        except OSError:
-            d.rmdir()
-    return None
-
-
-@pytest.mark.parametrize("quota, threads", [(1.5, 2), (0.5, 1)])
+@pytest.mark.parametrize("quota, threads", [(1.5, 1), (0.5, 1)])
 def test_a_real_cgroup_quota_sets_the_budget(quota, threads):
-    """A process started in a cgroup with a CPU quota reads it back: 1.5 CPUs give 2 threads
-    (rounded up, as Go and the JVM do), 0.5 gives 1 (on a machine with 2 CPUs or more)."""
+    """A process started in a cgroup with a CPU quota reads it back: 1.5 CPUs give 1 thread
+    (rounded down: a throttled thread stalls the others at every barrier), 0.5 gives 1."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs in the affinity mask")
-    made = made_cgroup(quota)
+    made = make_cgroup(quota)
     if made is None:
         pytest.skip("this machine does not let the test make a cgroup with a CPU quota")
     d, procs = made

@@ -4,9 +4,12 @@ A Kubernetes pod with `limits.cpu: 1500m` still sees every core of its node in `
 /proc/cpuinfo; what holds it to 1.5 CPUs is the CFS quota of its cgroup (`cpu.max` in cgroup
 v2, `cpu.cfs_quota_us` / `cpu.cfs_period_us` in v1). Threads beyond the quota only make the
 cgroup burn its quota sooner and sit throttled for the rest of each period. So the default
-thread count is the smaller of the affinity mask's CPUs and the quota rounded up, as Go
-(GOMAXPROCS, 1.25) and the JVM (`-XX:+UseContainerSupport`) choose theirs. A limit set on an
-ancestor cgroup holds its children too, so the smallest quota on the path to the root counts.
+thread count is the smaller of the affinity mask's CPUs and the quota, read as Go (GOMAXPROCS,
+1.25) and the JVM (`-XX:+UseContainerSupport`) read theirs, but rounded down where they round
+up: a step's threads meet at a barrier hundreds of times per forward, so a throttled thread
+stalls them all, and under a quota of 1.5 CPUs one thread served more tokens per second than
+two (figures: docs/performance.md, "Shared CPUs"). A limit set on an ancestor cgroup holds its
+children too, so the smallest quota on the path to the root counts.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ class CpuBudget:
 
     @property
     def threads(self) -> int:
-        """The default thread count: the mask, or the quota rounded up if that is fewer."""
-        limit = self.affinity if self.quota is None else min(self.affinity, math.ceil(self.quota))
+        """The default thread count: the mask, or the quota rounded down if that is fewer."""
+        limit = self.affinity if self.quota is None else min(self.affinity, math.floor(self.quota))
         return max(1, limit)
 
     def describe(self) -> str:
