@@ -207,8 +207,8 @@ class LLMEngine:
             tuning = replace(tuning, adaptive=False)
         governor = ThreadGovernor(self.num_threads, tuning)
         if governor.active and not self._same_on_fewer_threads():
-            log.warning("the forward's bits depend on the thread count here: steps stay on %d threads",
-                        self.num_threads)
+            log.warning("the forward's bits depend on the thread count here (or the KV pool is too small "
+                        "to check): steps stay on %d threads", self.num_threads)
             governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=False))
         chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
         log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
@@ -219,7 +219,7 @@ class LLMEngine:
         after it give the same logits on every thread count the governor may pick."""
         rows = 43
         if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
-            return True                 # a pool this small serves nothing anyway
+            return False                # unchecked: not worth a risk to exactness
         tokens = torch.randint(0, self.target.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
         tokens = tokens.tolist()
 
