@@ -255,14 +255,14 @@ def _groups(prompts: list[str], c: int) -> list[list[str]]:
 
 
 def report(settings: list[Setting]) -> str:
-    lines = ["| engine | batch | speculation | quiet tok/s | busy tok/s | busy / quiet | threads (busy) "
+    lines = ["| engine | batch | speculation | quiet tok/s | busy tok/s | busy / quiet | threads at the end (quiet / busy) "
              "| CPU ms per token (quiet / busy) | involuntary switches per token (quiet / busy) "
              "| /health ms median / max (busy) |", "|" + "---|" * 10]
     for s in settings:
-        busy = s.as_json()["busy"]
+        quiet, busy = s.as_json()["quiet"], s.as_json()["busy"]
         health = "-" if busy["health_ms"] is None else "{median} / {max}".format(**busy["health_ms"])
         lines.append(f"| {s.engine} | {s.concurrency} | {s.speculation} | {s.median_tok_s('quiet'):.1f} "
-                     f"| {s.median_tok_s('busy'):.1f} | **{s.ratio:.2f}** | {_threads(busy['threads'])} "
+                     f"| {s.median_tok_s('busy'):.1f} | **{s.ratio:.2f}** | {_threads(quiet['threads'])} / {_threads(busy['threads'])} "
                      f"| {1e3 * s.per_token('quiet', 'cpu_s'):.1f} / {1e3 * s.per_token('busy', 'cpu_s'):.1f} "
                      f"| {s.per_token('quiet', 'involuntary'):.1f} / {s.per_token('busy', 'involuntary'):.1f} "
                      f"| {health} |")
@@ -271,7 +271,7 @@ def report(settings: list[Setting]) -> str:
 
 def _threads(counts: list[int | None]) -> str:
     known = [c for c in counts if c is not None]
-    return "-" if not known else "/".join(str(c) for c in sorted(set(known)))
+    return "-" if not known else ",".join(str(c) for c in sorted(set(known)))
 
 
 # ---- a CPU quota ----------------------------------------------------------------------------------

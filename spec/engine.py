@@ -33,7 +33,7 @@ from spec.stats import EngineLimits, EngineStats, PhaseTimes
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.cpus import cpu_budget
+from verifier.cpus import IdleMeter, cpu_budget
 from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
@@ -205,7 +205,7 @@ class LLMEngine:
         tuning = config.thread_tuning
         if tuning.adaptive and (self.target.device.type != "cpu" or config.tensor_parallel_size > 1):
             tuning = replace(tuning, adaptive=False)
-        governor = ThreadGovernor(self.num_threads, tuning)
+        governor = ThreadGovernor(self.num_threads, tuning, IdleMeter())
         if governor.active and not self._same_on_fewer_threads():
             log.warning("the forward's bits depend on the thread count here (or the KV pool is too small "
                         "to check): steps stay on %d threads", self.num_threads)

@@ -13,9 +13,13 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   forward) count. If the median ratio says the other count is faster by `margin`, it switches.
 - Probes come every `first_interval` steps, and twice as far apart each time the current count
   wins, up to `max_interval`: a settled machine pays for few probes, and a neighbour that leaves
-  is still noticed. A step `slowdown` times slower than the recent steps of its shape (a
-  neighbour arrived) probes at once. After a switch probes start again at `first_interval`,
-  next in the same direction (from 8 threads to 7, then to 6 if that pays too).
+  is still noticed. Two events probe at once: a step `slowdown` times slower than the recent
+  steps of its shape (a neighbour arrived), and, below the budget, idle CPUs appearing where
+  there were none (a neighbour left: at least `idle_cpus` of the process's CPUs sat idle over the
+  last `idle_every` steps, after a check that found fewer; verifier/cpus.py:IdleMeter). Only the
+  change probes, so a machine with idle CPUs the governor does not use (a quota) is not probed
+  again and again. After a switch probes start again at `first_interval`, next in the same
+  direction (from 8 threads to 7, then to 6 if that pays too).
 
 Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
 so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
@@ -39,12 +43,15 @@ class ThreadConfig:
     first_interval: int = 32     # steps between probes after a switch (see the module's docstring)
     max_interval: int = 1024     # the longest wait between probes (about 5 s of 5 ms steps)
     slowdown: float = 1.5        # a step this much slower than its shape's recent ones probes now
+    idle_every: int = 16         # steps between readings of the idle CPUs (below the budget only)
+    idle_cpus: float = 0.5       # this many idle on average means room for another thread
 
     def __post_init__(self):
         if self.probe_pairs < 1 or not 0 < self.margin <= 1 or self.first_interval < 1 \
-                or self.max_interval < self.first_interval or self.slowdown <= 1:
+                or self.max_interval < self.first_interval or self.slowdown <= 1 or self.idle_every < 1 \
+                or self.idle_cpus <= 0:
             raise ValueError("ThreadConfig: need probe_pairs >= 1, 0 < margin <= 1, first_interval >= 1, "
-                             "max_interval >= first_interval, slowdown > 1")
+                             "max_interval >= first_interval, slowdown > 1, idle_every >= 1, idle_cpus > 0")
 
 
 Shape = tuple[int, int]      # (rows in the forward, sequences): steps of one shape do the same work
@@ -60,10 +67,13 @@ class Probe:
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int, config: ThreadConfig = ThreadConfig()):
+    def __init__(self, max_threads: int, config: ThreadConfig = ThreadConfig(),
+                 idle: Callable[[], float | None] | None = None):
         """`max_threads`: the budget (verifier/cpus.py, or the configured count); the governor
-        starts there and never goes above it."""
+        starts there and never goes above it. `idle()`: the process's CPUs that sat idle on
+        average since the last call (None: unknown); without it only probes find a quiet machine."""
         self.config, self.max_threads = config, max(1, max_threads)
+        self._idle, self._was_idle, self._steps = idle, True, 0
         self.threads = self.max_threads     # the count steps run on outside probes
         self.switches = 0                   # switches so far (for metrics)
         self._interval = config.first_interval
@@ -92,6 +102,8 @@ class ThreadGovernor:
             return
         if self._slowed(shape, seconds):
             self._until_probe = 0
+        elif self._room_appeared():
+            self._until_probe, self._down = 0, False
         self._remember(shape, seconds)
         self._until_probe -= 1
         if self._until_probe <= 0:
@@ -100,6 +112,18 @@ class ThreadGovernor:
     def _slowed(self, shape: Shape, seconds: float) -> bool:
         recent = self._recent.get(shape)
         return recent is not None and seconds > self.config.slowdown * recent
+
+    def _room_appeared(self) -> bool:
+        """Below the budget, every `idle_every` steps: idle CPUs now, after a reading without."""
+        self._steps += 1
+        if self._idle is None or self.threads >= self.max_threads or self._steps % self.config.idle_every:
+            return False
+        idle = self._idle()
+        if idle is None:
+            return False
+        appeared = idle >= self.config.idle_cpus and not self._was_idle
+        self._was_idle = idle >= self.config.idle_cpus
+        return appeared
 
     def _remember(self, shape: Shape, seconds: float) -> None:
         recent = self._recent.get(shape)
@@ -131,6 +155,9 @@ class ThreadGovernor:
             self._down = p.candidate < self.threads     # keep going the way that paid
             self.threads, self.switches = p.candidate, self.switches + 1
             self._recent.clear()                        # the old count's step times say nothing now
+            if self._idle is not None:                  # idle readings start over from here
+                self._idle()
+                self._was_idle = True
             self._interval = self.config.first_interval
         else:
             self._down = not self._down                 # try the other neighbour next time

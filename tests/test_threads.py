@@ -47,6 +47,35 @@ def test_a_busy_neighbour_moves_it_to_fewer_threads_and_back_once_it_leaves():
     assert gov.threads == 2 and gov.switches == 2
 
 
+class Idle:
+    """What the governor reads as idle CPUs: set by the test, as a neighbour comes and goes."""
+    def __init__(self, value: float):
+        self.value = value
+
+    def __call__(self) -> float:
+        return self.value
+
+
+def test_idle_cpus_appearing_bring_it_back_at_once():
+    """A neighbour that leaves frees a CPU: within a few idle readings the governor tries, and
+    takes, more threads again, long before its probes (grown to max_interval apart) would."""
+    idle = Idle(0.0)
+    gov = ThreadGovernor(2, idle=idle)
+    run(gov, BUSY, 3000)
+    assert gov.threads == 1
+    idle.value = 1.0
+    run(gov, QUIET, 3 * ThreadConfig().idle_every)
+    assert gov.threads == 2
+
+
+def test_idle_cpus_it_cannot_use_do_not_probe_again_and_again():
+    """Where fewer threads stay faster though CPUs sit idle (a quota), idle readings do not
+    keep probing: only a change from none idle to some does."""
+    gov, without = ThreadGovernor(2, idle=Idle(1.5)), ThreadGovernor(2)
+    used = run(gov, BUSY, 5000)
+    assert gov.threads == 1 and used == run(without, BUSY, 5000)      # the same probes as without
+
+
 def test_it_descends_one_count_at_a_time_to_the_fastest():
     """On 4 CPUs with a neighbour, 1 thread is fastest: 4 -> 3 -> 2 -> 1, never below."""
     gov = ThreadGovernor(4)
@@ -74,7 +103,7 @@ def test_off_or_one_cpu_never_changes_the_count():
 
 @pytest.mark.parametrize("bad", [dict(probe_pairs=0), dict(margin=0), dict(margin=1.5),
                                  dict(first_interval=0), dict(first_interval=64, max_interval=32),
-                                 dict(slowdown=1.0)])
+                                 dict(slowdown=1.0), dict(idle_every=0), dict(idle_cpus=0)])
 def test_config_is_checked(bad):
     with pytest.raises(ValueError, match="ThreadConfig"):
         ThreadConfig(**bad)

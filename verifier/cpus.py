@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,3 +124,33 @@ def _dir_quota(d: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return quota / period if quota > 0 and period > 0 else None
+
+
+class IdleMeter:
+    """How many of the process's CPUs sat idle, on average, since the last call (/proc/stat's
+    idle and iowait time of the CPUs in its affinity mask). A neighbour that leaves shows here
+    at once: the thread governor (spec/threads.py) tries more threads when it does."""
+
+    def __init__(self, stat: Path = Path("/proc/stat")):
+        self._stat = stat
+        try:
+            self._cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        except (AttributeError, OSError):
+            self._cpus = set()
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float] | None:
+        """(wall seconds, idle CPU-seconds summed over the mask), or None where unreadable."""
+        try:
+            lines = self._stat.read_text().splitlines()
+        except OSError:
+            return None
+        ticks = sum(int(f[4]) + int(f[5]) for f in (ln.split() for ln in lines) if f and f[0] in self._cpus)
+        return time.monotonic(), ticks / os.sysconf("SC_CLK_TCK")
+
+    def __call__(self) -> float | None:
+        now, last = self._read(), self._last
+        self._last = now
+        if now is None or last is None or now[0] <= last[0]:
+            return None
+        return (now[1] - last[1]) / (now[0] - last[0])
