@@ -68,6 +68,20 @@ def test_idle_cpus_appearing_bring_it_back_at_once():
     assert gov.threads == 2
 
 
+def test_back_to_every_cpu_on_any_gain_but_away_only_by_the_margin():
+    """Where all threads are only 5% faster (the server beside its own event loop), the
+    governor neither leaves them for one nor stays on one once a neighbour has gone."""
+    close = {1: 6.0, 2: 5.7}
+    gov = ThreadGovernor(2, idle=(idle := Idle(0.0)))
+    run(gov, close, 2000)
+    assert gov.threads == 2 and gov.switches == 0
+    run(gov, BUSY, 500)
+    assert gov.threads == 1
+    idle.value = 1.0
+    run(gov, close, 3 * ThreadConfig().idle_every)
+    assert gov.threads == 2
+
+
 def test_idle_cpus_it_cannot_use_do_not_probe_again_and_again():
     """Where fewer threads stay faster though CPUs sit idle (a quota), idle readings do not
     keep probing: only a change from none idle to some does."""
