@@ -13,8 +13,9 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   forward) count. It moves to fewer threads when the median ratio says they are faster by
   `margin`, and back toward the budget when more are faster at all: all threads is the
   default, and leaving it must pay. (In the server, whose event loop shares the CPUs, two
-  threads measured only 5-15% faster per step than one on a quiet machine: with `margin` both
-  ways the governor stayed on one thread after a neighbour had left.)
+  threads were only a little faster per step than one on a quiet machine: with `margin` both
+  ways the governor stayed on one thread after a neighbour had left; docs/performance.md,
+  "Shared CPUs".)
 - Probes come every `first_interval` steps, and twice as far apart each time the current count
   wins, up to `max_interval`: a settled machine pays for few probes, and a neighbour that leaves
   is still noticed. Two events probe at once: a step `slowdown` times slower than the recent
@@ -27,8 +28,8 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
 
 Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
 so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
-the count changing every step). The engine also checks this at load with one forward on each
-count and turns the governor off where they differ.
+the count changing every step). The engine also checks it at load, with a scratch forward on
+1, all but one and all threads, and keeps the count fixed where they differ.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class ThreadConfig:
     probe_pairs: int = 4         # step pairs behind one comparison (one noisy pair cannot decide)
     margin: float = 0.9          # fewer threads when their steps take under this share (see above)
     first_interval: int = 32     # steps between probes after a switch (see the module's docstring)
-    max_interval: int = 1024     # the longest wait between probes (about 5 s of 5 ms steps)
+    max_interval: int = 1024     # the longest wait between probes (idle CPUs cut it short)
     slowdown: float = 1.5        # a step this much slower than its shape's recent ones probes now
     idle_every: int = 16         # steps between readings of the idle CPUs (below the budget only)
     idle_cpus: float = 0.5       # this many idle on average means room for another thread
