@@ -338,7 +338,7 @@ class LLMEngine:
         if speculated:
             self.timing.add(drafted - start, verified - drafted, end - verified)
         self._observe(sched, new, speculated, end - start)
-        self.threads.observe((sum(p.num_rows for p in plans), len(plans)), end - start)
+        self.threads.observe(sum(p.num_rows for p in plans), len(plans), end - start)
         return outputs + new
 
     def _set_threads(self, n: int) -> None:

@@ -9,14 +9,17 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
 - Every so often the governor *probes*: it runs `probe_pairs` pairs of consecutive steps,
   the first of each pair on the current count and the second on a neighbouring one (one
   fewer, or one more up to the budget), and compares the two steps of each pair. Adjacent
-  steps do nearly the same work; only pairs of the same shape (rows and sequences in the
-  forward) count. It moves to fewer threads when the median ratio says they are faster by
+  steps do nearly the same work; only pairs of the same shape count: rows and sequences in
+  the forward, each rounded to a power of two (a batch that changes every step, requests coming
+  and going with trees of varying size, rarely repeats its exact counts, and probes that never
+  found a pair left the engine on two threads beside a neighbour). It moves to fewer threads when the median ratio says they are faster by
   `margin`, and back toward the budget when more are faster at all: all threads is the
   default, and leaving it must pay. (In the server, whose event loop shares the CPUs, two
   threads were only a little faster per step than one on a quiet machine: with `margin` both
   ways the governor stayed on one thread after a neighbour had left; docs/performance.md,
   "Shared CPUs".)
-- Probes come every `first_interval` steps, and twice as far apart each time the current count
+- The first probe comes after `probe_pairs` steps (a short run beside a neighbour gains from the
+  first), then every `first_interval` steps, twice as far apart each time the current count
   wins, up to `max_interval`: a settled machine pays for few probes, and a neighbour that leaves
   is still noticed. Two events probe at once: a step `slowdown` times slower than the recent
   steps of its shape (a neighbour arrived), and, below the budget, idle CPUs appearing where
@@ -65,6 +68,11 @@ log = logging.getLogger("tercel.threads")
 Shape = tuple[int, int]      # (rows in the forward, sequences): steps of one shape do the same work
 
 
+def shape_of(rows: int, seqs: int) -> Shape:
+    """The shape a step is compared by: its counts rounded down to powers of two."""
+    return 1 << (max(1, rows).bit_length() - 1), 1 << (max(1, seqs).bit_length() - 1)
+
+
 @dataclass
 class Probe:
     """One comparison under way: the count tried against the current one, the pairs so far."""
@@ -85,7 +93,7 @@ class ThreadGovernor:
         self.threads = self.max_threads     # the count steps run on outside probes
         self.switches = 0                   # switches so far (for metrics)
         self._interval = config.first_interval
-        self._until_probe = config.first_interval
+        self._until_probe = config.probe_pairs
         self._probe: Probe | None = None
         self._recent: dict[Shape, float] = {}   # shape -> moving average of its steps' seconds
         self._down = True                        # which neighbour the next probe tries
@@ -101,10 +109,11 @@ class ThreadGovernor:
             return self.threads
         return p.candidate
 
-    def observe(self, shape: Shape, seconds: float) -> None:
-        """The step just run: its shape and wall time."""
+    def observe(self, rows: int, seqs: int, seconds: float) -> None:
+        """The step just run: rows and sequences in its forward, and its wall time."""
         if not self.active or seconds <= 0:
             return
+        shape = shape_of(rows, seqs)
         if self._probe is not None:
             self._probe_step(shape, seconds)
             return

@@ -15,7 +15,7 @@ from spec.threads import ThreadConfig, ThreadGovernor
 
 QUIET = {1: 8.0, 2: 5.0, 3: 4.0, 4: 3.6}          # ms per step by thread count, a machine of its own
 BUSY = {1: 8.5, 2: 20.0, 3: 30.0, 4: 40.0}         # one neighbour: more threads wait at barriers
-SHAPE = (1, 1)
+SHAPE = (1, 1)          # rows, sequences
 
 
 def run(gov: ThreadGovernor, cost: dict[int, float], steps: int, shape=SHAPE) -> list[int]:
@@ -24,7 +24,7 @@ def run(gov: ThreadGovernor, cost: dict[int, float], steps: int, shape=SHAPE) ->
     for _ in range(steps):
         n = gov.next_step()
         used.append(n)
-        gov.observe(shape, cost[n] / 1e3)
+        gov.observe(*shape, cost[n] / 1e3)
     return used
 
 
@@ -101,13 +101,22 @@ def test_it_descends_one_count_at_a_time_to_the_fastest():
 
 
 def test_pairs_of_different_shapes_do_not_count():
-    """A pair whose two steps differ in rows or sequences says nothing about the threads: with
-    every step's shape new, no probe ever decides."""
+    """A pair whose two steps differ in rows or sequences by a power of two or more says nothing
+    about the threads: with every step's shape new, no probe ever decides."""
     gov = ThreadGovernor(2, ThreadConfig(first_interval=1))
     for i in range(200):
         n = gov.next_step()
-        gov.observe((i, 1), BUSY[n] / 1e3)
+        gov.observe(1 << (i % 12), 1, BUSY[n] / 1e3)      # every step twice the rows of the last
     assert gov.switches == 0
+
+
+def test_counts_within_a_power_of_two_make_a_pair():
+    """A churning batch (5, 6, 7 rows; 3 requests, then 2) still gets compared."""
+    gov = ThreadGovernor(2)
+    for i in range(100):
+        n = gov.next_step()
+        gov.observe(4 + i % 4, 2 + i % 2, BUSY[n] / 1e3)
+    assert gov.threads == 1
 
 
 def test_off_or_one_cpu_never_changes_the_count():
