@@ -317,9 +317,18 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule -> draft -> verify -> accept -> commit -> emit, each phase over the batch."""
-        outputs, self._pending = self._pending, []     # aborted since the last step
+        """schedule -> draft -> verify -> accept -> commit -> emit, each phase over the batch,
+        on the thread count the governor picks; between steps the process keeps its own count,
+        so code outside the engine (a target loaded later, which times its kernels on the count
+        it finds) never inherits the governor's."""
         self._set_threads(self.threads.next_step())
+        try:
+            return self._step()
+        finally:
+            self._set_threads(self.num_threads)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []     # aborted since the last step
         start = time.perf_counter()
         sched = self._schedule()
         if sched.is_empty:
