@@ -203,13 +203,13 @@ class LLMEngine:
         """Steps may run on fewer threads while that is faster (spec/threads.py), on a CPU target
         of one process whose forward gives the same bits on every count (checked here)."""
         tuning = config.thread_tuning
-        if tuning.adaptive and (self.target.device.type != "cpu" or config.tensor_parallel_size > 1):
-            tuning = replace(tuning, adaptive=False)
-        governor = ThreadGovernor(self.num_threads, tuning, IdleMeter())
-        if governor.active and not self._same_on_fewer_threads():
+        adaptive = tuning.adaptive and self.num_threads > 1 and self.target.device.type == "cpu" \
+            and config.tensor_parallel_size == 1
+        if adaptive and not self._same_on_fewer_threads():
             log.warning("the forward's bits depend on the thread count here (or the KV pool is too small "
                         "to check): steps stay on %d threads", self.num_threads)
-            governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=False))
+            adaptive = False
+        governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter())
         chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
         log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
         return governor

@@ -10,10 +10,11 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   the first of each pair on the current count and the second on a neighbouring one (one
   fewer, or one more up to the budget), and compares the two steps of each pair. Adjacent
   steps do nearly the same work; only pairs of the same shape count: rows and sequences in
-  the forward, each rounded to a power of two (a batch that changes every step, requests coming
-  and going with trees of varying size, rarely repeats its exact counts, and probes that never
-  found a pair left the engine on two threads beside a neighbour). It moves to fewer threads when the median ratio says they are faster by
-  `margin`, and back toward the budget when more are faster at all: all threads is the
+  the forward, each rounded to a power of two (a batch that changes every step, requests
+  coming and going with trees of varying size, rarely repeats its exact counts, and probes
+  that never found a pair left the engine on two threads beside a neighbour). It moves to
+  fewer threads when the median ratio says they are faster by `margin`, and back toward the
+  budget when more are faster at all: all threads is the
   default, and leaving it must pay. (In the server, whose event loop shares the CPUs, two
   threads were only a little faster per step than one on a quiet machine: with `margin` both
   ways the governor stayed on one thread after a neighbour had left; docs/performance.md,

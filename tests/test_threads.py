@@ -56,16 +56,21 @@ class Idle:
         return self.value
 
 
+def neighbour_comes_and_goes(gov: ThreadGovernor, idle: Idle, busy_steps: int, after: dict) -> tuple[int, int]:
+    """The counts after `busy_steps` beside a neighbour, and after three idle readings once it
+    has left (the machine then costs `after`)."""
+    run(gov, BUSY, busy_steps)
+    during = gov.threads
+    idle.value = 1.0
+    run(gov, after, 3 * ThreadConfig().idle_every)
+    return during, gov.threads
+
+
 def test_idle_cpus_appearing_bring_it_back_at_once():
     """A neighbour that leaves frees a CPU: within a few idle readings the governor tries, and
     takes, more threads again, long before its probes (grown to max_interval apart) would."""
-    idle = Idle(0.0)
-    gov = ThreadGovernor(2, idle=idle)
-    run(gov, BUSY, 3000)
-    assert gov.threads == 1
-    idle.value = 1.0
-    run(gov, QUIET, 3 * ThreadConfig().idle_every)
-    assert gov.threads == 2
+    gov = ThreadGovernor(2, idle=(idle := Idle(0.0)))
+    assert neighbour_comes_and_goes(gov, idle, 3000, QUIET) == (1, 2)
 
 
 def test_back_to_every_cpu_on_any_gain_but_away_only_by_the_margin():
@@ -75,11 +80,7 @@ def test_back_to_every_cpu_on_any_gain_but_away_only_by_the_margin():
     gov = ThreadGovernor(2, idle=(idle := Idle(0.0)))
     run(gov, close, 2000)
     assert gov.threads == 2 and gov.switches == 0
-    run(gov, BUSY, 500)
-    assert gov.threads == 1
-    idle.value = 1.0
-    run(gov, close, 3 * ThreadConfig().idle_every)
-    assert gov.threads == 2
+    assert neighbour_comes_and_goes(gov, idle, 500, close) == (1, 2)
 
 
 def test_idle_cpus_it_cannot_use_do_not_probe_again_and_again():
