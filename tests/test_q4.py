@@ -102,3 +102,23 @@ def test_the_avx2_build_gives_the_same_bits():
     out = torch.empty(11, 72, dtype=torch.bfloat16)
     assert lib.q4_matmul(packed.data_ptr(), 72, 1536, x.data_ptr(), 11, out.data_ptr()) == 0
     assert torch.equal(out, cpu_ops.q4_matmul(packed, 72, x))
+
+
+def test_the_isa_cap_runs_this_machine_as_an_avx2_one():
+    """TERCEL_CPU_ISA=avx2 (how AVX2 paths are measured on an AVX-512 machine) builds the
+    kernels for Haswell and holds torch to AVX2, before any of torch's kernels ran."""
+    import os
+    import subprocess
+    import sys
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    code = ("import torch; from verifier import cpu_ops; from verifier.machine import machine_summary; "
+            "print(cpu_ops.q4_isa(), torch.backends.cpu.get_cpu_capability(), machine_summary())")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "TERCEL_CPU_ISA": "avx2"},
+                         capture_output=True, text=True, check=True).stdout.split(maxsplit=2)
+    assert out[:2] == ["256", "AVX2"]
+    assert "avx512" not in out[2] and "capped at AVX2" in out[2]
+    bad = subprocess.run([sys.executable, "-c", "import verifier"], env={**env, "TERCEL_CPU_ISA": "sse9"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "TERCEL_CPU_ISA='sse9'" in bad.stderr

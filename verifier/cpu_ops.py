@@ -1,9 +1,9 @@
 """The fused CPU kernels of `csrc/decode_ops.c` and Tercel's int4 matmul (`csrc/q4_matmul.c`),
 built on first use into one library and called through ctypes.
 
-The library is compiled for the machine it runs on (`cc -O3 -march=native`, under half a
-second) into the Tercel cache, keyed by the source, the compiler and the CPU's flags, and
-loaded after torch so that its OpenMP calls share torch's runtime (the same libgomp, the
+The library is compiled for the machine it runs on (`cc -O3 -march=native`, or the ISA
+cap's of `verifier.machine`; under half a second) into the Tercel cache, keyed by the source,
+the compiler and the CPU's flags, and loaded after torch so that its OpenMP calls share torch's runtime (the same libgomp, the
 same threads). Without a C compiler `available()` is False and the quantized target is not
 offered (see `verifier.quantize`).
 
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from verifier.machine import cache_bytes, machine_key
+from verifier.machine import cache_bytes, machine_key, march
 from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
 _CSRC = Path(__file__).parent / "csrc"
 DECODE_OPS, Q4_MATMUL = SOURCES = [_CSRC / "decode_ops.c", _CSRC / "q4_matmul.c"]
 HEADERS = [_CSRC / "bf16.h"]        # included by both: part of the library's cache key
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],

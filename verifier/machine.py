@@ -1,4 +1,12 @@
-"""What this machine is, for the caches keyed by it and the line written beside every figure."""
+"""What this machine is, for the caches keyed by it and the line written beside every figure.
+
+`TERCEL_CPU_ISA=avx2` runs an AVX-512 machine as an AVX2-only one: Tercel's kernels are built
+for Haswell (`-march=haswell`, the AVX2 machines' common set), torch's kernels dispatch as on
+AVX2 (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`; set here, before torch's first kernel
+reads them), and the flags that key caches and head figures are the ones the cap leaves. It
+is how the AVX2 paths are checked and measured where no AVX2-only machine is at hand; the
+microarchitecture (caches, memory) stays this machine's, and figures say so.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +17,42 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
+
+_ISA_CAPS = {"avx2": {"march": "haswell", "aten": "avx2", "onednn": "AVX2",
+                      "drop": ("avx512", "amx", "avx_vnni")}}
+
+
+def isa_cap() -> str | None:
+    """The instruction set Tercel is held to (`TERCEL_CPU_ISA`), or None for all this CPU has."""
+    cap = os.environ.get("TERCEL_CPU_ISA", "").strip().lower() or None
+    if cap is not None and cap not in _ISA_CAPS:
+        raise ValueError(f"TERCEL_CPU_ISA={cap!r}: the caps known are {sorted(_ISA_CAPS)}")
+    return cap
+
+
+def march() -> str:
+    """The `-march` Tercel's C kernels are built for."""
+    cap = isa_cap()
+    return _ISA_CAPS[cap]["march"] if cap else "native"
+
+
+def _cap_torch() -> None:
+    cap = isa_cap()
+    if cap:     # torch reads these at its first CPU kernel, not at import
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", _ISA_CAPS[cap]["aten"])
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ISA_CAPS[cap]["onednn"])
+
+
+_cap_torch()
+
+
+def cpu_flags() -> list[str]:
+    """This CPU's flags as Tercel may use them: those above the ISA cap are left out."""
+    flags = _cpuinfo().get("flags", "").split()
+    cap = isa_cap()
+    if cap:
+        flags = [f for f in flags if not f.startswith(_ISA_CAPS[cap]["drop"])]
+    return flags
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -27,17 +71,18 @@ def machine_key() -> dict:
     """What makes timings from one machine invalid on another."""
     info = _cpuinfo()
     return {"cpu": info.get("model name", platform.processor()),
-            "flags": hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:16],
+            "flags": hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:16],
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def machine_summary() -> str:
     """CPU model, its vector extensions, torch and threads: the line to write beside a figure."""
     info = _cpuinfo()
-    flags = set(info.get("flags", "").split())
+    flags = set(cpu_flags())
     shown = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
              if f in flags]
-    return (f"{info.get('model name', platform.processor())} ({' '.join(shown) or 'no AVX2'}), "
+    cap = f", capped at {isa_cap().upper()} by TERCEL_CPU_ISA" if isa_cap() else ""
+    return (f"{info.get('model name', platform.processor())} ({' '.join(shown) or 'no AVX2'}{cap}), "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
