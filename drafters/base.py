@@ -74,10 +74,31 @@ class DraftDistributions:
 class Proposal:
     tree: TokenTree
     draft: DraftDistributions | None = None   # None: deterministic (point-mass) proposals
+    # Per draft node, in node order, the drafter's confidence in [0, 1] (a path probability,
+    # or a match's strength), and what kind of number it is: the adaptive controller learns
+    # how often nodes of each kind, confidence and depth are accepted (spec/adaptive.py).
+    # None: no confidence; the controller goes by the node's rank.
+    scores: tuple[float, ...] | None = None
+    score_kind: str = ""
+
+    def __post_init__(self):
+        if self.scores is not None and len(self.scores) != self.num_draft_nodes:
+            raise ValueError(f"a proposal of {self.num_draft_nodes} draft nodes got {len(self.scores)} scores")
 
     @property
     def num_draft_nodes(self) -> int:
         return self.tree.num_nodes - 1
+
+    def truncated(self, draft_nodes: int) -> "Proposal":
+        """Its first `draft_nodes` draft nodes, a proposal in its own right: nodes are
+        topological and siblings come in the order they were drawn, so the cut keeps every
+        kept node's parent and, under each node, the first children drawn."""
+        if draft_nodes >= self.num_draft_nodes:
+            return self
+        n = draft_nodes + 1
+        draft = None if self.draft is None else DraftDistributions(self.draft.probs[:n], self.draft.mode)
+        scores = None if self.scores is None else self.scores[:draft_nodes]
+        return Proposal(self.tree.truncated(n), draft, scores, self.score_kind)
 
 
 @dataclass

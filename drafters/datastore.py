@@ -9,7 +9,7 @@ least `min_count` times, the `fanout` tokens that most often followed it and the
 Each step, per request:
 1. the context's own match of at least `strong_n` tokens (a repeated passage) proposes
    what followed it, as the n-gram drafter does;
-2. otherwise a best-first tree over the datastore (`tree.builders.best_first_tree`): a
+2. otherwise a best-first tree over the datastore (`tree.builders.best_first_scored`): a
    node's candidates are the followers of its path's longest known suffix, a path's
    probability is the product of their shares, and the request's node budget keeps the most
    probable nodes. The n-gram drafter's guess (its weak match or unigram) joins the first
@@ -41,12 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters.base import DraftRequest, register_drafter
+from drafters.base import DraftRequest, Proposal, register_drafter
 from drafters.config import SpecConfig
 from drafters.conversations import expand_paths, load_conversations
 from drafters.ngram import NgramConfig, NgramDrafter, NgramIndex
-from tree.builders import best_first_tree
-from tree.token_tree import TokenTree
+from tree.builders import best_first_scored
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +172,12 @@ class DatastoreDrafter(NgramDrafter):
         super().__init__(ngram)
         self.table, self.datastore = table, config
 
-    def _tree(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+    def _proposal(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> Proposal:
+        """A strong match's continuation (scored as the n-gram drafter scores it), else the
+        datastore's best-first tree (each node scored by its path probability)."""
         match = index.longest_match(req.token_ids) if match is None else match
         if match[0] >= self.datastore.strong_n:
-            return super()._tree(index, req, match)
+            return super()._proposal(index, req, match)
         guesses = index.continuations(req.token_ids, 1, match)     # weak match or unigram
         guess = guesses[0][0] if guesses else None
         context = req.token_ids[-self.table.max_n:]
@@ -188,7 +189,8 @@ class DatastoreDrafter(NgramDrafter):
             return found
 
         depth = min(self.datastore.max_depth, req.max_depth)
-        return best_first_tree(req.token_ids[-1], candidates, req.max_nodes, depth, req.topk)
+        tree, probs = best_first_scored(req.token_ids[-1], candidates, req.max_nodes, depth, req.topk)
+        return Proposal(tree, scores=tuple(probs), score_kind="datastore")
 
 
 def corpus_sequences(paths: list[str], tokenizer) -> list[list[int]]:

@@ -111,13 +111,18 @@ class NgramDrafter(Drafter):
             return Proposal(TokenTree.single(root))
         index = self._index.setdefault(req.seq_id, NgramIndex(self.config))
         index.update(req.verified_ids)
-        return Proposal(self._tree(index, req).truncated(req.max_nodes + 1))
+        return self._proposal(index, req).truncated(req.max_nodes)
 
-    def _tree(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> TokenTree:
+    def _proposal(self, index: NgramIndex, req: DraftRequest, match: tuple[int, list[int]] | None = None) -> Proposal:
         """The continuations of the context's longest match as a trie (subclasses add other
-        sources); `match` is index.longest_match(req.token_ids) if the caller has it."""
+        sources); `match` is index.longest_match(req.token_ids) if the caller has it. Every
+        node scores the match's length over max_n + 1: a longer match is a surer one."""
+        match = index.longest_match(req.token_ids) if match is None else match
         paths = index.continuations(req.token_ids, req.max_depth, match)[:req.topk]
-        return TokenTree.from_paths(req.token_ids[-1], paths) if paths else TokenTree.single(req.token_ids[-1])
+        if not paths:
+            return Proposal(TokenTree.single(req.token_ids[-1]))
+        tree = TokenTree.from_paths(req.token_ids[-1], paths)
+        return Proposal(tree, scores=(match[0] / (self.config.max_n + 1),) * (tree.num_nodes - 1), score_kind="match")
 
     def release(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)

@@ -18,12 +18,10 @@ def add_serve_args(sub) -> None:
     p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
     p.add_argument("--topk", type=int, default=None, help="children per draft node")
     p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
-    p.add_argument("--no-adaptive", action="store_true", help="always speculate, whatever the load")
-    p.add_argument("--spec-max-batch", type=int, default=4, help="running requests above which speculation is off")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="every request verifies its drafter's whole tree every step, whatever it costs")
     p.add_argument("--no-jump-forward", action="store_true",
                    help="constrained requests sample the tokens their grammar forces one step each")
-    p.add_argument("--spec-step-tokens", type=int, default=6,
-                   help="draft tokens per step shared by the running requests (trees shrink as the batch grows)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -126,8 +124,7 @@ def engine_config(args):
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
                         grammar=grammar_limits(args),
                         tensor_parallel_size=args.tensor_parallel_size,
-                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive, max_batch=args.spec_max_batch,
-                                                step_draft_tokens=args.spec_step_tokens), **kv)
+                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive), **kv)
 
 
 def _device_memory() -> int:

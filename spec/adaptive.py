@@ -1,155 +1,236 @@
-"""Adaptive speculation: speculate only while it pays.
+"""Adaptive speculation: each step, each request verifies the draft nodes that pay for
+themselves, and none when none do.
 
-Each step the engine asks `enabled(batch_size)` and `draft_budget(batch_size)`; after a
-pure decode step it reports what
-happened with `observe(...)`. Speculation is off when the batch is larger than
-`max_batch` (a big batch already fills the matmuls), or when the measured speculative
-rate falls below the measured plain rate *at the same batch size*. Rates are tokens per
-second per request (emitted tokens per step over the step time), kept as moving averages
-per batch size: a step of 8 requests is slower than a step of 2 whatever the drafter
-does, so comparing across batch sizes would blame (or credit) speculation for the load.
-Probing keeps both averages fresh. While off for low acceptance, one step in `probe_every`
-speculates anyway, so a drafter that starts to pay again (a new prompt, a repetitive
-passage) is noticed. While on, one step in `probe_every` decodes plainly: otherwise the
-plain rate would date from the first steps at that batch size, when contexts were shorter
-and steps faster or slower, and a stale figure could keep speculation on after it stopped
-paying. Probes cost throughput (a plain probe at 1.5x gives up a third of a step), so while
-one mode leads by `wide_margin` or more, probes come 4 times less often: a lead that wide
-takes many steps to erode.
+The choice maximises the step's expected tokens per millisecond. Tokens: each decoding
+request emits one, plus its draft nodes' chances of being accepted. Milliseconds:
+`spec.step_cost.StepCost`, the forward's cost curve measured at load at every row count and
+scaled to what steps cost now, plus the drafter's time per drafting request and the
+acceptance work per node. Nodes join in order of their chance, across the batch, each
+request's in its proposal's order (a proposal cut to its first k nodes is a proposal in its
+own right: nodes are topological), and the count with the best ratio wins: the cost curve
+has steps (torch's int4 kernel works in blocks of 4 rows), so the best count is not always
+where one more node stops paying.
 
-Early steps are noisy (one rejected draft makes a slow speculative step): a slow average
-started from one step kept speculation off for most of an in-process run at 1 request, and
-in a server run most of the first round's requests decoded at plain speed. So each batch
-size first measures `min_steps` steps of each mode; each average is the plain mean of its
-steps until `1 / smoothing` are in; and until then probes keep their normal pace.
+A node's chance: drafters score their nodes (`Proposal.scores`: a path probability, a
+match's strength), and the controller learns how often nodes of each score kind, score band
+and depth were accepted, across requests. A drafter without scores is judged by rank (a
+node's place in the proposal), per request, starting from the drafter-wide figures. Counts
+decay (`memory`), so a drifting drafter is followed.
 
-Acceptance swings from step to step (0 to 4 draft tokens), so the averages are slow: at
-1 request (MT-bench, in-process), a weight of 0.2 for the newest step let runs of rejected
-drafts turn speculation off for long stretches and lost throughput against always
-speculating; with 0.05 it turned off less and came close to always on.
+Two decisions per step. Before drafting, whether a request drafts at all: it does while
+what its cuts were expected to gain over plain decoding outweighs what its drafter's time
+would have decoded. After drafting, with the proposals in hand, how many of each proposal's nodes are
+verified. One step in `probe_every` a request drafts whatever its worth and verifies one
+node beyond its cut: nodes judged not to pay are never verified otherwise, and their
+estimates would never recover. Both depend on past steps and on the proposals,
+never on this step's target logits, so rejection sampling keeps the output exactly the
+target's. A seeded sampled request keeps its whole tree: its draws reproduce only along one
+speculation path, and the choice depends on timing.
 
-Below `max_batch`, the tree shrinks as the batch grows: each request may draft
-`step_draft_tokens // batch` nodes (at least 1, at most its own budget), so a step verifies
-about 6-9 tokens whatever the batch. Where the target's matmul cost jumps at some row count
-(torch's int4 kernel works in blocks of 4 rows; the jump is measured at load), the step's
-rows, one per request plus its draft nodes, stay below the jump where they can. In
-closed-loop in-process runs with the datastore drafter (speculation always on against off),
-3 draft nodes each did best at 2 requests, ahead of 4 each and of the 5 a lone request
-drafts; at 4 requests 1 to 3 nodes each still paid and 5 each lost.
-
-The default `max_batch` comes from closed-loop runs in-process with an n-gram chain of 4:
-always speculating paid a little at 2 and 4 requests and lost at 8, where a step of 8 trees
-took much longer than a step of 8 plain tokens.
-
-Figures and commands: docs/performance.md, "Adaptive speculation".
+At T = 0 the accepted path of a proposal cut to k nodes is exactly the full path's nodes
+among the first k (a node's children carry distinct tokens), so a verified node says
+exactly whether it paid.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from spec.step_cost import StepCost
 
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
-    enabled: bool = True        # False: always speculate when a drafter is set
-    max_batch: int = 4          # running requests above which speculation is off
-    probe_every: int = 32       # one step in this many runs the other way (see above)
-    smoothing: float = 0.05     # weight of the newest step in the moving averages (see above)
-    margin: float = 1.0         # speculate while spec_rate >= margin * plain_rate
-    step_draft_tokens: int = 6  # draft nodes per step, shared by the running requests (see above)
-    wide_margin: float = 1.25   # a lead this wide (either way) makes probes 4x rarer (see above)
-    min_steps: int = 8          # steps of each mode measured before the two are compared
+    enabled: bool = True        # False: every request verifies its drafter's whole tree every step
+    probe_every: int = 16       # one step in this many a request drafts and verifies a node more
+    memory: float = 0.9         # weight a request's earlier steps keep at each new one
+    prior_weight: float = 4.0   # steps' worth of the drafter-wide estimate in a request's own
+    first_guess: float = 0.5    # a node's chance before any like it was verified
+    score_bands: int = 10       # scores in [0, 1] are learned in this many bands
+    smoothing: float = 0.1      # weight of the newest step in the cost averages
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.probe_every < 1 or not 0 < self.smoothing <= 1 or self.margin <= 0 \
-                or self.step_draft_tokens < 1 or self.wide_margin < 1 or self.min_steps < 1:
-            raise ValueError("AdaptiveConfig: need max_batch >= 1, probe_every >= 1, 0 < smoothing <= 1, "
-                             "margin > 0, step_draft_tokens >= 1, wide_margin >= 1, min_steps >= 1")
+        if self.probe_every < 1 or not 0 < self.memory <= 1 or self.prior_weight <= 0 \
+                or not 0 <= self.first_guess <= 1 or self.score_bands < 1 or not 0 < self.smoothing <= 1:
+            raise ValueError("AdaptiveConfig: need probe_every >= 1, 0 < memory <= 1, prior_weight > 0, "
+                             "0 <= first_guess <= 1, score_bands >= 1, 0 < smoothing <= 1")
+
+
+class RankAcceptance:
+    """Decayed counts, per rank (1: a proposal's first draft node), of nodes verified and of
+    nodes on the accepted path."""
+
+    def __init__(self, memory: float):
+        self.memory = memory
+        self.seen: list[float] = []
+        self.hits: list[float] = []
+
+    def observe(self, present: int, accepted: Iterable[int]) -> None:
+        """One verified proposal of `present` draft nodes; `accepted`: the ranks on its path."""
+        self.seen = [x * self.memory for x in self.seen]
+        self.hits = [x * self.memory for x in self.hits]
+        grow = present - len(self.seen)
+        if grow > 0:
+            self.seen += [0.0] * grow
+            self.hits += [0.0] * grow
+        for i in range(present):
+            self.seen[i] += 1
+        for rank in accepted:
+            self.hits[rank - 1] += 1
+
+    def rate(self, rank: int, prior: float, weight: float) -> float:
+        """Chance that a node of `rank` is accepted: own counts with `weight` steps of `prior`."""
+        i = rank - 1
+        seen, hits = (self.seen[i], self.hits[i]) if i < len(self.seen) else (0.0, 0.0)
+        return (hits + weight * prior) / (seen + weight)
+
+
+class ScoreAcceptance:
+    """Decayed counts of nodes verified and accepted per (score kind, score band, depth)."""
+
+    def __init__(self, bands: int, memory: float = 0.99):
+        self.bands, self.memory = bands, memory
+        self.cells: dict[tuple[str, int, int], list[float]] = {}    # key -> [seen, hits]
+
+    def key(self, kind: str, score: float, depth: int) -> tuple[str, int, int]:
+        return kind, min(int(score * self.bands), self.bands - 1), depth
+
+    def observe(self, kind: str, score: float, depth: int, accepted: bool) -> None:
+        cell = self.cells.setdefault(self.key(kind, score, depth), [0.0, 0.0])
+        cell[0] = cell[0] * self.memory + 1
+        cell[1] = cell[1] * self.memory + accepted
+
+    def rate(self, kind: str, score: float, depth: int, prior: float) -> float:
+        seen, hits = self.cells.get(self.key(kind, score, depth), (0.0, 0.0))
+        return (hits + prior) / (seen + 1)
 
 
 @dataclass
-class BatchRates:
-    """Moving averages for one batch size (tokens/s per request), the last decision and how
-    many decisions in a row went that way (which sets when to probe the other way)."""
-    spec: float = 0.0           # meaningful once its step count is above 0
-    plain: float = 0.0
-    spec_steps: int = 0         # observations behind each average
-    plain_steps: int = 0
-    last: bool = True
-    streak: int = 0
+class SpecHistory:
+    """What one request's speculation has shown so far (kept on its `Request`)."""
+    ranks: RankAcceptance
+    probe_every: int
+    worth: float | None = None  # tokens its cuts were expected to gain over plain decoding (None: none yet)
+    steps: int = 0              # steps it decoded in: every probe_every-th is a probe
+
+    @property
+    def probing(self) -> bool:
+        return self.steps % self.probe_every == 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request as the controller sees it: its history, and after drafting its proposal's
+    draft nodes (their depths and the drafter's scores, if any)."""
+    history: SpecHistory
+    depths: tuple[int, ...] = ()
+    scores: tuple[float, ...] | None = None
+    score_kind: str = ""
+
+
+def best_prefixes(gains: list[list[float]], tokens: float, cost_ms: Callable[[int], float]) -> list[int]:
+    """How many leading nodes of each request to verify. gains[r][i]: expected accepted tokens
+    from request r's node i + 1; `tokens`: expected tokens without any; cost_ms(nodes): the
+    step's milliseconds. Nodes join best gain first (each request's in its own order) and
+    the count with the most tokens per millisecond wins."""
+    heap = [(-g[0], r) for r, g in enumerate(gains) if g]
+    heapq.heapify(heap)
+    taken, order = [0] * len(gains), []
+    best_rate, best_len = tokens / cost_ms(0), 0
+    while heap:
+        neg, r = heapq.heappop(heap)
+        taken[r] += 1
+        tokens -= neg
+        order.append(r)
+        rate = tokens / cost_ms(len(order))
+        if rate > best_rate:
+            best_rate, best_len = rate, len(order)
+        if taken[r] < len(gains[r]):
+            heapq.heappush(heap, (-gains[r][taken[r]], r))
+    keep = [0] * len(gains)
+    for r in order[:best_len]:
+        keep[r] += 1
+    return keep
 
 
 class AdaptiveController:
-    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), step_rows: int | None = None):
-        """`step_rows`: verify rows per step before the target's matmul cost jumps (measured
-        at load; None: no such cliff). A step stays within it where it can."""
+    """Chooses each step's draft nodes per request (see the module docstring). Without a
+    measured cost curve (`cost` None) or with `enabled` False every request drafts and
+    verifies its whole tree."""
+
+    def __init__(self, config: AdaptiveConfig = AdaptiveConfig(), cost: StepCost | None = None):
         self.config = config
-        self.step_rows = step_rows
-        self.rates: dict[int, BatchRates] = {}  # batch size -> what was measured at it
-        self.state = True                       # what the last decision was (for metrics)
+        self.cost = cost
+        self.prior = RankAcceptance(0.99)       # every request's proposals, slowly forgotten
+        self.scored = ScoreAcceptance(config.score_bands)
+        self.state = True                       # whether the last step verified any draft node
+        self.last_budget = 0                    # the most draft nodes a request verified in it
 
-    def enabled(self, batch_size: int) -> bool:
+    @property
+    def active(self) -> bool:
+        return self.config.enabled and self.cost is not None
+
+    def history(self) -> SpecHistory:
+        return SpecHistory(RankAcceptance(self.config.memory), self.config.probe_every)
+
+    def drafts(self, history: SpecHistory, decoding: int, base_rows: int) -> bool:
+        """Before drafting: whether this request drafts this step. `decoding`: requests
+        emitting a token this step; `base_rows`: the step's rows without draft nodes."""
+        history.steps += 1
+        if not self.active or history.worth is None or history.probing:
+            return True
+        # tokens expected from drafting against those the drafter's time would decode
+        plain_rate = max(decoding, 1) / self._step_ms(base_rows, decoding, 0)
+        return history.worth >= plain_rate * self.cost.draft_ms()
+
+    def trim(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
+        """After drafting: how many of each proposal's draft nodes to verify. `base_rows`: the
+        step's rows without these candidates' draft nodes."""
+        keep = self._cut(cands, decoding, base_rows) if self.active else [len(c.depths) for c in cands]
+        self.state = any(keep)
+        self.last_budget = max(keep, default=0)
+        return keep
+
+    def _cut(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
+        """`best_prefixes`' cut; a probing candidate verifies one node more than its cut (the
+        first node judged not to pay: its estimate is refreshed at the cost of one row). Each
+        request remembers what its cut was worth: its nodes' expected tokens less what their
+        share of the extra time would have decoded plainly."""
+        def step_ms(nodes: int) -> float:
+            return self._step_ms(base_rows, decoding, nodes)
+        gains = [self.gains(c) for c in cands]
+        cut = best_prefixes(gains, max(decoding, 1), step_ms)
+        plain_rate, nodes = max(decoding, 1) / step_ms(0), sum(cut)
+        per_node = (step_ms(nodes) - step_ms(0)) / nodes if nodes else 0.0
+        keep = []
+        for c, g, k in zip(cands, gains, cut):
+            c.history.worth = _blend(c.history.worth, sum(g[:k]) - plain_rate * per_node * k, self.config.memory)
+            keep.append(min(k + 1, len(c.depths)) if c.history.probing else k)
+        return keep
+
+    def observe(self, cand: Candidate, accepted: Iterable[int]) -> None:
+        """A verified proposal (`cand`, as trimmed) and the node indices it accepted."""
+        accepted = set(accepted)
+        cand.history.ranks.observe(len(cand.depths), accepted)
+        self.prior.observe(len(cand.depths), accepted)
+        if cand.scores is not None:
+            for node, (score, depth) in enumerate(zip(cand.scores, cand.depths), start=1):
+                self.scored.observe(cand.score_kind, score, depth, node in accepted)
+
+    def gains(self, cand: Candidate) -> list[float]:
+        """Each draft node's chance of being accepted, in node order."""
         c = self.config
-        if not c.enabled:
-            self.state = True
-        elif batch_size > c.max_batch:
-            self.state = False
-        else:
-            self.state = self._decide(self._at(batch_size))
-        return self.state
+        if cand.scores is not None:
+            return [self.scored.rate(cand.score_kind, s, d, c.first_guess) for s, d in zip(cand.scores, cand.depths)]
+        ranks = range(1, len(cand.depths) + 1)
+        return [cand.history.ranks.rate(i, self.prior.rate(i, c.first_guess, 1.0), c.prior_weight) for i in ranks]
 
-    def draft_budget(self, batch_size: int) -> int | None:
-        """Draft nodes each request may propose in a step of `batch_size` running requests;
-        None when adaptation is off (every request drafts its whole tree)."""
-        if not self.config.enabled:
-            return None
-        batch = max(1, batch_size)
-        tokens = self.config.step_draft_tokens
-        if self.step_rows is not None:        # the batch's own rows count against the cliff
-            tokens = min(tokens, self.step_rows - batch)
-        return max(1, tokens // batch)
+    def _step_ms(self, base_rows: int, decoding: int, nodes: int) -> float:
+        """The step's milliseconds with `nodes` draft nodes (the drafter's time is spent by then)."""
+        cost = self.cost
+        return cost.forward_ms(base_rows + nodes) + decoding * cost.request_ms() + nodes * cost.node_ms()
 
-    def _at(self, batch_size: int) -> BatchRates:
-        r = self.rates.get(batch_size)
-        if r is None:
-            r = self.rates[batch_size] = BatchRates()
-        return r
 
-    def _decide(self, r: BatchRates) -> bool:
-        run_done = r.streak >= self._run_length(r) - 1      # the current run is long enough
-        if r.spec_steps < self.config.min_steps or r.plain_steps < self.config.min_steps:
-            on = r.spec_steps < self.config.min_steps     # measure both first: speculation first
-        elif r.spec >= self.config.margin * r.plain:
-            on = not (r.last and run_done)        # on, but probe plain decoding now and then
-        else:
-            on = not r.last and run_done          # off, but probe speculation now and then
-        r.streak = r.streak + 1 if on == r.last else 1
-        r.last = on
-        return on
-
-    def _run_length(self, r: BatchRates) -> int:
-        """Steps one way between probes of the other."""
-        c = self.config
-        if min(r.spec_steps, r.plain_steps) * c.smoothing < 1:     # too few steps to trust a lead
-            return c.probe_every
-        lo, hi = sorted((r.spec, r.plain))
-        return c.probe_every * 4 if hi >= c.wide_margin * lo else c.probe_every
-
-    def observe(self, speculated: bool, decode_requests: int, tokens_per_request: float, seconds: float) -> None:
-        """One decode step: how many tokens each decoding request emitted, and how long it took."""
-        if decode_requests == 0 or seconds <= 0:
-            return
-        r = self._at(decode_requests)
-        rate = tokens_per_request / seconds
-        if speculated:
-            r.spec_steps += 1
-            r.spec = self._average(r.spec, r.spec_steps, rate)
-        else:
-            r.plain_steps += 1
-            r.plain = self._average(r.plain, r.plain_steps, rate)
-
-    def _average(self, mean: float, steps: int, rate: float) -> float:
-        """The moving average after its `steps`-th step. Until 1 / smoothing steps are in it
-        is the plain mean of all of them (the first step's weight is 1): a moving average
-        started from its first step would carry that one step's luck for a long time."""
-        a = max(self.config.smoothing, 1 / steps)
-        return mean + a * (rate - mean)
+def _blend(old: float | None, new: float, memory: float) -> float:
+    return new if old is None else memory * old + (1 - memory) * new

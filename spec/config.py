@@ -39,7 +39,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
     speculation: "SpecConfig" = None      # None: the drafter's own default tree (SpecConfig() for most)
-    adaptive: AdaptiveConfig = AdaptiveConfig(enabled=False)  # turn speculation off when it does not pay
+    adaptive: AdaptiveConfig = AdaptiveConfig()  # verify the draft nodes that pay (enabled=False: whole trees)
     # Constrained requests verify the tokens their grammar forces as a drafted chain, with or
     # without a drafter (spec/constraints.py); False samples them one step each.
     jump_forward: bool = True

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from drafters.config import SpecConfig
-from spec.adaptive import AdaptiveController
+from spec.adaptive import AdaptiveController, Candidate
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.detokenizer import IncrementalDetokenizer
@@ -30,6 +30,7 @@ from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
+from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from drafters.base import Proposal
 
 log = logging.getLogger("tercel.engine")
+CURVE_ROUNDS = 5        # timed forwards per row count for the adaptive controller's cost curve
+CURVE_CONTEXT = 256     # tokens before the timed rows: about a chat request's context
 
 
 @dataclass
@@ -163,18 +166,19 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
         self.drafter = None
-        timings = self.target.kernel_timings      # decode rows run on the plan's own kernel
-        self.adaptive = AdaptiveController(config.adaptive, timings.rows_before_cliff(self.target.kernel_plan.own)
-                                           if timings is not None else None)
-        self._spec_on = False
-        self._draft_cap: int | None = None    # draft nodes per request this step (None: no cap)
+        self.adaptive = AdaptiveController(config.adaptive)    # its cost curve comes with the warm-up
         self.timing = StepTiming()
+        self._propose_seconds = 0.0         # this step's drafter.propose
+        self._drafting = 0                  # requests proposed for this step
         self.spec_config = config.speculation or SpecConfig()
         if config.drafter:
             from drafters.base import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
         self._warm_up()
+        curve = self._cost_curve() if self.drafter is not None else None
+        if curve is not None:
+            self.adaptive.cost = StepCost(curve, config.adaptive.smoothing)
         self.threads = self._thread_governor(config)
         # Everything loaded so far lives as long as the engine: move it out of the cyclic
         # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
@@ -191,13 +195,38 @@ class LLMEngine:
         which would slow the first requests and skew the adaptive controller's first
         measurements of speculation."""
         rows = 1 + (self.spec_config.max_nodes if self.drafter is not None else 0)
-        seq_id = -1                                   # never a request's id
-        tokens = [0] * rows
         if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
             return
-        with self.blocks.scratch(seq_id, rows) as table:   # never published, not a request's lookup
+        with self.blocks.scratch(-1, rows) as table:   # never published, not a request's lookup
             for n in range(1, rows + 1):
-                self.target.forward(ForwardBatch([SeqInput(tokens[:n], 0, table, logits_indices=list(range(n)))]))
+                self.target.forward(ForwardBatch([SeqInput([0] * n, 0, table, logits_indices=list(range(n)))]))
+
+    def _cost_curve(self) -> CostCurve | None:
+        """The adaptive controller's cost curve: a verify forward timed at each tree size and
+        at batches of trees, after a CURVE_CONTEXT-token prefix (each row's attention reads
+        it, as a request's does). None where the KV pool or the context has no room."""
+        tree = 1 + self.spec_config.max_nodes
+        widest = min(self.config.max_num_seqs * tree, self.config.max_num_batched_tokens)
+        rows = list(range(1, tree + 1)) + [r for r in (tree * 2 ** i for i in range(1, 8)) if r < widest] \
+            + [widest] * (widest > tree)
+        ctx = max(0, min(CURVE_CONTEXT, self.max_model_len - widest - 1))
+        if self.blocks.blocks_needed(None, ctx + widest) > self.blocks.num_free_blocks:
+            return None
+        with self.blocks.scratch(-1, ctx + widest) as table:
+            for start in range(0, ctx, self.config.max_num_batched_tokens):
+                chunk = min(ctx - start, self.config.max_num_batched_tokens)
+                self.target.forward(ForwardBatch([SeqInput([0] * chunk, start, table, logits_indices=[])]))
+
+            def forward(n: int) -> float:
+                began = time.perf_counter()
+                self.target.forward(ForwardBatch([SeqInput([0] * n, ctx, table, logits_indices=list(range(n)))]))
+                return time.perf_counter() - began
+            for n in rows[tree:]:
+                forward(n)                           # the batch sizes' first use (see _warm_up)
+            # Rounds over every count, the fastest of each: a neighbour's burst slows one
+            # round, not one count (a median of 3 in a row timed 2 rows below 1).
+            times = [[forward(n) for n in rows] for _ in range(CURVE_ROUNDS)]
+        return CostCurve.measured({n: min(t[i] for t in times) * 1e3 for i, n in enumerate(rows)})
 
     def _thread_governor(self, config: EngineConfig) -> ThreadGovernor:
         """Steps may run on fewer threads while that is faster (spec/threads.py), on a CPU target
@@ -287,7 +316,7 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.blocks.num_total_blocks, kv_blocks_free=self.blocks.num_free_blocks,
             prefix_cache_queries=self.blocks.prefix_queries, prefix_cache_hits=self.blocks.prefix_hits,
-            speculating=on, draft_budget=self.draft_budget if on else 0, drafter_errors=self.drafter_errors,
+            speculating=on, draft_budget=self.adaptive.last_budget if on else 0, drafter_errors=self.drafter_errors,
             preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             timing=PhaseTimes(t.steps, t.draft_seconds, t.verify_seconds, t.accept_seconds))
@@ -304,14 +333,6 @@ class LLMEngine:
         self._pending.append(self._finalize(req))
 
     @property
-    def draft_budget(self) -> int:
-        """Draft nodes a request may propose in the last step (the adaptive cap, if any)."""
-        return self._capped(self.spec_config.max_nodes)
-
-    def _capped(self, max_nodes: int) -> int:
-        return max_nodes if self._draft_cap is None else min(max_nodes, self._draft_cap)
-
-    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
@@ -322,6 +343,8 @@ class LLMEngine:
         so code outside the engine (a target loaded later, which times its kernels on the count
         it finds) never inherits the governor's."""
         self._set_threads(self.threads.next_step())
+        if self.adaptive.cost is not None:
+            self.adaptive.cost.threads = torch.get_num_threads()
         try:
             return self._step()
         finally:
@@ -329,6 +352,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []     # aborted since the last step
+        self._propose_seconds, self._drafting = 0.0, 0
         start = time.perf_counter()
         sched = self._schedule()
         if sched.is_empty:
@@ -346,7 +370,7 @@ class LLMEngine:
         speculated = any(p.drafted is not None for p in plans)
         if speculated:
             self.timing.add(drafted - start, verified - drafted, end - verified)
-        self._observe(sched, new, speculated, end - start)
+        self._observe(plans, verified - drafted, end - start)
         self.threads.observe(sum(p.num_rows for p in plans), len(plans), end - start)
         return outputs + new
 
@@ -354,25 +378,45 @@ class LLMEngine:
         if n != torch.get_num_threads():
             torch.set_num_threads(n)     # this thread's OpenMP team; the kernels read it per call
 
-    def _observe(self, sched: SchedulerOutput, new: list[RequestOutput], speculated: bool,
-                 seconds: float) -> None:
-        """Feed pure decode steps to the adaptive controller (prefill work would skew the rate)."""
-        if self.drafter is None or any(s.num_new_tokens > 1 for s in sched.seqs):
+    def _observe(self, plans: list[SeqPlan], forward_s: float, total_s: float) -> None:
+        """The step's costs, for the adaptive controller."""
+        if self.adaptive.cost is None:
             return
-        emitted = sum(len(o.delta_token_ids) for o in new)
-        self.adaptive.observe(speculated, len(sched.seqs), emitted / len(sched.seqs), seconds)
+        decoding = sum(1 for p in plans if p.proposal is not None or p.seq.num_new_tokens == 1)
+        nodes = sum(p.proposal.num_draft_nodes - p.forced for p in plans if p.drafted is not None)
+        prefill = any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans)
+        self.adaptive.cost.observe(StepSample(sum(p.num_rows for p in plans), decoding, self._drafting, nodes,
+                                              prefill, forward_s, self._propose_seconds, total_s))
 
     # ---- schedule -------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
-        """The adaptive controller sets this step's speculation from the running batch, then
-        the scheduler reserves each decoding request's tree slots (lookahead) with its tokens."""
-        running = len(self.scheduler.running)
-        self._spec_on = self.drafter is not None and self.adaptive.enabled(running)
-        self._draft_cap = self.adaptive.draft_budget(running)
+        """The adaptive controller caps each running request's tree, then the scheduler
+        reserves each decoding request's tree slots (lookahead) with its tokens."""
+        self._plan_drafts()
         sched = self.scheduler.schedule(lookahead=self._lookahead)
         for req in sched.preempted:
             self._release_draft(req)
         return sched
+
+    def _plan_drafts(self) -> None:
+        """Whether each decoding request drafts this step (`req.draft_cap` 0: it does not)."""
+        if self.drafter is None:
+            return
+        running = self.scheduler.running
+        decoding = [r for r in running if not r.in_prefill]
+        chunk = self.config.max_num_batched_tokens
+        base_rows = len(decoding) + sum(min(r.num_tokens - r.num_computed_tokens, chunk)
+                                        for r in running if r.in_prefill)
+        for r in decoding:
+            if r.speculate and not self._pinned(r):
+                r.history = r.history or self.adaptive.history()
+                r.draft_cap = None if self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk)) else 0
+
+    @staticmethod
+    def _pinned(req: Request) -> bool:
+        """Seeded sampling reproduces only along one speculation path, so the adaptive
+        controller (whose choices depend on timing) leaves seeded sampled requests their trees."""
+        return req.params.seed is not None and not req.params.greedy
 
     # ---- draft ----------------------------------------------------------------------------
     def _lookahead(self, req: Request) -> int:
@@ -398,15 +442,12 @@ class LLMEngine:
     def _spec_limits(self, req: Request) -> tuple[int, int, int]:
         """(max draft depth, max draft nodes, top-k) for a decoding request this step, below its
         forced tokens (`req.forced`); depth 0 = plain."""
-        # Seeded sampling reproduces only along one speculation path, so adaptive switching
-        # (which depends on load and timing) leaves seeded sampled requests speculating.
-        pinned = req.params.seed is not None and not req.params.greedy
-        if self.drafter is None or not req.speculate or not (self._spec_on or pinned):
+        if self.drafter is None or not req.speculate:
             return 0, 0, 1
         spec = req.speculation or self.spec_config
-        # The adaptive controller shrinks trees as the batch grows (not a pinned request's:
-        # its draws depend on the tree).
-        nodes = spec.max_nodes if pinned else self._capped(spec.max_nodes)
+        nodes = spec.max_nodes
+        if not self._pinned(req) and req.draft_cap is not None:
+            nodes = min(nodes, req.draft_cap)
         # A step emits at most forced + depth + 1 tokens: never draft past max_tokens or the context.
         room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         depth = min(spec.num_speculative_tokens, room - 1 - len(req.forced), nodes)
@@ -425,7 +466,10 @@ class LLMEngine:
                 plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced)
                 plan.forced = len(plan.request.forced)
         drafted = [p for p in picked if p.seq.num_lookahead > p.forced]
-        for plan, prop in zip(drafted, self._propose([p.request for p in drafted])):
+        props = self._trim(drafted, self._propose([p.request for p in drafted]), plans)
+        for plan, prop in zip(drafted, props):
+            if prop is None:        # the adaptive controller kept none of it: a plain decode step
+                continue
             plan.drafted = prop
             if not plan.forced:
                 plan.proposal = prop
@@ -434,6 +478,31 @@ class LLMEngine:
         constrained = [p for p in plans if p.request.grammar is not None and not p.mid_prefill]
         self._each(constrained, "constrain", self._constrain)
         return plans
+
+    def _trim(self, drafted: list[SeqPlan], props: list["Proposal"], plans: list[SeqPlan]) -> list:
+        """The proposals cut to the draft nodes the adaptive controller verifies (None where it
+        keeps none). A request below a forced chain or a pinned one keeps its whole proposal."""
+        if not props:
+            return []
+        cut = [i for i, (plan, prop) in enumerate(zip(drafted, props))
+               if not plan.forced and not self._pinned(plan.request) and plan.request.history is not None
+               and prop.num_draft_nodes]
+        others = set(range(len(drafted))) - set(cut)
+        base_rows = sum(p.num_rows for p in plans if p not in drafted) + len(cut) \
+            + sum(drafted[i].forced + props[i].num_draft_nodes for i in others)
+        decoding = sum(1 for p in plans if not p.mid_prefill)
+        keep = self.adaptive.trim([self._candidate(drafted[i].request, props[i]) for i in cut], decoding, base_rows)
+        out = list(props)
+        for i, k in zip(cut, keep):
+            out[i] = props[i].truncated(k) if k else None
+        return out
+
+    @staticmethod
+    def _candidate(req: Request, prop: "Proposal") -> Candidate:
+        """A sampled proposal's scores are left out: they would depend on what was drawn, and a
+        cut that reads the draws changes the law the nodes came from (rank alone is safe)."""
+        scores = prop.scores if prop.draft is None else None
+        return Candidate(req.history, prop.tree.depths[1:], scores, prop.score_kind)
 
     @staticmethod
     def _constrain(plan: SeqPlan) -> None:
@@ -454,8 +523,10 @@ class LLMEngine:
             return []
         views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),
                               unverified=len(r.forced)) for r in reqs]
+        start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
+            self._propose_seconds, self._drafting = time.perf_counter() - start, len(views)
         except Exception:  # a drafter bug must not fail requests: decode plainly this step
             self.drafter_errors += 1
             log.exception("drafter %s failed; decoding %d requests plainly this step",
@@ -580,6 +651,8 @@ class LLMEngine:
             if plan.drafted is not None:
                 self._count(req, plan.proposal.num_draft_nodes - plan.forced,
                             plan.proposal.tree.max_depth - plan.forced, len(plan.accepted) - plan.forced_accepted)
+                if not plan.forced and plan.masks is None and req.history is not None:
+                    self.adaptive.observe(self._candidate(req, plan.proposal), plan.accepted)
         elif not plan.mid_prefill and plan.sole and plan.sole[0] >= 0:
             plan.tokens = [plan.sole[0]]                # the grammar allows this one token
         elif not plan.mid_prefill:

@@ -59,6 +59,8 @@ class Request:
         self.spec = SpecStats()
         self.speculate = True                    # False: this request always decodes plainly
         self.speculation = None                  # a per-request SpecConfig cap (None: the engine's)
+        self.history = None                      # spec.adaptive.SpecHistory: what its drafts have shown
+        self.draft_cap: int | None = None        # draft nodes it may propose this step (None: its tree's)
         self.grammar = None                      # verifier.grammar.Matcher of params.structured, or None
         self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
         self.fault: Exception | None = None      # raised for this request alone in schedule (it then fails)

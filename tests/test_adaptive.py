@@ -1,130 +1,182 @@
-"""The adaptive speculation controller: off above max_batch, and otherwise on only while the
-speculative rate at the current batch size beats the plain rate at that same batch size;
-trees shrink as the batch grows."""
+"""The adaptive controller (spec/adaptive.py) and its cost model (spec/step_cost.py): the
+node counts it verifies follow the cost curve and the learned acceptance, a request that
+stops paying stops drafting and is probed, and the engine's output stays the target's."""
+from __future__ import annotations
+
 import pytest
 
 from drafters.config import SpecConfig
-from spec.adaptive import AdaptiveConfig, AdaptiveController
+from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate, RankAcceptance, ScoreAcceptance, \
+    best_prefixes
+from spec.step_cost import CostCurve, StepCost, StepSample
 from verifier.sampling_params import SamplingParams
 
 
-def feed(ctl: AdaptiveController, batch: int, spec: float, plain: float) -> None:
-    """One decode step of each kind at `batch` requests, at these tokens/s per request."""
-    ctl.observe(True, batch, spec, 1.0)
-    ctl.observe(False, batch, plain, 1.0)
+def linear(base: float, per_row: float) -> CostCurve:
+    return CostCurve(tuple(range(1, 17)), tuple(base + per_row * (r - 1) for r in range(1, 17)))
 
 
-def test_off_above_max_batch_and_when_disabled_always_on():
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=4))
-    assert not ctl.enabled(5) and not ctl.state
-    always = AdaptiveController(AdaptiveConfig(enabled=False, max_batch=4))
-    feed(always, 2, spec=1.0, plain=9.0)
-    assert always.enabled(2) and always.enabled(16)
+# ----- best_prefixes ---------------------------------------------------------------------------
+
+def test_nodes_join_while_they_raise_tokens_per_ms():
+    # 10 ms a step, 1 ms a node: a node pays when its chance beats the step's rate (1 token / 10 ms).
+    cost = lambda nodes: 10.0 + nodes     # noqa: E731
+    assert best_prefixes([[0.9, 0.5, 0.2, 0.05]], 1.0, cost) == [3]
+    assert best_prefixes([[0.05, 0.9]], 1.0, cost) == [2]        # a weak first node carrying a strong second
+    assert best_prefixes([[0.05, 0.01]], 1.0, cost) == [0]
+    assert best_prefixes([], 1.0, cost) == []
 
 
-def test_measures_speculation_then_plain_at_each_batch_size():
-    ctl = AdaptiveController(AdaptiveConfig(min_steps=1))
-    assert ctl.enabled(2)                  # nothing measured: speculate first
-    ctl.observe(True, 2, 3.0, 1.0)
-    assert not ctl.enabled(2)              # then one plain step to compare against
-    ctl.observe(False, 2, 2.0, 1.0)
-    assert ctl.enabled(2)                  # 3 > 2 tokens/s per request: keep speculating
-    assert ctl.enabled(3)                  # a batch size not seen yet starts over
+def test_the_batch_shares_one_budget_best_nodes_first():
+    cost = lambda nodes: 10.0 + nodes     # noqa: E731
+    assert best_prefixes([[0.9, 0.1], [0.6, 0.4]], 2.0, cost) == [1, 2]
 
 
-def test_rates_are_compared_at_the_same_batch_size():
-    # Speculation pays alone (30 vs 20 tokens/s) and loses at 8 requests (5 vs 8). Mixing
-    # batch sizes would compare batch-1 speculation (30) with batch-8 plain decoding (8).
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, min_steps=1))
-    feed(ctl, 1, spec=30.0, plain=20.0)
-    feed(ctl, 8, spec=5.0, plain=8.0)
-    assert ctl.enabled(1)
-    assert not ctl.enabled(8)
+def test_a_cost_cliff_is_stopped_before():
+    # 4 rows cost about as much as 1, the fifth doubles the step (torch's int4 blocks of 4).
+    cost = lambda nodes: 10.0 + 0.1 * nodes if nodes < 4 else 20.0 + nodes    # noqa: E731
+    assert best_prefixes([[0.5] * 8], 1.0, cost) == [3]
 
 
-def test_probes_while_off_and_turns_back_on_when_it_pays_again():
-    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=1.0, wide_margin=10.0, min_steps=1))
-    feed(ctl, 2, spec=1.0, plain=2.0)
-    decisions = [ctl.enabled(2) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2
-    ctl.observe(True, 2, 5.0, 1.0)         # a probe finds a repetitive passage
-    assert ctl.enabled(2)
+# ----- the cost model --------------------------------------------------------------------------
+
+def test_curve_is_monotone_and_interpolates():
+    curve = CostCurve.measured({1: 5.0, 2: 4.0, 4: 8.0, 8: 12.0})     # 2 rows timed low: noise
+    assert curve.ms == (5.0, 5.0, 8.0, 12.0)
+    assert curve(3) == pytest.approx(6.5) and curve(6) == pytest.approx(10.0)
+    assert curve(16) == pytest.approx(20.0)                           # the last slope, carried on
+    with pytest.raises(ValueError):
+        CostCurve((2, 1), (1.0, 2.0))
 
 
-def test_probes_plain_decoding_while_on_so_a_stale_plain_rate_is_replaced():
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=10.0, min_steps=1))
-    feed(ctl, 8, spec=10.0, plain=8.0)     # early on, speculation looked faster
-    decisions = [ctl.enabled(8) for _ in range(8)]
-    assert decisions == [True, True, True, False] * 2
-    ctl.observe(False, 8, 12.0, 1.0)       # a plain probe: plain decoding is faster now
-    assert not ctl.enabled(8)
+def test_step_cost_follows_the_steps_run_and_ignores_prompt_chunks():
+    cost = StepCost(linear(5.0, 1.0), smoothing=0.5)
+    cost.threads = 2
+    cost.observe(StepSample(rows=1, decoding=1, drafting=0, nodes=0, prefill=False,
+                            forward_s=0.010, draft_s=0.0, total_s=0.011))
+    assert cost.forward_ms(1) == pytest.approx(10.0) and cost.forward_ms(3) == pytest.approx(14.0)
+    assert cost.request_ms() == pytest.approx(1.0)
+    cost.observe(StepSample(rows=3, decoding=1, drafting=1, nodes=2, prefill=False,
+                            forward_s=0.014, draft_s=0.002, total_s=0.018))
+    assert cost.draft_ms() == pytest.approx(2.0) and cost.node_ms() == pytest.approx(0.5)
+    cost.observe(StepSample(rows=500, decoding=1, drafting=0, nodes=0, prefill=True,
+                            forward_s=5.0, draft_s=0.0, total_s=5.0))
+    assert cost.forward_ms(1) == pytest.approx(10.0)
+    cost.threads = 1                                     # a thread count of its own
+    assert cost.forward_ms(1) == pytest.approx(5.0)
 
 
-def test_a_wide_lead_makes_probes_rarer():
-    ctl = AdaptiveController(AdaptiveConfig(max_batch=8, probe_every=4, smoothing=1.0, wide_margin=1.25, min_steps=1))
-    feed(ctl, 1, spec=15.0, plain=10.0)    # 1.5x: probe plain decoding one step in 16
-    assert [ctl.enabled(1) for _ in range(16)] == [True] * 15 + [False]
-    feed(ctl, 1, spec=11.0, plain=10.0)    # 1.1x: one step in 4
-    assert [ctl.enabled(1) for _ in range(4)] == [True, True, True, False]
-    feed(ctl, 2, spec=5.0, plain=10.0)     # losing by 2x: probe speculation one step in 16
-    assert [ctl.enabled(2) for _ in range(16)] == [False] * 15 + [True]
+# ----- acceptance estimates --------------------------------------------------------------------
+
+def test_rank_counts_decay_toward_recent_steps():
+    ranks = RankAcceptance(memory=0.5)
+    for _ in range(6):
+        ranks.observe(2, [1, 2])
+    assert ranks.rate(1, prior=0.0, weight=0.1) > 0.9      # about 2 steps' worth at memory 0.5
+    for _ in range(6):
+        ranks.observe(2, [])
+    assert ranks.rate(1, prior=0.0, weight=0.1) < 0.05
+    assert ranks.rate(5, prior=0.3, weight=1.0) == pytest.approx(0.3)      # never seen: the prior
 
 
-def test_early_averages_are_plain_means_so_one_unlucky_step_does_not_stick():
-    ctl = AdaptiveController(AdaptiveConfig(probe_every=4, smoothing=0.05, wide_margin=1.25, min_steps=1))
-    feed(ctl, 1, spec=10.0, plain=20.0)    # the first draft was rejected
-    # Two steps are too few to trust a 2x lead: the probe comes at the normal pace.
-    assert [ctl.enabled(1) for _ in range(4)] == [False, False, False, True]
-    ctl.observe(True, 1, 40.0, 1.0)        # the probe: the mean of 10 and 40 beats 20
-    assert ctl.enabled(1)
+def test_scores_are_learned_per_kind_band_and_depth():
+    table = ScoreAcceptance(bands=10)
+    for _ in range(50):
+        table.observe("match", 0.8, 1, True)
+        table.observe("match", 0.1, 1, False)
+    assert table.rate("match", 0.85, 1, 0.5) > 0.95 and table.rate("match", 0.15, 1, 0.5) < 0.05
+    assert table.rate("match", 0.85, 2, 0.5) == 0.5 and table.rate("datastore", 0.85, 1, 0.5) == 0.5
+    assert table.key("match", 1.0, 1) == table.key("match", 0.95, 1)        # 1.0 is in the top band
 
 
-def test_measures_min_steps_of_each_mode_before_comparing():
-    ctl = AdaptiveController(AdaptiveConfig(min_steps=3))
-    decisions = []
-    for _ in range(7):
-        on = ctl.enabled(1)
-        decisions.append(on)
-        ctl.observe(on, 1, 1.0 if on else 2.0, 1.0)   # speculation loses from its first step
-    assert decisions == [True, True, True, False, False, False, False]
+# ----- the controller --------------------------------------------------------------------------
+
+def controller(per_row: float, **kw) -> AdaptiveController:
+    return AdaptiveController(AdaptiveConfig(**kw), StepCost(linear(10.0, per_row), smoothing=0.1))
 
 
-def test_draft_budget_is_shared_by_the_batch():
-    ctl = AdaptiveController(AdaptiveConfig(step_draft_tokens=6))
-    assert [ctl.draft_budget(b) for b in (0, 1, 2, 3, 4, 7)] == [6, 6, 3, 2, 1, 1]
-    assert AdaptiveController(AdaptiveConfig(enabled=False)).draft_budget(4) is None
+def decoding(ctl: AdaptiveController):
+    """A request's history as in a step that is not a probe."""
+    hist = ctl.history()
+    hist.steps = 1
+    return hist
 
 
-def test_engine_shrinks_trees_with_the_batch_but_not_a_seeded_sampled_request(tiny_llama_dir):
-    from spec import LLM
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
-              speculation=SpecConfig(num_speculative_tokens=4, budget=4),
-              adaptive=AdaptiveConfig(max_batch=8, step_draft_tokens=4, margin=1e-9))
-    engine, seen = llm.engine, []
-    propose = engine.drafter.propose
+def test_trim_keeps_what_pays_on_this_curve():
+    """The same scored chain: all of it where rows are nearly free (a memory-bound forward),
+    the sure nodes only where a row costs a tenth of a step, none where it costs more than a
+    step."""
+    def cand(ctl):
+        return Candidate(decoding(ctl), (1, 2, 3, 4), (0.9, 0.9, 0.1, 0.1), "test")
+    for per_row, expected in ((0.05, 4), (1.0, 2), (12.0, 0)):
+        ctl = controller(per_row, first_guess=0.5)
+        for i in range(200):     # learn: the sure nodes always accepted, the unsure ones 1 time in 10 or 20
+            ctl.observe(cand(ctl), [1, 2] + [3] * (i % 10 == 0) + [4] * (i % 20 == 0))
+        assert ctl.trim([cand(ctl)], decoding=1, base_rows=1) == [expected], per_row
 
-    def spy(reqs):
-        seen.append([(len(engine.scheduler.running), r.params.seed, r.max_nodes, r.max_depth) for r in reqs])
-        return propose(reqs)
-    engine.drafter.propose = spy
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
-    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [3, 4, 3, 4, 3], [11, 12, 11, 12]],
-                 [greedy, greedy, greedy, seeded])
-    views = [v for step in seen for v in step]
-    assert any(running == 4 for running, *_ in views)
-    for running, seed, nodes, depth in views:
-        cap = 4 if seed is not None else 4 // running        # the seeded request keeps its tree
-        assert nodes == min(4, cap) and depth <= nodes, (running, seed, nodes, depth)
-    assert engine.blocks.num_used_blocks == 0
+
+def test_a_request_that_stops_paying_stops_drafting_and_is_probed():
+    ctl = controller(5.0, probe_every=4)
+    ctl.cost.observe(StepSample(2, 1, 1, 1, False, 0.015, 0.005, 0.021))    # the drafter takes 5 ms
+    hist = ctl.history()
+    assert ctl.drafts(hist, 1, 1)                        # nothing known yet: it drafts
+    for _ in range(30):
+        ctl.observe(Candidate(hist, (1,), None, ""), [])
+    assert ctl.trim([Candidate(hist, (1,), None, "")], 1, 1) == [0]
+    assert hist.worth is not None and hist.worth < 0.1
+    hist.steps = 0
+    went = [ctl.drafts(hist, 1, 1) for _ in range(8)]
+    assert went == [False, False, False, True] * 2       # one probe in probe_every steps
+    assert ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [1]      # a probe verifies a node more
+
+
+def test_disabled_or_unmeasured_keeps_whole_trees():
+    for ctl in (AdaptiveController(AdaptiveConfig(enabled=False), StepCost(linear(1, 1), 0.1)),
+                AdaptiveController(AdaptiveConfig(), None)):
+        hist = ctl.history()
+        hist.worth = 0.0
+        assert ctl.drafts(hist, 1, 1)
+        assert ctl.trim([Candidate(hist, (1, 2, 2), None, "")], 1, 1) == [3]
 
 
 def test_config_is_checked():
-    with pytest.raises(ValueError, match="max_batch"):
-        AdaptiveConfig(max_batch=0)
-    with pytest.raises(ValueError, match="step_draft_tokens"):
-        AdaptiveConfig(step_draft_tokens=0)
-    with pytest.raises(ValueError, match="wide_margin"):
-        AdaptiveConfig(wide_margin=0.5)
-    with pytest.raises(ValueError, match="min_steps"):
-        AdaptiveConfig(min_steps=0)
+    for bad in (dict(probe_every=0), dict(memory=0), dict(prior_weight=0), dict(first_guess=2),
+                dict(score_bands=0), dict(smoothing=0)):
+        with pytest.raises(ValueError, match="AdaptiveConfig"):
+            AdaptiveConfig(**bad)
+
+
+# ----- in the engine ---------------------------------------------------------------------------
+
+def test_engine_verifies_what_the_controller_keeps_and_outputs_stay_the_targets(tiny_llama_dir):
+    """With the controller cutting every proposal to a count of its own choosing (here, one
+    that cycles 0, 1, 2, 3, as a changing cost would), greedy outputs equal plain decoding's,
+    the verified trees are the cut ones, and the pool is whole."""
+    from spec import LLM
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [3, 4, 3, 4, 3]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
+        prompts, greedy)]
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
+              speculation=SpecConfig(num_speculative_tokens=4))
+    engine, cuts, verified = llm.engine, iter(range(10 ** 6)), []
+    engine.adaptive.trim = lambda cands, decoding, base_rows: [next(cuts) % 4 for _ in cands]
+    accept = engine._accept_proposal
+
+    def spy(req, plan):
+        verified.append(plan.proposal.num_draft_nodes)
+        return accept(req, plan)
+    engine._accept_proposal = spy
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert verified and set(verified) <= {1, 2, 3} and len(set(verified)) > 1
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_engine_measures_its_cost_curve_at_load(tiny_llama_dir):
+    from spec import LLM
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
+              speculation=SpecConfig(num_speculative_tokens=3))
+    curve = llm.engine.adaptive.cost.curve
+    assert curve.rows[:4] == (1, 2, 3, 4) and curve.rows[-1] == 16      # a tree, then a batch of them
+    assert list(curve.ms) == sorted(curve.ms)
+    assert LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).engine.adaptive.cost is None

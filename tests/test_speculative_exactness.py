@@ -107,11 +107,18 @@ def int4_joint(int4_dir, prompt) -> torch.Tensor:
 
 
 def sample_counts(model_dir, prompt, drafter: str | None, spec: SpecConfig | None,
-                  quantization: str = "auto") -> tuple[torch.Tensor, dict]:
+                  quantization: str = "auto", trim=None, engine_trim=None) -> tuple[torch.Tensor, dict]:
+    """`trim`: replaces the adaptive controller's choice of nodes to verify, and the requests
+    go unseeded (a seeded sampled request keeps its whole tree); `engine_trim`: replaces the
+    engine's cut of the proposals (a broken control)."""
     kw = dict(drafter=drafter, speculation=spec) if drafter else {}
     llm = LLM(str(model_dir), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500,
               quantization=quantization, **kw)
-    params = [SamplingParams(seed=i, **PARAMS) for i in range(N_SAMPLES)]
+    if trim is not None:
+        llm.engine.adaptive.trim = trim
+    if engine_trim is not None:
+        llm.engine._trim = engine_trim
+    params = [SamplingParams(seed=None if trim else i, **PARAMS) for i in range(N_SAMPLES)]
     outs = llm.generate([prompt] * N_SAMPLES, params)
     toks = torch.tensor([o.token_ids for o in outs])
     assert toks.shape == (N_SAMPLES, 3)
@@ -182,4 +189,37 @@ def test_broken_acceptance_rule_fails_the_same_test(tiny_vocab_dir, other_draft_
                               SpecConfig(num_speculative_tokens=2))
     p = chi_square_pvalue(counts, exact_joint)
     print(f"broken rule: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
+    assert p < 1e-3
+
+
+def random_cuts(cands, decoding, base_rows, rng=__import__("random").Random(0)):
+    """A cut per proposal that has nothing to do with the target's logits, as the adaptive
+    controller's (which follows timings and past acceptance)."""
+    return [rng.randint(0, len(c.depths)) for c in cands]
+
+
+def test_proposals_cut_by_the_adaptive_controller_keep_the_distribution(tiny_vocab_dir, other_draft_dir, prompt,
+                                                                        exact_joint):
+    """Sampled chains from a different model (frequent rejections), each cut to a length of
+    the controller's choosing before verification: the law is still the target's."""
+    counts, stats = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",
+                                  SpecConfig(num_speculative_tokens=2), trim=random_cuts)
+    p = chi_square_pvalue(counts, exact_joint)
+    print(f"cut proposals: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
+          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    assert stats["accepted"] >= 300 and p > 1e-3
+
+
+def test_a_cut_that_reads_the_sampled_tokens_fails_the_same_test(tiny_vocab_dir, other_draft_dir, prompt,
+                                                                  exact_joint):
+    """The control: a cut that looks at what a sampling drafter drew (keeping a chain only
+    where its first token is even, as trusting a drafter's confidence in its own draw would)
+    biases the output, and the same test catches it. This is why the controller reads the
+    scores of deterministic proposals only (spec/engine.py, `_candidate`)."""
+    def by_token(drafted, props, plans):
+        return [p if p.tree.tokens[1] % 2 == 0 else None for p in props]
+    counts, _ = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",
+                              SpecConfig(num_speculative_tokens=2), trim=random_cuts, engine_trim=by_token)
+    p = chi_square_pvalue(counts, exact_joint)
+    print(f"token-read cut: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
     assert p < 1e-3

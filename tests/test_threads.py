@@ -11,6 +11,7 @@ import torch
 
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
 from spec.threads import ThreadConfig, ThreadGovernor
 
 QUIET = {1: 8.0, 2: 5.0, 3: 4.0, 4: 3.6}          # ms per step by thread count, a machine of its own
@@ -156,8 +157,10 @@ PROMPTS = ["Name three rivers and say where each one flows. " * 3, "Why is the s
 def test_output_is_the_same_whatever_the_thread_count(drafter, monkeypatch):
     """SmolLM2 (int4 kernels, bf16 prompt rows): with the count changing every step, every
     forward's logits equal those on 2 threads throughout, bit for bit, and so do the T=0 and
-    seeded T=0.8 outputs, plain and speculative."""
+    seeded T=0.8 outputs, plain and speculative. Whole trees: the adaptive controller's cuts
+    follow timings, and the two runs must verify the same rows."""
     llm = LLM(drafter=drafter, num_threads=2, thread_tuning=ThreadConfig(adaptive=False),
+              adaptive=AdaptiveConfig(enabled=False),
               speculation=SpecConfig(num_speculative_tokens=3) if drafter else None)
     params = [SamplingParams(temperature=0, max_tokens=32),
               SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=11)]

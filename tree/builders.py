@@ -295,6 +295,12 @@ CandidateFn = Callable[[list[int]], list[tuple[int, float]]]
 
 def best_first_tree(root_token: int, candidates: CandidateFn, budget: int, max_depth: int,
                     topk: int) -> TokenTree:
+    """`best_first_scored`'s tree."""
+    return best_first_scored(root_token, candidates, budget, max_depth, topk)[0]
+
+
+def best_first_scored(root_token: int, candidates: CandidateFn, budget: int, max_depth: int,
+                      topk: int) -> tuple[TokenTree, list[float]]:
     """The `budget` draft nodes with the highest path probability, grown one node at a time.
 
     candidates(path) gets a node's tokens below the root and returns its ranked candidates
@@ -305,11 +311,12 @@ def best_first_tree(root_token: int, candidates: CandidateFn, budget: int, max_d
     `topk` children and repeats of a sibling's token are skipped.
 
     Probabilities must lie in [0, 1], so a child never outranks its parent: nodes come out
-    in topological order, each node's children most probable first."""
+    in topological order, each node's children most probable first. Returns the tree and each
+    draft node's path probability, in node order."""
     if budget < 0 or max_depth < 0 or topk < 1:
         raise ValueError(f"best_first_tree needs budget >= 0, max_depth >= 0 and topk >= 1, "
                          f"got {budget}, {max_depth}, {topk}")
-    tokens, parents, paths = [root_token], [-1], [[]]
+    tokens, parents, paths, probs = [root_token], [-1], [[]], []
     heap: list[tuple[float, int, int, int]] = []     # (-path probability, order, parent, token)
     order = itertools.count()                         # ties: the earlier candidate first
 
@@ -335,6 +342,7 @@ def best_first_tree(root_token: int, candidates: CandidateFn, budget: int, max_d
         tokens.append(tok)
         parents.append(parent)
         paths.append(paths[parent] + [tok])
+        probs.append(-neg)
         if len(tokens) - 1 < budget:        # the last node's children could never be added
             push_children(len(tokens) - 1, -neg)
-    return TokenTree(tuple(tokens), tuple(parents))
+    return TokenTree(tuple(tokens), tuple(parents)), probs
