@@ -1,7 +1,13 @@
 """Speculative-core figures: the verify-time curve of the target forward, and drafter speed
-against the plain engine (batch 1, greedy) on Spec-Bench tasks.
+against the plain engine (batch 1, greedy) on Spec-Bench tasks and MT-bench first turns.
 
     python -m bench.speculative --tasks summarization,rag --drafters ngram --limit 10 --repeats 3
+    python -m bench.speculative --tasks mtbench,translation,summarization,qa,math_reasoning,rag \
+        --drafters ngram,datastore:../shared/data/train --tree default --whole-tree-too --limit 5
+
+`--tree default` runs each drafter with its own default tree under the adaptive controller
+(the offline API's default); `--whole-tree-too` adds each drafter verifying its whole tree
+every step (`AdaptiveConfig(enabled=False)`), as "NAME (whole tree)".
 
 Speedups are ratios of runs in the same process, interleaved per repeat (plain, drafter,
 plain, drafter, ...), reported as medians.
@@ -15,9 +21,11 @@ import time
 
 import torch
 
-from bench.data import specbench_prompts
+from bench.data import mtbench_first_turns, specbench_prompts
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
+from verifier.machine import machine_summary
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 
@@ -64,6 +72,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="summarization,rag")
     ap.add_argument("--drafters", default="ngram")
+    ap.add_argument("--tree", default="gamma", choices=("gamma", "default"),
+                    help="gamma: the chain or tree of --gamma and --topk; default: each drafter's own")
+    ap.add_argument("--whole-tree-too", action="store_true", help="also each drafter without the adaptive controller")
+    ap.add_argument("--quantization", default="auto")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--limit", type=int, default=10)
@@ -75,15 +87,24 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = SpecConfig(num_speculative_tokens=args.gamma, topk=args.topk)
-    plain = LLM(max_num_seqs=1)
-    drafters = {d: LLM(max_num_seqs=1, drafter=d, speculation=spec) for d in args.drafters.split(",")}
-    report = {"threads": torch.get_num_threads(), "gamma": args.gamma, "topk": args.topk, "tasks": {}}
+    spec = SpecConfig(num_speculative_tokens=args.gamma, topk=args.topk) if args.tree == "gamma" else None
+    plain = LLM(max_num_seqs=1, quantization=args.quantization)
+    drafters = {}
+    for d in args.drafters.split(","):
+        drafters[d] = LLM(max_num_seqs=1, drafter=d, speculation=spec, quantization=args.quantization)
+        if args.whole_tree_too:
+            drafters[f"{d} (whole tree)"] = LLM(max_num_seqs=1, drafter=d, speculation=spec,
+                                                quantization=args.quantization, adaptive=AdaptiveConfig(enabled=False))
+    report = {"machine": machine_summary(), "quantization": args.quantization, "threads": torch.get_num_threads(),
+              "gamma": args.gamma if spec else "default", "topk": args.topk if spec else "default", "tasks": {}}
     if not args.no_curve:
         report["verify_ms"] = verify_curve(plain)
         print("verify forward (512-token prefix): " +
               ", ".join(f"{n} nodes {ms:.1f} ms" for n, ms in report["verify_ms"].items()))
-    for task, texts in specbench_prompts(args.tasks.split(","), args.limit).items():
+    tasks = args.tasks.split(",")
+    sets = {"mtbench": mtbench_first_turns(args.limit)} if "mtbench" in tasks else {}
+    sets.update(specbench_prompts([t for t in tasks if t != "mtbench"], args.limit) if len(sets) < len(tasks) else {})
+    for task, texts in sets.items():
         prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
         runs = {"plain": [], **{d: [] for d in drafters}}
         for _ in range(args.repeats):
@@ -108,7 +129,8 @@ def _summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def _print(report: dict) -> None:
-    print(f"threads {report['threads']}, gamma {report['gamma']}, topk {report['topk']}")
+    print(f"{report['machine']}; quantization {report['quantization']}, gamma {report['gamma']}, "
+          f"topk {report['topk']}")
     print("| task | drafter | tok/s | speedup (min-max) | tau | accepted per step by depth |")
     print("|---|---|---|---|---|---|")
     for task, rows in report["tasks"].items():

@@ -20,10 +20,10 @@ decay (`memory`), so a drifting drafter is followed.
 Two decisions per step. Before drafting, whether a request drafts at all: it does while
 what its cuts were expected to gain over plain decoding outweighs what its drafter's time
 would have decoded. After drafting, with the proposals in hand, how many of each proposal's nodes are
-verified. One step in `probe_every` a request drafts whatever its worth and verifies one
-node beyond its cut: nodes judged not to pay are never verified otherwise, and their
-estimates would never recover. Both depend on past steps and on the proposals,
-never on this step's target logits, so rejection sampling keeps the output exactly the
+verified. Now and then a request probes: it drafts whatever its worth and verifies one node
+beyond its cut (nodes judged not to pay are never verified otherwise, and their estimates
+would never recover); probes that fail come ever rarer. Both depend on past steps and on
+the proposals, never on this step's target logits, so rejection sampling keeps the output exactly the
 target's. A seeded sampled request keeps its whole tree: its draws reproduce only along one
 speculation path, and the choice depends on timing.
 
@@ -43,7 +43,8 @@ from spec.step_cost import StepCost
 @dataclass(frozen=True)
 class AdaptiveConfig:
     enabled: bool = True        # False: every request verifies its drafter's whole tree every step
-    probe_every: int = 16       # one step in this many a request drafts and verifies a node more
+    probe_every: int = 16       # steps between a request's probes (drafting, a node more) while they pay
+    max_probe_every: int = 128  # ... and at most this many while they do not
     memory: float = 0.9         # weight a request's earlier steps keep at each new one
     prior_weight: float = 4.0   # steps' worth of the drafter-wide estimate in a request's own
     first_guess: float = 0.5    # a node's chance before any like it was verified
@@ -51,10 +52,11 @@ class AdaptiveConfig:
     smoothing: float = 0.1      # weight of the newest step in the cost averages
 
     def __post_init__(self):
-        if self.probe_every < 1 or not 0 < self.memory <= 1 or self.prior_weight <= 0 \
-                or not 0 <= self.first_guess <= 1 or self.score_bands < 1 or not 0 < self.smoothing <= 1:
-            raise ValueError("AdaptiveConfig: need probe_every >= 1, 0 < memory <= 1, prior_weight > 0, "
-                             "0 <= first_guess <= 1, score_bands >= 1, 0 < smoothing <= 1")
+        if not 1 <= self.probe_every <= self.max_probe_every or not 0 < self.memory <= 1 \
+                or self.prior_weight <= 0 or not 0 <= self.first_guess <= 1 or self.score_bands < 1 \
+                or not 0 < self.smoothing <= 1:
+            raise ValueError("AdaptiveConfig: need 1 <= probe_every <= max_probe_every, 0 < memory <= 1, "
+                             "prior_weight > 0, 0 <= first_guess <= 1, score_bands >= 1, 0 < smoothing <= 1")
 
 
 class RankAcceptance:
@@ -110,13 +112,15 @@ class ScoreAcceptance:
 class SpecHistory:
     """What one request's speculation has shown so far (kept on its `Request`)."""
     ranks: RankAcceptance
-    probe_every: int
+    interval: int               # steps from one probe to the next (`AdaptiveController._probed`)
     worth: float | None = None  # tokens its cuts were expected to gain over plain decoding (None: none yet)
-    steps: int = 0              # steps it decoded in: every probe_every-th is a probe
+    steps: int = 0              # steps it decoded in
+    next_probe: int = 0         # the step of its next probe
+    probed: int = 0             # the node a probe verified beyond the cut, until observed (0: none)
 
     @property
     def probing(self) -> bool:
-        return self.steps % self.probe_every == 0
+        return self.steps >= self.next_probe
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,8 @@ class AdaptiveController:
         return self.config.enabled and self.cost is not None
 
     def history(self) -> SpecHistory:
-        return SpecHistory(RankAcceptance(self.config.memory), self.config.probe_every)
+        return SpecHistory(RankAcceptance(self.config.memory), self.config.probe_every,
+                           next_probe=self.config.probe_every)
 
     def drafts(self, history: SpecHistory, decoding: int, base_rows: int) -> bool:
         """Before drafting: whether this request drafts this step. `decoding`: requests
@@ -206,17 +211,31 @@ class AdaptiveController:
         keep = []
         for c, g, k in zip(cands, gains, cut):
             c.history.worth = _blend(c.history.worth, sum(g[:k]) - plain_rate * per_node * k, self.config.memory)
-            keep.append(min(k + 1, len(c.depths)) if c.history.probing else k)
+            if c.history.probing and k < len(c.depths):
+                c.history.probed = k = k + 1
+            elif c.history.probing:          # all of it kept: nothing to probe this time
+                c.history.next_probe = c.history.steps + c.history.interval
+            keep.append(k)
         return keep
 
     def observe(self, cand: Candidate, accepted: Iterable[int]) -> None:
         """A verified proposal (`cand`, as trimmed) and the node indices it accepted."""
         accepted = set(accepted)
+        self._probed(cand.history, accepted)
         cand.history.ranks.observe(len(cand.depths), accepted)
         self.prior.observe(len(cand.depths), accepted)
         if cand.scores is not None:
             for node, (score, depth) in enumerate(zip(cand.scores, cand.depths), start=1):
                 self.scored.observe(cand.score_kind, score, depth, node in accepted)
+
+    def _probed(self, h: SpecHistory, accepted: set[int]) -> None:
+        """After a probe: the next comes probe_every steps on if its extra node was accepted,
+        else twice as far as the last (at most max_probe_every): a probe that keeps failing
+        costs a drafting and a row each time, half a step on AVX2 machines."""
+        if h.probing and h.probed:
+            c = self.config
+            h.interval = c.probe_every if h.probed in accepted else min(2 * h.interval, c.max_probe_every)
+            h.next_probe, h.probed = h.steps + h.interval, 0
 
     def gains(self, cand: Candidate) -> list[float]:
         """Each draft node's chance of being accepted, in node order."""

@@ -124,10 +124,17 @@ def test_a_request_that_stops_paying_stops_drafting_and_is_probed():
         ctl.observe(Candidate(hist, (1,), None, ""), [])
     assert ctl.trim([Candidate(hist, (1,), None, "")], 1, 1) == [0]
     assert hist.worth is not None and hist.worth < 0.1
-    hist.steps = 0
-    went = [ctl.drafts(hist, 1, 1) for _ in range(8)]
-    assert went == [False, False, False, True] * 2       # one probe in probe_every steps
-    assert ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [1]      # a probe verifies a node more
+    went = []
+    for step in range(2, 40):
+        if ctl.drafts(hist, 1, 1):
+            went.append(step)
+            assert ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [1]    # a probe: a node more
+            ctl.observe(Candidate(hist, (1,), None, ""), [])
+    assert went == [4, 12, 28]               # failed probes come twice as far apart each time
+    hist.next_probe = hist.steps
+    assert ctl.drafts(hist, 1, 1) and ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [1]
+    ctl.observe(Candidate(hist, (1,), None, ""), [1])
+    assert hist.interval == 4                # an accepted one brings them back to probe_every
 
 
 def test_disabled_or_unmeasured_keeps_whole_trees():
@@ -140,7 +147,7 @@ def test_disabled_or_unmeasured_keeps_whole_trees():
 
 
 def test_config_is_checked():
-    for bad in (dict(probe_every=0), dict(memory=0), dict(prior_weight=0), dict(first_guess=2),
+    for bad in (dict(probe_every=0), dict(probe_every=8, max_probe_every=4), dict(memory=0), dict(prior_weight=0), dict(first_guess=2),
                 dict(score_bands=0), dict(smoothing=0)):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**bad)
