@@ -11,6 +11,7 @@ import pytest
 from conftest import (IDENTITY_ALONE as ALONE, drive_random_requests, mtbench_prompts, slow_marked,
                       spec_drafters, write_reply_corpus)
 from drafters.config import SpecConfig
+from spec.adaptive import AdaptiveConfig
 from spec import LLM, SamplingParams
 
 NEW = 48
@@ -48,9 +49,11 @@ def corpus(tmp_path_factory, plain, reference):
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_head, corpus):
     """8 MT-bench prompts x 48 tokens as a batch of 8, and the first 2 one at a time: the same
-    tokens as plain greedy decoding; the drafter is really used (tokens accepted)."""
+    tokens as plain greedy decoding; the drafter is really used (tokens accepted: whole trees,
+    which the adaptive controller would cut where they do not pay)."""
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec,
+              adaptive=AdaptiveConfig(enabled=False))
     alone = [llm.generate(p, GREEDY)[0] for p in prompts[:ALONE]]
     batch = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in alone] == reference[:ALONE]
