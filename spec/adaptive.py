@@ -112,11 +112,11 @@ class ScoreAcceptance:
 class SpecHistory:
     """What one request's speculation has shown so far (kept on its `Request`)."""
     ranks: RankAcceptance
-    interval: int               # steps from one probe to the next (`AdaptiveController._probed`)
+    interval: int               # steps from one probe to the next (`AdaptiveController._cut`)
     worth: float | None = None  # tokens its cuts were expected to gain over plain decoding (None: none yet)
     steps: int = 0              # steps it decoded in
     next_probe: int = 0         # the step of its next probe
-    probed: int = 0             # the node a probe verified beyond the cut, until observed (0: none)
+    reach: int = 0              # nodes the last probe verified, until a cut keeps as many (0: none)
 
     @property
     def probing(self) -> bool:
@@ -211,31 +211,35 @@ class AdaptiveController:
         keep = []
         for c, g, k in zip(cands, gains, cut):
             c.history.worth = _blend(c.history.worth, sum(g[:k]) - plain_rate * per_node * k, self.config.memory)
-            if c.history.probing and k < len(c.depths):
-                c.history.probed = k = k + 1
-            elif c.history.probing:          # all of it kept: nothing to probe this time
-                c.history.next_probe = c.history.steps + c.history.interval
-            keep.append(k)
+            keep.append(self._probe(c.history, k, len(c.depths)) if c.history.probing else self._settle(c.history, k))
         return keep
+
+    def _probe(self, h: SpecHistory, cut: int, nodes: int) -> int:
+        """A probe verifies a node beyond the cut; the next comes twice as far on (at most
+        max_probe_every): a probe costs a drafting and a row, half a step on AVX2 machines."""
+        c = self.config
+        if cut < nodes:
+            h.reach, cut = cut + 1, cut + 1
+            h.interval = min(2 * h.interval, c.max_probe_every)
+        h.next_probe = h.steps + h.interval
+        return cut
+
+    def _settle(self, h: SpecHistory, cut: int) -> int:
+        """A cut that keeps what the last probe reached: the probe found nodes that pay, and
+        probes come every probe_every steps again."""
+        if h.reach and cut >= h.reach:
+            h.interval, h.reach = self.config.probe_every, 0
+            h.next_probe = min(h.next_probe, h.steps + h.interval)
+        return cut
 
     def observe(self, cand: Candidate, accepted: Iterable[int]) -> None:
         """A verified proposal (`cand`, as trimmed) and the node indices it accepted."""
         accepted = set(accepted)
-        self._probed(cand.history, accepted)
         cand.history.ranks.observe(len(cand.depths), accepted)
         self.prior.observe(len(cand.depths), accepted)
         if cand.scores is not None:
             for node, (score, depth) in enumerate(zip(cand.scores, cand.depths), start=1):
                 self.scored.observe(cand.score_kind, score, depth, node in accepted)
-
-    def _probed(self, h: SpecHistory, accepted: set[int]) -> None:
-        """After a probe: the next comes probe_every steps on if its extra node was accepted,
-        else twice as far as the last (at most max_probe_every): a probe that keeps failing
-        costs a drafting and a row each time, half a step on AVX2 machines."""
-        if h.probing and h.probed:
-            c = self.config
-            h.interval = c.probe_every if h.probed in accepted else min(2 * h.interval, c.max_probe_every)
-            h.next_probe, h.probed = h.steps + h.interval, 0
 
     def gains(self, cand: Candidate) -> list[float]:
         """Each draft node's chance of being accepted, in node order."""

@@ -130,11 +130,11 @@ def test_a_request_that_stops_paying_stops_drafting_and_is_probed():
             went.append(step)
             assert ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [1]    # a probe: a node more
             ctl.observe(Candidate(hist, (1,), None, ""), [])
-    assert went == [4, 12, 28]               # failed probes come twice as far apart each time
-    hist.next_probe = hist.steps
-    assert ctl.drafts(hist, 1, 1) and ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [1]
-    ctl.observe(Candidate(hist, (1,), None, ""), [1])
-    assert hist.interval == 4                # an accepted one brings them back to probe_every
+    assert went == [4, 12, 28]               # probes come twice as far apart each time
+    for _ in range(40):                      # the nodes start to pay: a cut keeps what the probe reached
+        ctl.observe(Candidate(hist, (1, 2), None, ""), [1, 2])
+    assert not hist.probing and ctl.trim([Candidate(hist, (1, 2), None, "")], 1, 1) == [2]
+    assert hist.interval == 4                # probes every probe_every steps again
 
 
 def test_disabled_or_unmeasured_keeps_whole_trees():
