@@ -4,13 +4,20 @@ against the plain engine (batch 1, greedy) on Spec-Bench tasks and MT-bench firs
     python -m bench.speculative --tasks summarization,rag --drafters ngram --limit 10 --repeats 3
     python -m bench.speculative --tasks mtbench,translation,summarization,qa,math_reasoning,rag \
         --drafters ngram,datastore:../shared/data/train --tree default --whole-tree-too --limit 5
+    python -m bench.speculative --tasks agent,mtbench --drafters suffix,ngram --tree default \
+        --quantization none --limit 10
+
+`--tasks agent` adds the calculator-agent sessions of bench/agent.py, whose replies stop at
+the end of their turn (the other sets run `--new-tokens` past it).
 
 `--tree default` runs each drafter with its own default tree under the adaptive controller
 (the offline API's default); `--whole-tree-too` adds each drafter verifying its whole tree
 every step (`AdaptiveConfig(enabled=False)`), as "NAME (whole tree)".
 
 Speedups are ratios of runs in the same process, interleaved per repeat (plain, drafter,
-plain, drafter, ...), reported as medians.
+plain, drafter, ...), reported as medians. Before each repeat every drafter forgets what it
+learned from earlier requests (suffix decoding's cached outputs), so a repeat never drafts
+from its own prompts' earlier replies.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import time
 
 import torch
 
+from bench.agent import agent_sessions
 from bench.data import mtbench_first_turns, specbench_prompts
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
@@ -55,8 +63,10 @@ def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats:
         blocks.free(seq)
 
 
-def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=ignore_eos)
+    if llm.engine.drafter is not None:
+        llm.engine.drafter.forget_history()
     t = time.perf_counter()
     outs = [llm.generate(p, params)[0] for p in prompts]
     wall = time.perf_counter() - t
@@ -101,21 +111,31 @@ def main() -> None:
         report["verify_ms"] = verify_curve(plain)
         print("verify forward (512-token prefix): " +
               ", ".join(f"{n} nodes {ms:.1f} ms" for n, ms in report["verify_ms"].items()))
-    tasks = args.tasks.split(",")
-    sets = {"mtbench": mtbench_first_turns(args.limit)} if "mtbench" in tasks else {}
-    sets.update(specbench_prompts([t for t in tasks if t != "mtbench"], args.limit) if len(sets) < len(tasks) else {})
-    for task, texts in sets.items():
-        prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    for task, conversations in prompt_sets(args.tasks.split(","), args.limit).items():
+        prompts = [plain.apply_chat_template(c) for c in conversations]
+        until_eos = task == "agent"
         runs = {"plain": [], **{d: [] for d in drafters}}
         for _ in range(args.repeats):
-            runs["plain"].append(run_set(plain, prompts, args.new_tokens))
+            runs["plain"].append(run_set(plain, prompts, args.new_tokens, ignore_eos=not until_eos))
             for d, llm in drafters.items():
-                runs[d].append(run_set(llm, prompts, args.new_tokens))
+                runs[d].append(run_set(llm, prompts, args.new_tokens, ignore_eos=not until_eos))
         report["tasks"][task] = _summarise(runs)
     _print(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def prompt_sets(tasks: list[str], limit: int) -> dict[str, list[list[dict]]]:
+    """Conversations per task: MT-bench first turns, the agent sessions, Spec-Bench tasks."""
+    user = lambda texts: [[{"role": "user", "content": t}] for t in texts]  # noqa: E731
+    sets = {"mtbench": user(mtbench_first_turns(limit))} if "mtbench" in tasks else {}
+    if "agent" in tasks:
+        sets["agent"] = agent_sessions(limit)
+    rest = [t for t in tasks if t not in ("mtbench", "agent")]
+    if rest:
+        sets.update({task: user(texts) for task, texts in specbench_prompts(rest, limit).items()})
+    return sets
 
 
 def _summarise(runs: dict[str, list[dict]]) -> dict:

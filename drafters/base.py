@@ -43,6 +43,7 @@ class DraftRequest:
     # tree in the same step (only for drafters with `drafts_ahead`): not yet verified, and
     # replaced by what the target accepts if the forced string is spelled otherwise.
     unverified: int = 0
+    num_prompt: int = 0             # token_ids[:num_prompt] is the prompt, the rest the output
 
     @property
     def verified_ids(self) -> list[int]:
@@ -142,6 +143,13 @@ class Drafter(ABC):
 
     def release(self, seq_id: int) -> None:
         """Forget a request's state (finish, cancel or preemption)."""
+
+    def finish(self, seq_id: int, token_ids: list[int], num_prompt: int) -> None:
+        """A request finished (or was cancelled) with these tokens, the first num_prompt its
+        prompt; called before `release`. Drafters that learn from served outputs keep them."""
+
+    def forget_history(self) -> None:
+        """Drop what was learned from earlier requests (benchmarks that replay prompts call it)."""
 
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}

@@ -4,14 +4,18 @@ tree data structure and `merge_trees` are in tree/).
 `tree:small:PATH` expands the small model's top-k children per node (EAGLE-2-style
 dynamic tree); `tree:small:PATH+ngram` also merges the n-gram continuation into the same
 tree, deduplicating shared prefixes; `tree:eagle3+ngram` does the same with the EAGLE-3
-head (`eagle3:PATH` for another head). Every part proposes deterministically, so the
+head (`eagle3:PATH` for another head); `tree:suffix+ngram` joins suffix decoding's tree to
+the n-gram chain. Every part proposes deterministically, so the
 merged tree is verified with point-mass acceptance, which is exact for any such tree.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
 from drafters.ngram import NgramConfig, NgramDrafter
 from drafters.small import SmallModelDrafter
+from drafters.suffix import SuffixConfig, SuffixDrafter
 from tree.builders import merge_trees
 
 
@@ -38,8 +42,7 @@ class TokenTreeDrafter(Drafter):
 
     def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
         # Each part gets an equal share of the node budget; shared prefixes free up room.
-        sub = [DraftRequest(r.seq_id, r.token_ids, r.params, r.generator, r.max_depth,
-                            max(1, r.max_nodes // len(self.parts)), r.topk) for r in reqs]
+        sub = [dataclasses.replace(r, max_nodes=max(1, r.max_nodes // len(self.parts))) for r in reqs]
         per_part = [part.propose(sub) for part in self.parts]
         out = []
         for i, r in enumerate(reqs):
@@ -50,6 +53,14 @@ class TokenTreeDrafter(Drafter):
     def release(self, seq_id: int) -> None:
         for part in self.parts:
             part.release(seq_id)
+
+    def finish(self, seq_id: int, token_ids: list[int], num_prompt: int) -> None:
+        for part in self.parts:
+            part.finish(seq_id, token_ids, num_prompt)
+
+    def forget_history(self) -> None:
+        for part in self.parts:
+            part.forget_history()
 
 
 @register_drafter("tree")
@@ -64,7 +75,9 @@ def _build(arg: str, target, speculation) -> TokenTreeDrafter:
             parts.append(build_eagle3(sub, target, speculation))
         elif kind == "ngram":
             parts.append(NgramDrafter(NgramConfig()))
+        elif kind == "suffix":
+            parts.append(SuffixDrafter(SuffixConfig.parse(sub)))
         else:
-            raise ValueError(f"unknown tree part {piece!r}: use small:PATH, eagle3[:PATH] and/or ngram, "
-                             "joined by '+'")
+            raise ValueError(f"unknown tree part {piece!r}: use small:PATH, eagle3[:PATH], ngram and/or "
+                             "suffix[:key=value,...], joined by '+'")
     return TokenTreeDrafter(parts)

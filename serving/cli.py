@@ -25,7 +25,7 @@ def _chat_args(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
-    p.add_argument("--drafter", default=None, help="speculative drafter: eagle3:PATH, ngram, small:PATH, "
+    p.add_argument("--drafter", default=None, help="speculative drafter: eagle3:PATH, ngram, suffix, small:PATH, "
                                                   "tree:SPEC (default: plain decoding)")
     p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
     p.add_argument("--topk", type=int, default=None, help="children per draft node (1 = a chain)")

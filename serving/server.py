@@ -13,7 +13,7 @@ DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets 
 def add_serve_args(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, .gguf file or HF directory")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram (default), eagle3:PATH, small:PATH, "
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram (default), suffix, eagle3:PATH, small:PATH, "
                                                              "tree:SPEC, or 'none'")
     p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
     p.add_argument("--topk", type=int, default=None, help="children per draft node")

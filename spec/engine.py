@@ -522,7 +522,7 @@ class LLMEngine:
         if not reqs:
             return []
         views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),
-                              unverified=len(r.forced)) for r in reqs]
+                              unverified=len(r.forced), num_prompt=r.num_prompt_tokens) for r in reqs]
         start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
@@ -774,6 +774,16 @@ class LLMEngine:
         self.blocks.truncate(req.seq_id, req.num_computed_tokens)   # drop rejected tree slots
         return self._output(req, added)
 
+    def _drafter_learns(self, req: Request) -> None:
+        """Hand a finished output to the drafter; a drafter bug must not fail the request."""
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.finish(req.seq_id, req.token_ids, req.num_prompt_tokens)
+        except Exception:
+            self.drafter_errors += 1
+            log.exception("drafter %s failed to learn seq %d's output", self.drafter.name, req.seq_id)
+
     def _release_draft(self, req: Request) -> None:
         if self.drafter is not None:
             self.drafter.release(req.seq_id)
@@ -832,6 +842,7 @@ class LLMEngine:
             log.error("request %s failed in %s", plan.request.request_id, phase, exc_info=e)
 
     def _finalize(self, req: Request, added: list[int] | None = None) -> RequestOutput:
+        self._drafter_learns(req)
         self._release_draft(req)
         req.finish_time = time.perf_counter()
         req.detok.flush(req.output_token_ids)

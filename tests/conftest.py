@@ -119,6 +119,7 @@ def spec_drafters() -> dict:
         "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
         "eagle3": ("eagle3:{head}", None),        # a random SmolLM2-shaped head, default dynamic tree
         "datastore": ("datastore:{corpus}", None),   # its default best-first tree of 5 nodes
+        "suffix": ("suffix", None),                  # its default tree of 16 nodes
     }
 
 

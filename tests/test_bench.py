@@ -227,3 +227,17 @@ def test_kernels_prints_the_timings_and_the_choice(tiny_llama_dir, capsys):
     owns = "int4 | q4x16" if cpu_ops.q4_isa() else "int4"        # q4x16 where AVX2 or VNNI builds it
     assert rc == 0 and f"| rows | {owns} | {' | '.join(DENSE_PATHS)} |" in out and "row-invariant" in out
     assert re.search(r"Decode and verify rows take (int4|q4x16)\. Prefill rows take", out)
+
+
+def test_agent_sessions_call_the_calculator_for_each_shown_step():
+    import json
+
+    from bench.agent import agent_sessions, steps
+    assert steps("It takes 2/2=1 bolt.\nSo 80,000+50,000=$130,000 and 3 * 4 = 12.") == \
+        [("2/2", "1"), ("80000+50000", "130000"), ("3 * 4", "12")]
+    sessions = agent_sessions(3)
+    assert len(sessions) == 3
+    for s in sessions:
+        assert [m["role"] for m in s[:2]] == ["system", "user"] and s[-1]["role"] == "user"
+        calls = [json.loads(m["content"]) for m in s[2::2]]
+        assert calls and all(c["name"] == "calculator" and c["arguments"]["expression"] for c in calls)

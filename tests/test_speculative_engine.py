@@ -121,13 +121,14 @@ def test_stats_are_consistent(tiny_spec):
 
 
 # The tree runs the small drafter beside n-gram, so `make test` leaves "small" alone to `make test-slow`.
-@pytest.mark.parametrize("drafter", slow_marked(["small", "ngram", "tree", "eagle3", "datastore"], {"small"}))
+@pytest.mark.parametrize("drafter", slow_marked(["small", "ngram", "tree", "eagle3", "datastore", "suffix"], {"small"}))
 def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, tiny_eagle_head, drafter,
                                                                         tmp_path):
     """100 speculative requests, random aborts and a pool small enough to preempt: integrity
     after every step, and afterwards both the target's and the drafter's pools are whole."""
     spec = {"small": f"small:{tiny_llama_dir}", "ngram": "ngram", "tree": f"tree:small:{tiny_llama_dir}+ngram",
-            "eagle3": f"eagle3:{tiny_eagle_head}", "datastore": f"datastore:{tmp_path / 'c.jsonl'}"}[drafter]
+            "eagle3": f"eagle3:{tiny_eagle_head}", "datastore": f"datastore:{tmp_path / 'c.jsonl'}",
+            "suffix": "suffix"}[drafter]
     (tmp_path / "c.jsonl").write_text(json.dumps({"conversations": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "the cat sat on the mat " * 20}]}))
     llm = LLM(str(tiny_llama_dir), max_model_len=160, num_kv_blocks=48, block_size=8, max_num_seqs=8,
@@ -147,6 +148,8 @@ def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_lla
             part.blocks.check_integrity()
             assert part.blocks.num_used_blocks == 0
         assert not getattr(part, "state", {}), "drafter state of finished requests must be released"
+        if hasattr(part, "served"):      # suffix decoding: every output it holds is a finished one's
+            assert len(part.served.seqs) == part.cached_outputs > 0
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir):

@@ -136,6 +136,8 @@ CASES = {
     "small-tree-topk": ("tree:small:{dir}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 2000),
     "tree-small+ngram": ("tree:small:{dir}+ngram", SpecConfig(num_speculative_tokens=2, topk=2, budget=6), 2000),
     "eagle3-tree": ("eagle3:{eagle}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 300),
+    # Trees from the prompt's repeat and from the other requests' outputs, ranked by frequency.
+    "suffix-tree": ("suffix", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 2000),
 }
 
 
@@ -180,15 +182,17 @@ def test_int4_target_samples_its_own_distribution(int4_dir, prompt, int4_joint, 
     assert p > 1e-3
 
 
+@pytest.mark.parametrize("case", slow_marked(["other-model-chain-sampled", "suffix-tree"], {"suffix-tree"}))
 def test_broken_acceptance_rule_fails_the_same_test(tiny_vocab_dir, other_draft_dir, prompt, exact_joint,
-                                                    monkeypatch):
+                                                    monkeypatch, case):
     """Skipping the residual update after a rejection (sampling from p instead of
-    normalize(max(0, p - q))) biases the output, and the same chi-square test catches it."""
+    normalize(max(0, p - q)), or p with the rejected point mass left in) biases the output,
+    and the same chi-square test catches it, for sampled chains and for suffix trees."""
     monkeypatch.setattr(rejection, "_residual", lambda p, q, tried: p)
-    counts, _ = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",
-                              SpecConfig(num_speculative_tokens=2))
+    drafter, spec, _ = CASES[case]
+    counts, _ = sample_counts(tiny_vocab_dir, prompt, drafter.format(other=other_draft_dir), spec)
     p = chi_square_pvalue(counts, exact_joint)
-    print(f"broken rule: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
+    print(f"broken rule, {case}: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
     assert p < 1e-3
 
 
