@@ -8,7 +8,7 @@ import torch
 
 from verifier import cpu_ops
 from verifier.qlinear import QuantLinear, pack_q4, q4_offered, served_weights
-from verifier.quant import quantize_int4
+from verifier.quant import Int4Weight, quantize_int4
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="q4x16 is built for AVX2 or AVX-512 VNNI")
@@ -84,9 +84,8 @@ def test_quant_linear_offers_q4x16_beside_torch_int4():
     assert lin.own_paths() == ("q4x16",) and not hasattr(lin, "packed")
 
 
-def test_the_avx2_build_gives_the_same_bits():
-    """The same source built without AVX-512 (the AVX2 path, as on machines without it)
-    computes exactly what this machine's build does: the paths differ in instructions only."""
+def _avx2_q4_matmul():
+    """q4_matmul from the same source built without AVX-512 (the AVX2 path)."""
     import ctypes
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
@@ -97,11 +96,42 @@ def test_the_avx2_build_gives_the_same_bits():
     lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_void_p]
     assert lib.q4_isa() == 256
+
+    def run(packed: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        assert lib.q4_matmul(packed.data_ptr(), n, x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr()) == 0
+        return out
+    return run
+
+
+def test_the_avx2_build_gives_the_same_bits():
+    """The same source built without AVX-512 (the AVX2 path, as on machines without it)
+    computes exactly what this machine's build does: the paths differ in instructions only."""
+    run = _avx2_q4_matmul()
     w, packed = _weights(72, 1536, 64)
     x = _activations(11, 1536)
-    out = torch.empty(11, 72, dtype=torch.bfloat16)
-    assert lib.q4_matmul(packed.data_ptr(), 72, 1536, x.data_ptr(), 11, out.data_ptr()) == 0
-    assert torch.equal(out, cpu_ops.q4_matmul(packed, 72, x))
+    assert torch.equal(run(packed, 72, x), cpu_ops.q4_matmul(packed, 72, x))
+
+
+def test_the_avx2_sums_hold_at_the_extremes():
+    """The AVX2 path adds eight vpmaddubsw results in 16 bits before widening: with every
+    weight code 15 and activation digits at their extremes (hi = +-127, lo = -128) the sums
+    come closest to overflowing, and must still equal the scalar reference's."""
+    run = _avx2_q4_matmul()
+    n, k = 32, 64
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    q[16:] = 0                                       # and the other end of the codes
+    scale = torch.full((n, k // 32), 0.01)
+    w = served_weights(Int4Weight(q, scale, torch.zeros_like(scale)))
+    packed = pack_q4(w)
+    x = torch.empty(4, k)
+    x[0] = 1.0                                       # X = 32512 everywhere: hi digits 127
+    x[1] = -1.0                                      # hi digits -127
+    x[2] = -128 / 32512                              # lo digits -128 under one maximum
+    x[2, ::32] = 1.0
+    x[3] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # alternating signs
+    x = x.to(torch.bfloat16)
+    assert torch.equal(run(packed, n, x), cpu_ops.q4_matmul(packed, n, x, reference=True))
 
 
 def test_the_isa_cap_runs_this_machine_as_an_avx2_one():

@@ -195,9 +195,19 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* four u8 x s8 products into each 32-bit lane, exactly (|2 * 15 * 127| fits an int16) */
-static inline __m256i dot4(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+/* One digit's 32 products per channel: vpmaddubsw sums two u8 x s8 products per 16-bit half
+ * lane (|2 * 15 * 128| = 3840), eight of those add up in 16 bits exactly (30720 < 32768), and
+ * one vpmaddwd then adds the two halves into the channel's 32-bit lane. Widening once per
+ * block instead of once per vpmaddubsw halves the multiplies a row costs; the sum is the
+ * same integer. `x` is the digit's 32 values; lo / hi hold weights 4 g + b and 16 + 4 g + b. */
+static inline __m256i dot32(const __m256i lo[4], const __m256i hi[4], const int8_t *x) {
+    __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(x));
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(x + 16)));
+    for (int g = 1; g < 4; g++) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[g], bcast4(x + 4 * g)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[g], bcast4(x + 16 + 4 * g)));
+    }
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
 /* One loop for every row count: with 16 registers, copies unrolled per count (as the AVX-512
@@ -220,13 +230,7 @@ static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, 
                 if (i == rows) break;
                 int64_t j = (r0 + i) * a->nb + b;
                 const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
-                __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
-                for (int g = 0; g < 4; g++) {
-                    s = _mm256_add_epi32(s, dot4(lo[g], bcast4(xq + 4 * g)));
-                    s = _mm256_add_epi32(s, dot4(hi[g], bcast4(xq + 16 + 4 * g)));
-                    t = _mm256_add_epi32(t, dot4(lo[g], bcast4(xq + Q4_BLOCK + 4 * g)));
-                    t = _mm256_add_epi32(t, dot4(hi[g], bcast4(xq + Q4_BLOCK + 16 + 4 * g)));
-                }
+                __m256i s = dot32(lo, hi, xq), t = dot32(lo, hi, xq + Q4_BLOCK);
                 s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s, 8), t), _mm256_set1_epi32(a->s8[j]));
                 __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
                 acc[i][h] = _mm256_fmadd_ps(sc, f, acc[i][h]);
