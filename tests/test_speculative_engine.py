@@ -67,6 +67,19 @@ def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_he
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+def test_suffix_decoding_under_the_cost_model_is_token_identical(prompts, reference):
+    """Suffix decoding with the adaptive controller on (the default): its cuts follow timings
+    and past acceptance, the cross-request cache the earlier replies (the batch repeats the
+    prompts run alone first), and the tokens stay plain greedy decoding's."""
+    llm = LLM(max_num_seqs=8, drafter="suffix")
+    alone = [llm.generate(p, GREEDY)[0] for p in prompts[:ALONE]]
+    batch = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in alone] == reference[:ALONE]
+    assert [o.token_ids for o in batch] == reference
+    assert sum(o.stats.accepted_tokens for o in batch[:ALONE]) > 0     # the cached replies were drafted
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
 @pytest.fixture(scope="module")
 def tiny_spec(tiny_llama_dir):
     """Tiny random Llama drafting for itself: acceptance is high, so paths are long. Whole
