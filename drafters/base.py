@@ -15,6 +15,9 @@ Rules every drafter keeps:
 - Drafter state (its own KV, hidden states) is keyed by `seq_id`; `release(seq_id)`
   drops it (finish, cancel, preemption). After a preemption the request comes back
   with the same seq_id and num_computed 0; the drafter must cope (recompute its state).
+- `finish(seq_id, token_ids, num_prompt)` comes before `release` when a request ends (finished
+  or cancelled, not preempted): a drafter that learns from served outputs (suffix decoding)
+  keeps them there; `forget_history()` drops what it learned across requests.
 """
 from __future__ import annotations
 
