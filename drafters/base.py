@@ -155,6 +155,20 @@ class Drafter(ABC):
         """Drop what was learned from earlier requests (benchmarks that replay prompts call it)."""
 
 
+class LookupDrafter(Drafter):
+    """A drafter that looks each request's tokens up on its own (n-gram, datastore, suffix):
+    no model, no batching, so it also drafts after the grammar's forced tokens."""
+    drafts_ahead = True
+
+    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
+        return [self.propose_one(r) if r.max_depth >= 1 and r.max_nodes >= 1
+                else Proposal(TokenTree.single(r.token_ids[-1])) for r in reqs]
+
+    @abstractmethod
+    def propose_one(self, req: DraftRequest) -> Proposal:
+        """One request's proposal; it may draft (max_depth and max_nodes are at least 1)."""
+
+
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
 _DEFAULT_SPECULATION: dict = {}     # kind -> the SpecConfig a drafter runs with unless told otherwise
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
+from drafters.base import DraftRequest, LookupDrafter, Proposal, register_drafter
 from tree.token_tree import TokenTree
 
 
@@ -94,21 +94,15 @@ class NgramIndex:
         return paths
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(LookupDrafter):
+    """The index learns verified tokens only; matches read the forced ones too."""
     name = "ngram"
-    drafts_ahead = True         # the index learns verified tokens only; matches read them all
 
     def __init__(self, config: NgramConfig = NgramConfig()):
         self.config = config
         self._index: dict[int, NgramIndex] = {}
 
-    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
-        return [self._propose_one(r) for r in reqs]
-
-    def _propose_one(self, req: DraftRequest) -> Proposal:
-        root = req.token_ids[-1]
-        if req.max_depth < 1 or req.max_nodes < 1:
-            return Proposal(TokenTree.single(root))
+    def propose_one(self, req: DraftRequest) -> Proposal:
         index = self._index.setdefault(req.seq_id, NgramIndex(self.config))
         index.update(req.verified_ids)
         return self._proposal(index, req).truncated(req.max_nodes)

@@ -27,7 +27,7 @@ import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
+from drafters.base import DraftRequest, LookupDrafter, Proposal, register_drafter
 from drafters.config import SpecConfig
 from drafters.suffix_index import DraftLimits, SuffixIndex, best_draft
 from tree.token_tree import TokenTree
@@ -65,9 +65,9 @@ class SuffixConfig:
 PROMPT_TAIL = 2       # prompt tokens kept before each output in the cross-request index
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(LookupDrafter):
+    """Indexes verified tokens only; matches read the forced ones too."""
     name = "suffix"
-    drafts_ahead = True          # indexes verified tokens only; matches read the forced ones too
 
     def __init__(self, config: SuffixConfig = SuffixConfig()):
         self.config = config
@@ -75,13 +75,8 @@ class SuffixDrafter(Drafter):
         self.served = SuffixIndex()                # outputs, running and recently finished
         self._finished: OrderedDict[int, None] = OrderedDict()
 
-    def propose(self, reqs: list[DraftRequest]) -> list[Proposal]:
-        return [self._propose_one(r) for r in reqs]
-
-    def _propose_one(self, req: DraftRequest) -> Proposal:
+    def propose_one(self, req: DraftRequest) -> Proposal:
         root = req.token_ids[-1]
-        if req.max_depth < 1 or req.max_nodes < 1:
-            return Proposal(TokenTree.single(root))
         verified = req.verified_ids
         own = self.state.setdefault(req.seq_id, SuffixIndex())
         own.extend(0, verified[len(own.seqs.get(0, ())):])

@@ -54,11 +54,8 @@ class SuffixIndex:
     def __init__(self):
         self.seqs: dict[int, list[int]] = {}
         self._follow: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        self._tokens = 0          # tokens of the sequences held
         self._dead = 0            # index entries of dropped sequences, skipped until a rebuild
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s) for s in self.seqs.values())
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Append tokens to a sequence (created if new)."""
@@ -67,17 +64,20 @@ class SuffixIndex:
         seq.extend(tokens)
         for i in range(max(start, 2), len(seq)):
             self._follow[(seq[i - 2], seq[i - 1])].append((seq_id, i))
+        self._tokens += len(tokens)
 
     def drop(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return
+        self._tokens -= len(seq)
         self._dead += max(0, len(seq) - 2)
-        if self._dead > self.num_tokens:      # amortised: rebuild once half the entries are stale
+        if self._dead > self._tokens:      # amortised: rebuild once stale entries outnumber the tokens held
             self._rebuild()
 
     def _rebuild(self) -> None:
-        seqs, self.seqs, self._follow, self._dead = self.seqs, {}, defaultdict(list), 0
+        seqs, self.seqs, self._follow = self.seqs, {}, defaultdict(list)
+        self._tokens = self._dead = 0
         for seq_id, seq in seqs.items():
             self.extend(seq_id, seq)
 
