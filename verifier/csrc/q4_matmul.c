@@ -198,8 +198,8 @@ static inline __m256i bcast4(const int8_t *p) {
 /* One digit's 32 products per channel: vpmaddubsw sums two u8 x s8 products per 16-bit half
  * lane (|2 * 15 * 128| = 3840), eight of those add up in 16 bits exactly (30720 < 32768), and
  * one vpmaddwd then adds the two halves into the channel's 32-bit lane. Widening once per
- * block instead of once per vpmaddubsw halves the multiplies a row costs; the sum is the
- * same integer. `x` is the digit's 32 values; lo / hi hold weights 4 g + b and 16 + 4 g + b. */
+ * digit instead of once per vpmaddubsw takes a row's multiplies per block from 64 to 36; the
+ * sum is the same integer. `x` is the digit's 32 values; lo / hi hold weights 4 g + b and 16 + 4 g + b. */
 static inline __m256i dot32(const __m256i lo[4], const __m256i hi[4], const int8_t *x) {
     __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(x));
     s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(x + 16)));
