@@ -28,6 +28,8 @@ from serving.middleware import ServerErrors
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
 from serving.streaming import Reply, full_reply, sse_events
+from serving.tools.formats import HERMES, ToolFormat
+from serving.tools.prompt import template_messages
 from verifier.sampling_params import SamplingParams
 from verifier.tokenizer import prompt_ids
 
@@ -41,6 +43,7 @@ class ServerConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     allowed_origins: tuple[str, ...] = ()   # CORS for browser clients; none: no CORS headers at all
     special_tokens_in_content: bool = False  # parse `<|im_start|>` in messages as a token (unsafe)
+    tool_format: ToolFormat = HERMES          # how the model writes tool calls (--tool-call-parser)
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -102,13 +105,16 @@ class Routes:
         return {"object": "list", "data": [{"id": self.served, "object": "model", "created": 0, "owned_by": "tercel"}]}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        req = parse_chat(body)
-        self._check(req, [m["content"] for m in req.prompts[0]], "messages")
+        req = parse_chat(body, self.config.tool_format)
+        self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
         return await until_disconnected(request, self._chat(req))
 
     async def _chat(self, req: ParsedRequest):
+        tok = self.bridge.tokenizer
+        messages, tools = template_messages(req.prompts[0], req.tools, self.config.tool_format,
+                                            getattr(tok, "renders_tools", False))
         try:    # off the event loop: a long prompt takes seconds to tokenize
-            ids = await run_in_threadpool(self.bridge.tokenizer.apply_chat_template, req.prompts[0],
+            ids = await run_in_threadpool(tok.apply_chat_template, messages, tools=tools,
                                           allow_special_tokens_in_content=self.config.special_tokens_in_content)
         except ValueError as e:
             raise bad("messages", str(e)) from None
@@ -149,7 +155,8 @@ class Routes:
         subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree, grammar)
                 for ids, choice in jobs]
         streams = self._submit(subs)
-        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage)
+        calls = self.config.tool_format if req.tool_choice.mode != "none" else None
+        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage, calls)
         if req.stream:
             return EventSourceResponse(sse_events(reply, streams), ping=15,
                                        send_timeout=self.config.limits.send_timeout_s)

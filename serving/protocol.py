@@ -6,12 +6,16 @@ FastAPI's own 422 never reaches a client.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
 
 from drafters.config import SpecConfig
 from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculation, request_field_names
+from serving.tools.constraint import ToolChoice, tool_constraint
+from serving.tools.formats import ToolFormat
+from serving.tools.request import Refused, chat_messages, tool_request
 from verifier.structured import StructuredOutputs
 
 FIELD_NAMES = request_field_names()
@@ -45,12 +49,28 @@ class ParsedRequest:
     model: str
     structured: StructuredOutputs | None = None    # the output's constraint, also in `sampling`
     structured_param: str | None = None            # the field that asked for it (for a 400)
+    tools: list[dict] | None = None                # chat: the tools offered (OpenAI's shape)
+    tool_choice: ToolChoice = ToolChoice("none")   # "none": the reply is text, never parsed for calls
 
 
-def parse_chat(body: ChatCompletionRequest) -> ParsedRequest:
-    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                 else "".join(p.text for p in m.content)} for m in body.messages]
-    return _parsed(body, [messages], body.max_completion_tokens or body.max_tokens)
+def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat) -> ParsedRequest:
+    """`fmt`: how the server's model writes tool calls (--tool-call-parser)."""
+    try:
+        messages = chat_messages(body.messages)
+        tools, choice = tool_request(body)
+    except Refused as e:
+        raise bad(e.param, str(e)) from None
+    req = _parsed(body, [messages], body.max_completion_tokens or body.max_tokens)
+    if choice.mode == "none":
+        return dataclasses.replace(req, tools=tools)
+    try:
+        constraint = tool_constraint(fmt, tools, choice, req.structured)
+    except ValueError as e:      # a text constraint that is not what its kind says
+        raise bad(req.structured_param, f"invalid constraint: {e}") from None
+    return dataclasses.replace(req, sampling={**req.sampling, "structured": constraint}, structured=constraint,
+                               structured_param=req.structured_param if choice.mode == "auto" and req.structured
+                               else "tools",
+                               tools=tools, tool_choice=choice)
 
 
 def parse_completion(body: CompletionRequest) -> ParsedRequest:

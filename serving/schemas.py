@@ -21,7 +21,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from verifier.sampling_params import MIN_REPETITION_PENALTY
 
 MAX_N = 16                      # choices per request (OpenAI's limit is 128; ours is the batch)
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"     # OpenAI's rule; it also keeps names out of the call's quotes
 
 
 def _encodable(value: str) -> str:
@@ -130,15 +131,53 @@ class TextPart(_Strict):
     text: Text
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: Text = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Role
-    content: Text | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart] | None = Field(None, description="null only in an assistant turn with tool_calls")
+    name: str | None = Field(None, description="the author's name, given to the chat template")
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant turns: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool turns: the call this is the result of")
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments; absent: none")
+    strict: bool | None = Field(None, description="arguments always follow the schema, strict or not (as vLLM)")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: whole(ge=1) | None = Field(None, description="OpenAI's newer name for max_tokens")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='default: "auto" with tools, "none" without')
+    parallel_tool_calls: bool | None = Field(True, description="false: one call at most")
 
 
 Prompt = Union[NonEmptyText, Annotated[list[TokenId], Field(min_length=1)],
@@ -176,12 +215,13 @@ class TercelStats(BaseModel):
     mean_accepted_length: float | None
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -221,5 +261,6 @@ class Completion(BaseModel):
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models: what a validation error's location can name."""
     models = (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions, StreamOptions,
-              JSONSchemaResponseFormat, JSONSchemaFormat)
+              JSONSchemaResponseFormat, JSONSchemaFormat, ToolCall, CalledFunction, Tool, FunctionDefinition,
+              NamedToolChoice, FunctionName)
     return frozenset(f.alias or name for m in models for name, f in m.model_fields.items())

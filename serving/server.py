@@ -6,6 +6,8 @@ import math
 import os
 from pathlib import Path
 
+from serving.tools.formats import FORMATS
+
 log = logging.getLogger("tercel.serve")
 DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets its figures (issue 4)
 
@@ -69,6 +71,9 @@ def add_limit_args(p) -> None:
                    help="compiled grammars kept (LRU), and as much again for xgrammar's own cache")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token text in chat messages as tokens (lets a client forge turns)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(FORMATS),
+                   help="how the model writes tool calls (docs/tools.md); the chat template's own tools "
+                        "rendering is used where it has one")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins browser clients may call from (CORS); '*' for any; off by default")
 
@@ -152,7 +157,8 @@ def launch_app(args):
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return bridge, build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key,
                                                   limits=limits, allowed_origins=origins,
-                                                  special_tokens_in_content=args.allow_special_tokens_in_content))
+                                                  special_tokens_in_content=args.allow_special_tokens_in_content,
+                                                  tool_format=FORMATS[args.tool_call_parser]))
 
 
 def run_serve(args) -> int:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from serving.bridge import RequestFailed, RequestStream
 from serving.errors import engine_unavailable, request_failed, stream_error
 from serving.protocol import bad, envelope, tercel_stats, usage
+from serving.tools.formats import ToolFormat
+from serving.tools.parser import Arguments, CallStart, Content, ToolCallParser, parse_reply
 from spec.request import RequestOutput
 
 
@@ -29,6 +31,7 @@ class Reply:
     chat: bool              # a chat completion (messages, deltas) or a text completion
     n: int                  # choices per prompt (usage counts each prompt once)
     include_usage: bool     # streams only: a last chunk with the usage
+    tools: ToolFormat | None = None   # chat with tools: tool calls are read out of the text in this format
 
     @property
     def chunk_object(self) -> str:
@@ -56,7 +59,7 @@ async def full_reply(reply: Reply, streams: list[RequestStream]) -> dict:
     finally:
         for s in streams:
             s.cancel()
-    choices = [_choice(i, o, reply.chat) for i, o in enumerate(finals)]
+    choices = [_choice(i, o, reply) for i, o in enumerate(finals)]
     return envelope("chat.completion" if reply.chat else "text_completion", reply.id, reply.model, choices,
                     usage=reply.token_usage(streams, finals), tercel=tercel_stats(finals))
 
@@ -71,19 +74,28 @@ async def sse_events(reply: Reply, streams: list[RequestStream]) -> AsyncIterato
     try:
         if reply.chat:
             for i in range(len(streams)):
-                yield reply.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                # null, not "", where a reply may hold only calls: clients accumulate content from it
+                opening = {"role": "assistant", "content": None if reply.tools else ""}
+                yield reply.chunk([{"index": i, "delta": opening,
                                     "logprobs": None, "finish_reason": None}])
+        parsers = [ToolCallParser(reply.tools) if reply.tools else None for _ in streams]
         while open_streams:
             i, out = await merged.get()
             if isinstance(out, Exception):   # one error event and no [DONE]: the stream failed
                 yield {"data": json.dumps({"error": stream_error(out)}, ensure_ascii=False)}
                 return
-            if out.delta_text:
-                yield reply.chunk([_delta(i, out.delta_text, None, reply.chat)])
+            parser = parsers[i]
+            if parser is None:
+                if out.delta_text:
+                    yield reply.chunk([_delta(i, out.delta_text, None, reply.chat)])
+            else:
+                for delta in _tool_deltas(parser.feed(out.delta_text) + (parser.finish() if out.finished else [])):
+                    yield reply.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
             if out.finished:
                 finals[i] = out
                 open_streams -= 1
-                yield reply.chunk([_delta(i, "", out.finish_reason, reply.chat)])
+                finish = _finish_reason(out.finish_reason, parser is not None and parser.calls > 0)
+                yield reply.chunk([_delta(i, "", finish, reply.chat)])
         if reply.include_usage:
             outs = list(finals.values())
             yield reply.chunk([], usage=reply.token_usage(streams, outs), tercel=tercel_stats(outs))
@@ -110,11 +122,38 @@ async def _pump(i: int, stream: RequestStream, merged: asyncio.Queue) -> None:
         await merged.put((i, e))
 
 
-def _choice(i: int, out: RequestOutput, chat: bool) -> dict:
-    if chat:
-        return {"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                "finish_reason": out.finish_reason}
-    return {"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+def _choice(i: int, out: RequestOutput, reply: Reply) -> dict:
+    if not reply.chat:
+        return {"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    message = {"role": "assistant", "content": out.text}
+    finish = out.finish_reason
+    if reply.tools is not None:
+        parsed = parse_reply(reply.tools, out.text)
+        message["content"] = parsed.content
+        if parsed.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+        finish = _finish_reason(finish, bool(parsed.calls))
+    return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
+
+
+def _finish_reason(engine_reason: str, called: bool) -> str:
+    """OpenAI's "tool_calls" for a reply that called tools and ended by itself."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason
+
+
+def _tool_deltas(events: list) -> list[dict]:
+    """Parser events as OpenAI's chat deltas: content, a call's index, id and name, then its arguments."""
+    deltas = []
+    for e in events:
+        if isinstance(e, Content):
+            deltas.append({"content": e.text})
+        elif isinstance(e, CallStart):
+            deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                           "function": {"name": e.name, "arguments": ""}}]})
+        elif isinstance(e, Arguments):
+            deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return deltas
 
 
 def _delta(i: int, text: str, finish: str | None, chat: bool) -> dict:

@@ -8,6 +8,11 @@ three tokens is the target's masked, renormalised distribution, computed here fr
 transformers' logits and the grammar written out by hand; 6,000 seeded requests per
 configuration must match it (chi-square). Masking p but not a sampling drafter's q must
 fail the same test.
+
+Tool calls are such a constraint too (serving/tools/constraint.py): a format spelled in this
+vocabulary (a call is "xq" name "y" arguments "z": "q" is forced after the trigger), tools named "ab", "ac" and "b", and
+`tool_choice: auto` beside a text regex: the reply is that text or calls from its first
+token. Its exact law reads the allowed tokens off the grammar itself (xgrammar's matcher).
 """
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ import torch
 import spec.constraints as constraints
 from conftest import make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
+from serving.tools.constraint import ToolChoice, tool_constraint
+from serving.tools.formats import ToolFormat
 from spec import LLM, SamplingParams, StructuredOutputs
 from stats import chi_square_pvalue, total_variation
+from verifier.grammar import allowed_tokens
 from verifier.sampler import target_probs
 
 V = 32
@@ -103,10 +111,45 @@ def exact_joint(target_dir) -> torch.Tensor:
     return joint.reshape(-1)
 
 
-def sample_counts(model_dir, drafter: str | None, spec: SpecConfig | None) -> tuple[torch.Tensor, dict]:
+CHAR_CALLS = ToolFormat(name="chars", trigger="x", begin="xq", between="y", end="z", separator="", tool_role="user",
+                        instructions="", in_system=False)
+CHAR_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "integer"}}}
+              for name in ("ab", "ac", "b")]
+TOOL_CALLS = tool_constraint(CHAR_CALLS, CHAR_TOOLS, ToolChoice("auto"), StructuredOutputs(regex="[d-w][d-w][d-w]+"))
+
+
+@pytest.fixture(scope="module")
+def tool_joint(target_dir) -> torch.Tensor:
+    """P(t1, t2, t3) under TOOL_CALLS: the target's law masked by what the grammar allows."""
+    from transformers import AutoModelForCausalLM
+    llm = LLM(str(target_dir), max_model_len=64, num_kv_blocks=64, block_size=4)
+    backend = llm.engine.grammars
+
+    def allowed(prefix: list[int]) -> list[int]:
+        matcher = backend.matcher(TOOL_CALLS)
+        assert all(matcher.accept(t) for t in prefix)
+        return allowed_tokens(matcher.mask(), V)[0].nonzero()[:, 0].tolist()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    joint = torch.zeros(V, V, V)
+    with torch.no_grad():
+        step = lambda prefix: masked_probs(hf(torch.tensor([PROMPT + prefix])).logits[0, -1], allowed(prefix))
+        p1 = step([])
+        for t1 in allowed([]):
+            p2 = step([t1])
+            for t2 in allowed([t1]):
+                joint[t1, t2] = p1[t1] * p2[t2] * step([t1, t2])
+    calls = joint[ids("x")[0]].sum()
+    print(f"P(a call) = {calls:.3f}")
+    assert 0.01 < calls < 0.99, "both branches should be taken"
+    return joint.reshape(-1)
+
+
+def sample_counts(model_dir, drafter: str | None, spec: SpecConfig | None,
+                  structured: StructuredOutputs = StructuredOutputs(regex=REGEX)) -> tuple[torch.Tensor, dict]:
     kw = dict(drafter=drafter, speculation=spec) if drafter else {}
     llm = LLM(str(model_dir), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500, **kw)
-    params = [SamplingParams(seed=i, structured=StructuredOutputs(regex=REGEX), **PARAMS) for i in range(N_SAMPLES)]
+    params = [SamplingParams(seed=i, structured=structured, **PARAMS) for i in range(N_SAMPLES)]
     outs = llm.generate([PROMPT] * N_SAMPLES, params)
     toks = torch.tensor([o.token_ids for o in outs])
     assert toks.shape == (N_SAMPLES, 3)
@@ -144,6 +187,20 @@ def test_constrained_samples_follow_the_masked_target_law(target_dir, other_dir,
     assert p > 1e-3
 
 
+@pytest.mark.parametrize("broken", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["exact", "unmasked-q"])
+def test_tool_calls_follow_the_masked_target_law(target_dir, other_dir, tool_joint, monkeypatch, broken):
+    """A sampled draft chain from another model under the tool-call constraint; with q left
+    unmasked (the broken rule) the same test must fail."""
+    if broken:
+        monkeypatch.setattr(constraints, "masked_q", lambda probs, masks: probs)
+    counts, stats = sample_counts(target_dir, f"small:{other_dir}", SpecConfig(num_speculative_tokens=2), TOOL_CALLS)
+    p = chi_square_pvalue(counts, tool_joint)
+    print(f"tool calls{' (q unmasked)' if broken else ''}: chi-square p = {p:.3g}, "
+          f"TV = {total_variation(counts, tool_joint):.3f}, accepted {stats['accepted']}, forced {stats['forced']}")
+    assert stats["accepted"] >= 300 and stats["forced"] > 100
+    assert (p < 1e-3) if broken else (p > 1e-3)
+
+
 def test_masking_p_but_not_q_fails_the_same_test(target_dir, other_dir, exact_joint, monkeypatch):
     """Pruned children were drawn from q restricted to the grammar; accepting them against
     the unmasked q biases the output, and the chi-square test catches it."""
@@ -178,7 +235,6 @@ def test_a_row_taken_as_decided_when_it_is_not_fails_the_same_test(target_dir, e
     """Broken control for the rows without logits: taking a row that allows several tokens
     as decided (its first allowed token, with probability 1) must fail the chi-square test."""
     import spec.engine as engine
-    from verifier.grammar import allowed_tokens
 
     def first_allowed(masks):
         return [int(row.nonzero()[0]) for row in allowed_tokens(masks, V)]

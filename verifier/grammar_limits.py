@@ -47,9 +47,10 @@ class GrammarLimits:
         if size > self.max_bytes:
             raise ValueError(f"the constraint is {size} bytes, more than this server's limit of "
                              f"{self.max_bytes} (--max-grammar-bytes)")
-        depth = json_depth(text) if kind == "json" else group_depth(text) if kind == "regex" else 0
+        depth = (json_depth(text) if kind == "json" else group_depth(text) if kind == "regex"
+                 else tag_schema_depth(text) if kind == "structural_tag" else 0)
         if depth > self.max_depth:
-            what = "JSON schema nests" if kind == "json" else "regular expression nests groups"
+            what = "regular expression nests groups" if kind == "regex" else "JSON schema nests"
             raise ValueError(f"the {what} {depth} levels deep, more than this server's limit of "
                              f"{self.max_depth} (--max-grammar-depth)")
 
@@ -67,6 +68,25 @@ def json_depth(text: str) -> int:
             depth = max(depth, d)
             stack += [(v, d + 1) for v in (node.values() if isinstance(node, dict) else node)]
     return depth
+
+
+def tag_schema_depth(text: str) -> int:
+    """The deepest JSON schema inside a structural tag (its own nesting is the server's)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return 0
+    deepest, stack = 0, [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                deepest = max(deepest, json_depth(json.dumps(node["json_schema"])))
+            else:
+                stack += node.values()
+        elif isinstance(node, list):
+            stack += node
+    return deepest
 
 
 def group_depth(pattern: str) -> int:

@@ -8,6 +8,7 @@ time: a cache hit never comes here.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import re
 import threading
@@ -23,7 +24,7 @@ from verifier.structured import StructuredOutputs
 JSON_SEPARATORS = (", ", ": ")
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[11:07:15] /project/cpp/x.cc:94: "
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-          "choice": "choice", "grammar": "grammar"}
+          "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
 START_S = 120.0      # a child that has not loaded xgrammar by then is broken
 
 
@@ -40,10 +41,37 @@ def compile_spec(compiler, spec: StructuredOutputs):
             return compiler.compile_regex(text)
         if kind == "choice":
             return compiler.compile_regex("|".join(re.escape(c) for c in spec.choice))
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(compact_json_contents(text))
         return compiler.compile_grammar(text)
     except (RuntimeError, ValueError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"invalid {_NAMES[kind]}: {_XGR_PREFIX.sub('', first)}") from None
+
+
+def compact_json_contents(tag_text: str) -> str:
+    """A structural tag whose JSON Schema contents are written as every other JSON output is
+    (JSON_SEPARATORS, no free whitespace): xgrammar's tag format has no such option, so each
+    becomes the EBNF of its schema. Done here, where a compile can be timed out."""
+    import xgrammar as xgr
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+            schema = node["json_schema"]
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                   separators=JSON_SEPARATORS)
+            return {"type": "grammar", "grammar": str(grammar)}
+        return {k: walk(v) for k, v in node.items()}
+
+    try:
+        tag = json.loads(tag_text)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    return json.dumps(walk(tag))
 
 
 def _serve(conn, info_json: str, cache_bytes: int) -> None:

@@ -7,6 +7,8 @@ Exactly one kind per request:
     regex        a regular expression the whole output matches
     grammar      an EBNF grammar (GBNF, as llama.cpp writes it; the root rule is `root`)
     choice       one of these strings, exactly
+    structural_tag  an xgrammar structural tag (its JSON): free text with constrained spans,
+                 as tool calls are (serving/tools/); vLLM's `structural_tag`
 
 Plain data, no xgrammar: `verifier.grammar` compiles it against the model's vocabulary.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-KINDS = ("json", "json_object", "regex", "grammar", "choice")
+KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -26,17 +28,19 @@ class StructuredOutputs:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
+    structural_tag: str | None = None      # a dict is serialised as `json` is
 
     def __post_init__(self):
-        if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json))
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, json.dumps(getattr(self, name)))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [k for k in KINDS if self._given(k)]
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(given) or 'none'}")
-        for name in ("json", "regex", "grammar"):
+        for name in ("json", "regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured output {name} must be a non-empty string, got {value!r}")

@@ -35,6 +35,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size()
         self._template = None
+        self._reads_tools = None  # (template, whether it reads `tools`)
         self._specials = None     # ({text: AddedToken}, pattern) of special added tokens
         self._plain = None
 
@@ -75,25 +76,39 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True, allow_special_tokens_in_content: bool = False,
-                            **_ignored) -> list[int] | str:
-        """Render the template as transformers does (sandboxed Jinja, trim/lstrip blocks).
+                            tools: list[dict] | None = None, **_ignored) -> list[int] | str:
+        """Render the template as transformers does (sandboxed Jinja, trim/lstrip blocks;
+        `tools` in the template's `tools` variable).
 
-        Special-token strings inside message content (`<|im_start|>`, EOS) become plain text
-        tokens, so a client cannot forge a turn; `allow_special_tokens_in_content=True` parses
-        them as tokens instead, as transformers does. The rendered text is the same either way."""
+        Special-token strings inside what a client wrote (message content, names, tool calls,
+        the tools) become plain text tokens, so a client cannot forge a turn;
+        `allow_special_tokens_in_content=True` parses them as tokens instead, as transformers
+        does. The rendered text is the same either way."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not tokenize:
-            return self._render(messages, add_generation_prompt)
-        if allow_special_tokens_in_content or not any(map(self._has_special_text, _contents(messages))):
+            return self._render(messages, add_generation_prompt, tools)
+        written = [messages, tools]
+        if allow_special_tokens_in_content or not any(map(self._has_special_text, _strings(written))):
             # Nothing to forge: encode the whole text, so ordinary chats keep their ids exactly.
             # The template already writes special tokens such as BOS; do not add them twice.
-            return self.encode(self._render(messages, add_generation_prompt), add_special_tokens=False)
-        return self._encode_escaped(messages, add_generation_prompt)
+            return self.encode(self._render(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self._encode_escaped(messages, add_generation_prompt, tools)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template reads a `tools` variable: it writes the tools and calls itself."""
+        if self.chat_template is None:
+            return False
+        if self._reads_tools is None or self._reads_tools[0] != self.chat_template:
+            from jinja2 import meta
+            names = meta.find_undeclared_variables(self._environment().parse(self.chat_template))
+            self._reads_tools = self.chat_template, "tools" in names
+        return self._reads_tools[1]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         return self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                       tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def _special_table(self) -> tuple[dict, re.Pattern]:
         """Special added tokens by text, and a pattern of their texts longest first (the
@@ -112,7 +127,7 @@ class Tokenizer:
         # A normalized added token matches the normalized text, so look there too.
         return bool(pattern.search(text) or (norm is not None and pattern.search(norm.normalize_str(text))))
 
-    def _encode_escaped(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _encode_escaped(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
         """Hide content's special-token strings behind placeholders while rendering, so the
         only special strings left are the template's; the text between those is encoded with
         special-token parsing off, the hidden strings restored."""
@@ -127,7 +142,7 @@ class Tokenizer:
                 return f"{mark}{len(hidden) - 1}{mark}"
             return pattern.sub(one, text)
 
-        text = self._render([_map_contents(m, hide) for m in messages], add_generation_prompt)
+        text = self._render(_map_strings(messages, hide), add_generation_prompt, _map_strings(tools, hide))
         placeholder = re.compile(f"{mark}(\\d+){mark}")
 
         def restore(m: re.Match) -> str:
@@ -171,14 +186,18 @@ class Tokenizer:
 
     def _compiled(self):
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
+            self._template = self._environment().from_string(self.chat_template)
         return self._template
+
+    @staticmethod
+    def _environment():
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env
 
 
 def prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -188,25 +207,28 @@ def prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def _contents(messages: list[dict]):
-    """Every text a client wrote into messages: string content and text parts."""
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            yield content
-        elif isinstance(content, list):
-            yield from (p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+def _strings(value):
+    """Every text a client wrote: the strings inside messages and tools, roles aside."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, v in value.items():
+            if key != "role":
+                yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
-def _map_contents(message, fn):
-    """`message` with `fn` applied to its string content or its parts' text."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, str):
-        return {**message, "content": fn(content)}
-    if isinstance(content, list):
-        return {**message, "content": [{**p, "text": fn(p["text"])} if isinstance(p, dict)
-                                       and isinstance(p.get("text"), str) else p for p in content]}
-    return message
+def _map_strings(value, fn):
+    """`value` with `fn` applied to each of its `_strings`."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: v if k == "role" else _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
 
 
 def _free_mark(template: str) -> str:
