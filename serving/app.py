@@ -24,6 +24,7 @@ from serving.disconnect import until_disconnected
 from serving.errors import engine_stopped, engine_unavailable, install_error_handlers, queue_full, refused, \
     unauthorized, unknown_model
 from serving.limits import BodyLimit, ServerLimits
+from serving.logprobs import TokenPieces
 from serving.middleware import ServerErrors
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
@@ -77,6 +78,7 @@ class Routes:
         self.served = config.model_names[0]
         self._expected = f"Bearer {config.api_key}".encode() if config.api_key else None
         self._token_chars = longest_token(bridge.tokenizer)
+        self._pieces = TokenPieces(bridge.tokenizer)     # token texts for logprobs, cached across requests
 
     async def authorize(self, request: Request, call_next):
         if self._expected is not None and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
@@ -156,7 +158,9 @@ class Routes:
                 for ids, choice in jobs]
         streams = self._submit(subs)
         calls = self.config.tool_format if req.tool_choice.mode != "none" else None
-        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage, calls)
+        pieces = self._pieces if req.logprobs is not None or req.echo else None
+        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage, calls,
+                      pieces, req.echo)
         if req.stream:
             return EventSourceResponse(sse_events(reply, streams), ping=15,
                                        send_timeout=self.config.limits.send_timeout_s)

@@ -49,6 +49,8 @@ class ParsedRequest:
     model: str
     structured: StructuredOutputs | None = None    # the output's constraint, also in `sampling`
     structured_param: str | None = None            # the field that asked for it (for a 400)
+    logprobs: int | None = None                    # alternatives per token, if logprobs are asked for
+    echo: bool = False                             # completions: the prompt before the text
     tools: list[dict] | None = None                # chat: the tools offered (OpenAI's shape)
     tool_choice: ToolChoice = ToolChoice("none")   # "none": the reply is text, never parsed for calls
 
@@ -60,7 +62,10 @@ def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat) -> ParsedRequest:
         tools, choice = tool_request(body)
     except Refused as e:
         raise bad(e.param, str(e)) from None
-    req = _parsed(body, [messages], body.max_completion_tokens or body.max_tokens)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    req = _parsed(body, [messages], body.max_completion_tokens or body.max_tokens,
+                  (body.top_logprobs or 0) if body.logprobs else None)
     if choice.mode == "none":
         return dataclasses.replace(req, tools=tools)
     try:
@@ -77,15 +82,21 @@ def parse_completion(body: CompletionRequest) -> ParsedRequest:
     p = body.prompt
     # One prompt (a string or one array of ids) or a batch of them.
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    return _parsed(body, prompts, body.max_tokens)
+    req = _parsed(body, prompts, body.max_tokens, body.logprobs)
+    if not body.echo:
+        return req
+    # echo: the prompt's logprobs too, the first token's null (nothing comes before it)
+    sampling = {**req.sampling, "prompt_logprobs": body.logprobs} if body.logprobs is not None else req.sampling
+    return dataclasses.replace(req, echo=True, sampling=sampling)
 
 
-def _parsed(body, prompts: list, max_tokens: int | None) -> ParsedRequest:
+def _parsed(body, prompts: list, max_tokens: int | None, logprobs: int | None) -> ParsedRequest:
     opts = body.stream_options
     param, structured = _structured(body)
-    return ParsedRequest(prompts, max_tokens, {**_sampling(body), "structured": structured}, _or(body.n, 1),
-                         bool(body.stream), bool(opts and opts.include_usage), body.speculation, body.model,
-                         structured, param)
+    sampling = {**_sampling(body), "structured": structured, "logprobs": logprobs}
+    return ParsedRequest(prompts, max_tokens, sampling, _or(body.n, 1), bool(body.stream),
+                         bool(opts and opts.include_usage), body.speculation, body.model, structured, param,
+                         logprobs=logprobs)
 
 
 def _structured(body) -> tuple[str | None, StructuredOutputs | None]:

@@ -174,6 +174,8 @@ class NamedToolChoice(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: whole(ge=1) | None = Field(None, description="OpenAI's newer name for max_tokens")
+    logprobs: bool | None = Field(False, description="each output token's logprob (docs/serving.md, Logprobs)")
+    top_logprobs: whole(ge=0, le=20) | None = Field(None, description="alternatives per token; needs logprobs")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default: "auto" with tools, "none" without')
@@ -187,6 +189,8 @@ Prompt = Union[NonEmptyText, Annotated[list[TokenId], Field(min_length=1)],
 
 class CompletionRequest(_Generation):
     prompt: Prompt = Field(description="a string, an array of token ids, or an array of either")
+    logprobs: whole(ge=0, le=5) | None = Field(None, description="each token's logprob and this many alternatives")
+    echo: bool | None = Field(False, description="the prompt before the completion, with its logprobs if asked")
 
 
 # ---- responses (documented in /openapi.json) ------------------------------------------------
@@ -224,10 +228,32 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="-9999.0 for a token that could not be chosen")
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="null for the prompt's first token")
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -244,7 +270,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 

@@ -71,6 +71,9 @@ def add_limit_args(p) -> None:
                    help="compiled grammars kept (LRU), and as much again for xgrammar's own cache")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="read special-token text in chat messages as tokens (lets a client forge turns)")
+    p.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                   help="logprobs of the forward's logits (raw, vLLM's default) or of the distribution sampled "
+                        "from (processed: penalties, temperature, truncation)")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(FORMATS),
                    help="how the model writes tool calls (docs/tools.md); the chat template's own tools "
                         "rendering is used where it has one")
@@ -129,7 +132,8 @@ def engine_config(args):
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
                         grammar=grammar_limits(args),
                         tensor_parallel_size=args.tensor_parallel_size,
-                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive), **kv)
+                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive),
+                        logprobs_mode=args.logprobs_mode, **kv)
 
 
 def _device_memory() -> int:

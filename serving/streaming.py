@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from serving.bridge import RequestFailed, RequestStream
 from serving.errors import engine_unavailable, request_failed, stream_error
 from serving.protocol import bad, envelope, tercel_stats, usage
+from serving.deltas import ChoiceDeltas
+from serving.logprobs import TokenPieces, chat_logprobs, completion_logprobs
 from serving.tools.formats import ToolFormat
-from serving.tools.parser import Arguments, CallStart, Content, ToolCallParser, parse_reply
+from serving.tools.parser import parse_reply
 from spec.request import RequestOutput
 
 
@@ -32,6 +34,8 @@ class Reply:
     n: int                  # choices per prompt (usage counts each prompt once)
     include_usage: bool     # streams only: a last chunk with the usage
     tools: ToolFormat | None = None   # chat with tools: tool calls are read out of the text in this format
+    pieces: TokenPieces | None = None  # logprobs asked for: how tokens are spelled
+    echo: bool = False                 # completions: the prompt before the text
 
     @property
     def chunk_object(self) -> str:
@@ -78,24 +82,17 @@ async def sse_events(reply: Reply, streams: list[RequestStream]) -> AsyncIterato
                 opening = {"role": "assistant", "content": None if reply.tools else ""}
                 yield reply.chunk([{"index": i, "delta": opening,
                                     "logprobs": None, "finish_reason": None}])
-        parsers = [ToolCallParser(reply.tools) if reply.tools else None for _ in streams]
+        choices = [ChoiceDeltas(i, reply.chat, reply.tools, reply.pieces, reply.echo) for i in range(len(streams))]
         while open_streams:
             i, out = await merged.get()
             if isinstance(out, Exception):   # one error event and no [DONE]: the stream failed
                 yield {"data": json.dumps({"error": stream_error(out)}, ensure_ascii=False)}
                 return
-            parser = parsers[i]
-            if parser is None:
-                if out.delta_text:
-                    yield reply.chunk([_delta(i, out.delta_text, None, reply.chat)])
-            else:
-                for delta in _tool_deltas(parser.feed(out.delta_text) + (parser.finish() if out.finished else [])):
-                    yield reply.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            for entry in choices[i].entries(out):
+                yield reply.chunk([entry])
             if out.finished:
                 finals[i] = out
                 open_streams -= 1
-                finish = _finish_reason(out.finish_reason, parser is not None and parser.calls > 0)
-                yield reply.chunk([_delta(i, "", finish, reply.chat)])
         if reply.include_usage:
             outs = list(finals.values())
             yield reply.chunk([], usage=reply.token_usage(streams, outs), tercel=tercel_stats(outs))
@@ -124,7 +121,8 @@ async def _pump(i: int, stream: RequestStream, merged: asyncio.Queue) -> None:
 
 def _choice(i: int, out: RequestOutput, reply: Reply) -> dict:
     if not reply.chat:
-        return {"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        return {"index": i, "text": _echoed(reply, out) + out.text, "logprobs": _completion_logprobs(reply, out),
+                "finish_reason": out.finish_reason}
     message = {"role": "assistant", "content": out.text}
     finish = out.finish_reason
     if reply.tools is not None:
@@ -133,30 +131,19 @@ def _choice(i: int, out: RequestOutput, reply: Reply) -> dict:
         if parsed.calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
-        finish = _finish_reason(finish, bool(parsed.calls))
-    return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
+            finish = "tool_calls" if finish == "stop" else finish
+    logprobs = chat_logprobs(out.logprobs, reply.pieces) if reply.pieces and out.logprobs is not None else None
+    return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
-def _finish_reason(engine_reason: str, called: bool) -> str:
-    """OpenAI's "tool_calls" for a reply that called tools and ended by itself."""
-    return "tool_calls" if called and engine_reason == "stop" else engine_reason
+def _echoed(reply: Reply, out: RequestOutput) -> str:
+    return reply.pieces.tokenizer.decode(out.prompt_token_ids) if reply.echo and reply.pieces else ""
 
 
-def _tool_deltas(events: list) -> list[dict]:
-    """Parser events as OpenAI's chat deltas: content, a call's index, id and name, then its arguments."""
-    deltas = []
-    for e in events:
-        if isinstance(e, Content):
-            deltas.append({"content": e.text})
-        elif isinstance(e, CallStart):
-            deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
-                                           "function": {"name": e.name, "arguments": ""}}]})
-        elif isinstance(e, Arguments):
-            deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
-    return deltas
-
-
-def _delta(i: int, text: str, finish: str | None, chat: bool) -> dict:
-    if chat:
-        return {"index": i, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
-    return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+def _completion_logprobs(reply: Reply, out: RequestOutput) -> dict | None:
+    if reply.pieces is None or out.logprobs is None:
+        return None
+    if reply.echo:
+        return completion_logprobs([*(out.prompt_logprobs or []), *out.logprobs], reply.pieces,
+                                   [*out.prompt_token_ids, *out.token_ids])
+    return completion_logprobs(out.logprobs, reply.pieces, out.token_ids)

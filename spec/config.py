@@ -46,6 +46,9 @@ class EngineConfig:
     # What compiling a constraint may cost (size, depth, caches; a time limit runs it in a
     # child process): the server sets a time limit, the offline API compiles in-process.
     grammar: GrammarLimits = GrammarLimits()
+    # What a request's logprobs are: "raw" (the forward's logits, as vLLM's default) or
+    # "processed" (the distribution sampled from); verifier/logprobs.py
+    logprobs_mode: str = "raw"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
@@ -54,6 +57,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")

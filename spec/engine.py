@@ -27,6 +27,7 @@ from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import NO_TOKEN_ALLOWED, RequestError, RequestFault
 from spec.rejection import accept_greedy, accept_tree
+from spec.prompt_logprobs import prompt_logprobs
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes
@@ -38,6 +39,7 @@ from verifier.cpus import IdleMeter, cpu_budget
 from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
+from verifier.logprobs import TokenLogprob, decided, row_logprob
 from verifier.parallel import open_target
 from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
 from verifier.sampling_params import SamplingParams
@@ -96,6 +98,8 @@ class SeqPlan:
     # accept: tokens to append: a tree's accepted path + one corrected or bonus token, else one
     # sampled token; none mid-prompt
     tokens: list[int] = field(default_factory=list)
+    # accept: per token of `tokens`, its logprob (a request that asks for them), else None
+    logprobs: list | None = None
     # any phase: what failed for this request alone; later phases skip it and emit fails it
     fault: Exception | None = None
 
@@ -658,6 +662,28 @@ class LLMEngine:
         elif not plan.mid_prefill:
             plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
                                         req.output_token_ids, req.generator)]
+        if plan.tokens and req.params.logprobs is not None:
+            plan.logprobs = self._logprobs(plan)
+
+    def _logprobs(self, plan: SeqPlan) -> list[TokenLogprob]:
+        """Each chosen token's logprob under the row that predicted it: a tree's root, then its
+        accepted nodes; a plain step's last row. Rows the grammar decides have no logits."""
+        req, k = plan.request, plan.request.params.logprobs
+        if plan.proposal is None:
+            if plan.sole and plan.sole[0] >= 0:
+                return [decided(plan.tokens[0], k)]
+            return [row_logprob(plan.logits[-1], plan.tokens[0], k, self.config.logprobs_mode, req.params,
+                                req.prompt_token_ids, req.output_token_ids)]
+        tree, rows = plan.proposal.tree, {u: i for i, u in enumerate(plan.logit_rows)}
+        out = []
+        for u, token in zip((0, *plan.accepted), plan.tokens):
+            if u not in rows:
+                out.append(decided(token, k))
+            else:
+                before = req.output_token_ids + tree.path_tokens(u)[1:]
+                out.append(row_logprob(plan.logits[rows[u]], token, k, self.config.logprobs_mode, req.params,
+                                       req.prompt_token_ids, before))
+        return out
 
     def _accept_proposal(self, req: Request, plan: SeqPlan) -> tuple[tuple[int, ...], list[int]]:
         """Exact acceptance over the plan's verified tree (plan.logits: a raw row per
@@ -763,7 +789,12 @@ class LLMEngine:
         if plan.mid_prefill:        # more prompt to come: publish its full blocks, emit nothing
             self.blocks.publish(req.seq_id, req.token_ids, req.num_computed_tokens)
             return None
+        if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = prompt_logprobs(self.target, self.blocks, -2 - req.seq_id, req.prompt_token_ids,
+                                                  req.params.prompt_logprobs)
         added, reason = self._append_tokens(req, plan.tokens)
+        if plan.logprobs is not None:
+            req.logprobs += plan.logprobs[:len(added)]
         if plan.drafted is not None and plan.proposal.num_draft_nodes > plan.forced:
             req.spec.emitted_tokens += len(added) - plan.forced_accepted
         # Publish before a finish frees the blocks: the next turn of a chat reuses them.
@@ -857,7 +888,9 @@ class LLMEngine:
             text=req.detok.text, token_ids=req.output_token_ids, finished=req.finished,
             finish_reason=req.finish_reason, delta_text=req.detok.take_delta(req.finished),
             delta_token_ids=added, ttft=ttft, total_time=total,
-            num_cached_tokens=req.num_cached_prompt_tokens, stats=req.spec, error=req.error)
+            num_cached_tokens=req.num_cached_prompt_tokens, stats=req.spec, error=req.error,
+            logprobs=None if req.params.logprobs is None else list(req.logprobs),
+            prompt_logprobs=req.prompt_logprobs)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

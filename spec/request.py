@@ -65,6 +65,8 @@ class Request:
         self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
         self.fault: Exception | None = None      # raised for this request alone in schedule (it then fails)
         self.error: RequestError | None = None   # why it failed alone (finish_reason "error")
+        self.logprobs: list = []                 # verifier.logprobs.TokenLogprob per output token, if asked
+        self.prompt_logprobs: list | None = None  # per prompt token (the first None), once computed, if asked
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -113,3 +115,6 @@ class RequestOutput:
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     stats: SpecStats = field(default_factory=SpecStats)
     error: RequestError | None = None  # finish_reason "error": this request failed alone, and why
+    # per output token (params.logprobs set): a verifier.logprobs.TokenLogprob, aligned with token_ids
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None   # per prompt token (params.prompt_logprobs set), the first None

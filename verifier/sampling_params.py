@@ -17,6 +17,7 @@ GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
 # A logit divided by a smaller penalty (and then by the temperature) can overflow fp32 to inf,
 # and softmax over several infs has no answer.
 MIN_REPETITION_PENALTY = 0.01
+MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # The output's constraint (JSON schema, regex, grammar, choice), or None; see verifier/grammar.py
     structured: StructuredOutputs | None = None
+    # Per output token its logprob and the `logprobs` most likely alternatives (None: none at all);
+    # per prompt token the same with `prompt_logprobs` (verifier/logprobs.py)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples.
@@ -97,3 +102,7 @@ def _check_lengths(p: SamplingParams) -> None:
         raise ValueError(f"stop must be non-empty strings, got {p.stop!r}")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in p.stop_token_ids):
         raise ValueError(f"stop_token_ids must be ints >= 0, got {p.stop_token_ids!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(p, name)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {k!r}")
