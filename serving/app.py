@@ -49,6 +49,7 @@ class ServerConfig:
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Tercel", docs_url=None, redoc_url=None)
+    bridge.metrics.model_name = bridge.metrics.model_name or config.model_names[0]
     install_error_handlers(app)
     routes = Routes(bridge, config)
     app.middleware("http")(routes.authorize)

@@ -1,4 +1,6 @@
-"""Prometheus metrics (tercel_*), on a registry of their own per server."""
+"""Prometheus metrics (tercel_*), on a registry of their own per server. Every series carries a
+`model_name` label (the served name), as vLLM's do, so one dashboard can hold several models;
+deploy/grafana-dashboard.json draws each of them (docs/serving.md, "Metrics")."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -8,21 +10,41 @@ from prometheus_client.parser import text_string_to_metric_families
 from spec.stats import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
+        self.model_name = model_name    # set by the app when it knows the name it serves
         r = self.registry = CollectorRegistry()
         self.running = Gauge("tercel_requests_running", "requests holding KV blocks", registry=r)
         self.waiting = Gauge("tercel_requests_waiting", "requests queued for admission", registry=r)
         self.blocks_used = Gauge("tercel_kv_blocks_used", "KV blocks referenced by requests", registry=r)
         self.blocks_free = Gauge("tercel_kv_blocks_free", "KV blocks free or evictable", registry=r)
+        self.kv_usage = Gauge("tercel_kv_cache_usage_perc", "fraction of the KV pool referenced by requests "
+                              "(0 to 1, vLLM's name)", registry=r)
+        self.preemptions = Counter("tercel_preemptions", "running requests sent back to the queue for want of "
+                                   "KV blocks", registry=r)
+        self.iteration_tokens = Histogram("tercel_iteration_tokens", "tokens per engine step (prompt chunks, "
+                                          "decode tokens, tree nodes)", buckets=LENGTH_BUCKETS, registry=r)
         self.prefix_queries = Counter("tercel_prefix_cache_queries", "prompt tokens looked up", registry=r)
         self.prefix_hits = Counter("tercel_prefix_cache_hits", "prompt tokens served from the cache", registry=r)
         self.ttft = Histogram("tercel_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tercel_inter_token_latency_seconds", "time between streamed tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tercel_e2e_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("tercel_request_queue_time_seconds", "arrival to first admission",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("tercel_request_prefill_time_seconds", "admission to the first token",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("tercel_request_decode_time_seconds", "first token to the last",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_length = Histogram("tercel_request_prompt_tokens", "prompt tokens per finished request",
+                                       buckets=LENGTH_BUCKETS, registry=r)
+        self.generation_length = Histogram("tercel_request_generation_tokens", "output tokens per finished request",
+                                           buckets=LENGTH_BUCKETS, registry=r)
+        self.success = Counter("tercel_request_success", "finished requests by why they ended (stop, length, "
+                               "abort)", ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("tercel_prompt_tokens", "prompt tokens", registry=r)
         self.generated_tokens = Counter("tercel_generated_tokens", "generated tokens", registry=r)
         self.verify_steps = Counter("tercel_spec_verify_steps", "speculative verify steps", registry=r)
@@ -46,7 +68,9 @@ class Metrics:
         self._seen = EngineStats()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.model_name:
+            return generate_latest(self.registry)
+        return _labelled(self.registry.collect(), {"model_name": self.model_name})
 
     def engine_state(self, s: EngineStats) -> None:
         """Gauges and counters from the engine's snapshot after a step (engine thread)."""
@@ -54,6 +78,10 @@ class Metrics:
         self.waiting.set(s.waiting)
         self.blocks_used.set(s.kv_blocks_used)
         self.blocks_free.set(s.kv_blocks_free)
+        self.kv_usage.set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.preemptions.inc(s.preemptions - self._seen.preemptions)
+        if s.steps > self._seen.steps:
+            self.iteration_tokens.observe(s.last_step_tokens)
         self.prefix_queries.inc(s.prefix_cache_queries - self._seen.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits - self._seen.prefix_cache_hits)
         self.drafter_errors.inc(s.drafter_errors - self._seen.drafter_errors)
@@ -67,8 +95,13 @@ class Metrics:
         st = out.stats
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generated_tokens.inc(len(out.token_ids))
+        self.prompt_length.observe(num_prompt_tokens)
+        self.generation_length.observe(len(out.token_ids))
+        if out.finish_reason in ("stop", "length", "abort"):
+            self.success.labels(finished_reason=out.finish_reason).inc()
         if out.total_time is not None:
             self.e2e.observe(out.total_time)
+        self._phases(out)
         self.verify_steps.inc(st.verify_steps)
         self.draft_tokens.inc(st.draft_tokens)
         self.accepted_tokens.inc(st.accepted_tokens)
@@ -78,6 +111,29 @@ class Metrics:
         if st.verify_steps:
             self._recent = (self._recent + [(st.emitted_tokens, st.verify_steps)])[-64:]
             self.mean_accepted.set(sum(e for e, _ in self._recent) / sum(v for _, v in self._recent))
+
+
+    def _phases(self, out) -> None:
+        """Queue, prefill and decode time of a finished request (a request aborted in the queue has none)."""
+        if out.queue_time is None:
+            return
+        self.queue_time.observe(out.queue_time)
+        if out.ttft is not None:
+            self.prefill_time.observe(max(0.0, out.ttft - out.queue_time))
+            if out.total_time is not None:
+                self.decode_time.observe(max(0.0, out.total_time - out.ttft))
+
+
+def _labelled(families, labels: dict[str, str]) -> bytes:
+    """An exposition of `families` with `labels` added to every sample."""
+    out = []
+    for fam in families:
+        copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+        copy.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
+        out.append(copy)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(out))
+    return generate_latest(registry)
 
 
 def merge_replica_metrics(texts: dict[str, str]) -> bytes:

@@ -169,6 +169,7 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._pending: list[RequestOutput] = []
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
+        self._steps = self._last_step_tokens = 0  # forward steps so far, and the last one's tokens
         self.drafter = None
         self.adaptive = AdaptiveController(config.adaptive)    # its cost curve comes with the warm-up
         self.timing = StepTiming()
@@ -323,6 +324,7 @@ class LLMEngine:
             speculating=on, draft_budget=self.adaptive.last_budget if on else 0, drafter_errors=self.drafter_errors,
             preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
             max_threads=self.num_threads, thread_switches=self.threads.switches,
+            steps=self._steps, last_step_tokens=self._last_step_tokens,
             timing=PhaseTimes(t.steps, t.draft_seconds, t.verify_seconds, t.accept_seconds))
 
     def reset_prefix_cache(self) -> int:
@@ -375,7 +377,9 @@ class LLMEngine:
         if speculated:
             self.timing.add(drafted - start, verified - drafted, end - verified)
         self._observe(plans, verified - drafted, end - start)
-        self.threads.observe(sum(p.num_rows for p in plans), len(plans), end - start)
+        self._last_step_tokens = sum(p.num_rows for p in plans)
+        self._steps += 1
+        self.threads.observe(self._last_step_tokens, len(plans), end - start)
         return outputs + new
 
     def _set_threads(self, n: int) -> None:
@@ -888,6 +892,7 @@ class LLMEngine:
             text=req.detok.text, token_ids=req.output_token_ids, finished=req.finished,
             finish_reason=req.finish_reason, delta_text=req.detok.take_delta(req.finished),
             delta_token_ids=added, ttft=ttft, total_time=total,
+            queue_time=None if req.admit_time is None else req.admit_time - req.arrival_time,
             num_cached_tokens=req.num_cached_prompt_tokens, stats=req.spec, error=req.error,
             logprobs=None if req.params.logprobs is None else list(req.logprobs),
             prompt_logprobs=req.prompt_logprobs)

@@ -53,6 +53,7 @@ class Request:
         self.generator = generator               # torch.Generator for seeded sampling
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
+        self.admit_time: float | None = None     # first admitted (its queue time ends there)
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0        # prefix-cache hit at first admission
@@ -111,6 +112,7 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     ttft: float | None = None          # seconds from arrival to the first output token
+    queue_time: float | None = None    # seconds from arrival to first admission
     total_time: float | None = None    # seconds from arrival to finish
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     stats: SpecStats = field(default_factory=SpecStats)

@@ -11,6 +11,7 @@ Rules, in order, each step:
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,6 +101,7 @@ class Scheduler:
             cached = self.blocks.allocate(req.seq_id, req.token_ids)
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = cached
+                req.admit_time = time.perf_counter()
             req.num_computed_tokens = cached
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -77,6 +77,8 @@ class EngineStats:
     threads: int = 0                # CPU threads steps run on now (outside the governor's probes)
     max_threads: int = 0            # the most they may: the configured count or the CPU budget
     thread_switches: int = 0        # times the thread governor changed the count (spec/threads.py)
+    steps: int = 0                  # engine steps that ran a forward
+    last_step_tokens: int = 0       # tokens the last of them ran (prompt chunks, decode tokens, tree nodes)
     timing: PhaseTimes = PhaseTimes()
 
     @property

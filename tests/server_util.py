@@ -1,6 +1,7 @@
 """A live Tercel server on a loopback port, run by uvicorn in a background thread."""
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -13,6 +14,19 @@ from serving.bridge import EngineBridge
 from serving.limits import ServerLimits
 from serving.metrics import Metrics
 from spec.engine import LLMEngine
+
+
+def metric_value(text: str, name: str) -> float:
+    """The first sample in a Prometheus exposition named `name` whose labels include the ones
+    written in it (`tercel_request_errors_total{reason="cancelled"}`); KeyError if none."""
+    from prometheus_client.parser import text_string_to_metric_families
+    base, _, selector = name.partition("{")
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == base and wanted.items() <= sample.labels.items():
+                return sample.value
+    raise KeyError(name)
 
 
 def free_port() -> int:
@@ -50,11 +64,8 @@ class LiveServer:
             time.sleep(0.05)
 
     def metric(self, name: str, headers: dict | None = None) -> float:
-        text = httpx.get(f"{self.url}/metrics", headers=headers or {}).text
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        """A sample's value: `name`, or `name{label="value",...}` for the series with those labels."""
+        return metric_value(httpx.get(f"{self.url}/metrics", headers=headers or {}).text, name)
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Until no request holds KV blocks (bounded; the engine frees within a step), and the

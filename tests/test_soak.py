@@ -273,9 +273,10 @@ def watch_scheduler(monkeypatch, scheduler) -> Counter:
 
 def request_errors(base_url: str) -> dict[str, float]:
     """tercel_request_errors by reason, from /metrics."""
-    prefix = 'tercel_request_errors_total{reason="'
-    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in httpx.get(f"{base_url}/metrics").text.splitlines() if line.startswith(prefix)}
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{base_url}/metrics").text
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "tercel_request_errors_total"}
 
 
 def counts_sent(jobs: list[dict]) -> Counter:
