@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from serving.bridge import RequestFailed, RequestStream
 from serving.errors import engine_unavailable, request_failed, stream_error
+from serving.prediction import completion_tokens_details
 from serving.protocol import bad, envelope, tercel_stats, usage
 from serving.tools.formats import ToolFormat
 from serving.tools.parser import Arguments, CallStart, Content, ToolCallParser, parse_reply
@@ -32,6 +33,7 @@ class Reply:
     n: int                  # choices per prompt (usage counts each prompt once)
     include_usage: bool     # streams only: a last chunk with the usage
     tools: ToolFormat | None = None   # chat with tools: tool calls are read out of the text in this format
+    predicted: bool = False           # the request carried a prediction: the usage counts its tokens
 
     @property
     def chunk_object(self) -> str:
@@ -43,7 +45,8 @@ class Reply:
 
     def token_usage(self, streams: list[RequestStream], outs: list[RequestOutput]) -> dict:
         prompt_tokens = sum(s.num_prompt_tokens for s in streams) // max(1, self.n)   # each prompt once
-        return usage(prompt_tokens, sum(len(o.token_ids) for o in outs))
+        counts = usage(prompt_tokens, sum(len(o.token_ids) for o in outs))
+        return {**counts, "completion_tokens_details": completion_tokens_details(outs)} if self.predicted else counts
 
 
 async def full_reply(reply: Reply, streams: list[RequestStream]) -> dict:
