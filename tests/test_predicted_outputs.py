@@ -111,3 +111,54 @@ def test_a_prediction_that_can_never_be_drafted_is_refused(plain, prompts):
     with pytest.raises(ValueError, match="1 predictions for 2 prompts"):
         plain.generate(prompts[:2], GREEDY, predictions=["a"])
     assert not plain.engine.has_unfinished and plain.engine.blocks.num_used_blocks == 0
+
+
+class Predicting:
+    """The engine as drive_random_requests drives it, each request with its prediction, and
+    its finished outputs kept."""
+
+    def __init__(self, engine, predictions: dict[str, Prediction]):
+        self.engine, self.predictions, self.finished = engine, predictions, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def add_request(self, request_id, prompt, params):
+        self.engine.add_request(request_id, None, params, prompt_token_ids=prompt,
+                                prediction=self.predictions[request_id])
+
+    def step(self):
+        outs = self.engine.step()
+        self.finished.update((o.request_id, o) for o in outs if o.finished and o.finish_reason != "abort")
+        return outs
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_no_leaked_blocks_or_state_with_predictions_under_preemption_and_aborts(tiny_llama_dir, drafter):
+    """60 requests on the tiny model predicting their own greedy replies, edited; random aborts
+    and a pool small enough to preempt: integrity after every step, the pool whole and no
+    prediction state left afterwards, greedy replies unchanged."""
+    import random
+
+    from conftest import drive_random_requests
+    from drafters.config import SpecConfig
+    llm = LLM(str(tiny_llama_dir), max_model_len=160, num_kv_blocks=48, block_size=8, max_num_seqs=8,
+              speculation=SpecConfig(num_speculative_tokens=3), **({} if drafter == "none" else {"drafter": drafter}))
+    rng = random.Random(11)
+    jobs = [([rng.randrange(3, 400)] * 4 + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))],
+             SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(1, 50), ignore_eos=True))
+            for i in range(60)]
+    greedy = [o.token_ids for o in llm.generate([p for p, _ in jobs],
+                                                [SamplingParams(temperature=0, max_tokens=s.max_tokens,
+                                                                ignore_eos=True) for _, s in jobs])]
+    predictions = {f"r{i}": Prediction(tuple(g[:len(g) // 2] + [7] + g[len(g) // 2 + 1:])) for i, g in enumerate(greedy)}
+    engine = Predicting(llm.engine, predictions)
+    _, preempted = drive_random_requests(engine, rng, len(jobs), lambda i: jobs[i], add_p=0.6, abort_p=0.08)
+    assert preempted > 0
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.requests and not llm.engine.predictor._index
+    done = engine.finished
+    assert sum(o.stats.prediction_accepted for o in done.values()) > 0
+    for rid, out in done.items():
+        i = int(rid[1:])
+        if jobs[i][1].greedy:
+            assert out.token_ids == greedy[i], rid
