@@ -18,6 +18,8 @@ Rules every drafter keeps:
 - `finish(seq_id, token_ids, num_prompt)` comes before `release` when a request ends (finished
   or cancelled, not preempted): a drafter that learns from served outputs (suffix decoding)
   keeps them there; `forget_history()` drops what it learned across requests.
+- A request may carry a `Prediction` (OpenAI's Predicted Outputs): the engine drafts it itself
+  (drafters/prediction.py) and joins it to the drafter's proposal; a drafter may read it too.
 """
 from __future__ import annotations
 
@@ -30,6 +32,24 @@ import torch
 from drafters.config import SpecConfig
 from tree.token_tree import TokenTree
 from verifier.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The reply a client expects (OpenAI's `prediction`, e.g. the file it asked to have edited),
+    as token ids. It is drafted, so it can speed the reply up and never change it."""
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        ids = tuple(self.token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError("prediction token ids must be ints >= 0")
+        object.__setattr__(self, "token_ids", ids)
+
+    @classmethod
+    def from_text(cls, text: str, tokenizer) -> "Prediction":
+        """The text's tokens, with no special token added (a reply never starts with a BOS)."""
+        return cls(tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ())
 
 
 @dataclass
@@ -47,6 +67,7 @@ class DraftRequest:
     # replaced by what the target accepts if the forced string is spelled otherwise.
     unverified: int = 0
     num_prompt: int = 0             # token_ids[:num_prompt] is the prompt, the rest the output
+    prediction: Prediction | None = None    # the reply the client expects, if it sent one
 
     @property
     def verified_ids(self) -> list[int]:

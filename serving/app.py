@@ -26,6 +26,7 @@ from serving.errors import engine_stopped, engine_unavailable, install_error_han
 from serving.limits import BodyLimit, ServerLimits
 from serving.logprobs import TokenPieces
 from serving.middleware import ServerErrors
+from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
 from serving.streaming import Reply, full_reply, sse_events
@@ -154,14 +155,17 @@ class Routes:
         limits = self.bridge.limits
         spec = resolve_speculation(req.speculation, limits.speculation, limits.drafter)
         grammar = await self._compile(req) if req.structured is not None else None
+        prediction = await tokenized(req.prediction, self.bridge.tokenizer) if req.prediction is not None else None
         jobs = [(ids, i * req.n + c) for i, ids in enumerate(prompt_ids) for c in range(req.n)]
-        subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree, grammar)
+        subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree, grammar, prediction)
                 for ids, choice in jobs]
+        if prediction is not None:
+            check_predictions(limits, subs)
         streams = self._submit(subs)
         calls = self.config.tool_format if req.tool_choice.mode != "none" else None
         pieces = self._pieces if req.logprobs is not None or req.echo else None
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage, calls,
-                      pieces, req.echo)
+                      pieces, req.echo, predicted=prediction is not None)
         if req.stream:
             return EventSourceResponse(sse_events(reply, streams), ping=15,
                                        send_timeout=self.config.limits.send_timeout_s)

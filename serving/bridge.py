@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from drafters.base import Prediction
 from drafters.config import SpecConfig
 from spec.engine import LLMEngine
 from spec.faults import RequestError
@@ -86,6 +87,7 @@ class Submission:
     speculate: bool = True
     speculation: SpecConfig | None = None
     grammar: object | None = None     # params.structured compiled (verifier.grammar), or None
+    prediction: Prediction | None = None    # the reply the client expects (Predicted Outputs), or None
 
 
 # ---- the inbox: one message per operation, handled on the engine thread between two steps ----
@@ -402,7 +404,8 @@ class EngineBridge:
             return
         try:
             self.engine.add_request(rid, None, sub.params, prompt_token_ids=sub.prompt_token_ids,
-                                    speculate=sub.speculate, speculation=sub.speculation, grammar=sub.grammar)
+                                    speculate=sub.speculate, speculation=sub.speculation, grammar=sub.grammar,
+                                    prediction=sub.prediction)
         except Exception as e:   # noqa: BLE001 - this request's alone; a ValueError is its own fault
             self._add_in_flight(-1)
             invalid = isinstance(e, ValueError)

@@ -53,6 +53,7 @@ class ParsedRequest:
     echo: bool = False                             # completions: the prompt before the text
     tools: list[dict] | None = None                # chat: the tools offered (OpenAI's shape)
     tool_choice: ToolChoice = ToolChoice("none")   # "none": the reply is text, never parsed for calls
+    prediction: str | None = None                  # Predicted Outputs: the text the reply is expected to be
 
 
 def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat) -> ParsedRequest:
@@ -96,7 +97,17 @@ def _parsed(body, prompts: list, max_tokens: int | None, logprobs: int | None) -
     sampling = {**_sampling(body), "structured": structured, "logprobs": logprobs}
     return ParsedRequest(prompts, max_tokens, sampling, _or(body.n, 1), bool(body.stream),
                          bool(opts and opts.include_usage), body.speculation, body.model, structured, param,
-                         logprobs=logprobs)
+                         logprobs=logprobs, prediction=_prediction(body))
+
+
+def _prediction(body) -> str | None:
+    """The prediction's text (its parts concatenated: pieces of one reply); 400 with n > 1, as OpenAI."""
+    p = body.prediction
+    if p is None:
+        return None
+    if _or(body.n, 1) > 1:
+        raise bad("prediction", "'prediction' cannot be used with n > 1, as in OpenAI's API")
+    return p.content if isinstance(p.content, str) else "".join(part.text for part in p.content)
 
 
 def _structured(body) -> tuple[str | None, StructuredOutputs | None]:

@@ -124,11 +124,20 @@ class _Generation(_Strict):
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = Field(
         None, description="the output is one of these strings (vLLM)")
     guided_grammar: NonEmptyText | None = Field(None, description="an EBNF grammar, GBNF syntax, root rule `root` (vLLM)")
+    prediction: PredictionContent | None = Field(
+        None, description="Predicted Outputs: the reply's expected text, drafted (docs/predicted.md); not with n > 1")
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: Text
+
+
+class PredictionContent(_Strict):
+    """OpenAI's Predicted Outputs: the text the reply is expected to be (e.g. the file being
+    edited). Its tokens are drafted, so it can speed the reply up and never change it."""
+    type: Literal["content"]
+    content: Text | list[TextPart] = Field(description="a string, or text parts joined as they are")
 
 
 class CalledFunction(_Strict):
@@ -205,10 +214,17 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="tokens of the prediction accepted by verification")
+    rejected_prediction_tokens: int = Field(description="tokens of the prediction verified and not accepted")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="present when the request carried a prediction")
 
 
 class TercelStats(BaseModel):
@@ -288,5 +304,5 @@ def request_field_names() -> frozenset[str]:
     """Every field name of the request models: what a validation error's location can name."""
     models = (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions, StreamOptions,
               JSONSchemaResponseFormat, JSONSchemaFormat, ToolCall, CalledFunction, Tool, FunctionDefinition,
-              NamedToolChoice, FunctionName)
+              NamedToolChoice, FunctionName, PredictionContent)
     return frozenset(f.alias or name for m in models for name, f in m.model_fields.items())

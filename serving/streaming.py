@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from serving.bridge import RequestFailed, RequestStream
 from serving.errors import engine_unavailable, request_failed, stream_error
-from serving.protocol import bad, envelope, tercel_stats, usage
 from serving.deltas import ChoiceDeltas
 from serving.logprobs import TokenPieces, chat_logprobs, completion_logprobs
+from serving.prediction import completion_tokens_details
+from serving.protocol import bad, envelope, tercel_stats, usage
 from serving.tools.formats import ToolFormat
 from serving.tools.parser import parse_reply
 from spec.request import RequestOutput
@@ -36,6 +37,7 @@ class Reply:
     tools: ToolFormat | None = None   # chat with tools: tool calls are read out of the text in this format
     pieces: TokenPieces | None = None  # logprobs asked for: how tokens are spelled
     echo: bool = False                 # completions: the prompt before the text
+    predicted: bool = False            # the request carried a prediction: the usage counts its tokens
 
     @property
     def chunk_object(self) -> str:
@@ -47,7 +49,8 @@ class Reply:
 
     def token_usage(self, streams: list[RequestStream], outs: list[RequestOutput]) -> dict:
         prompt_tokens = sum(s.num_prompt_tokens for s in streams) // max(1, self.n)   # each prompt once
-        return usage(prompt_tokens, sum(len(o.token_ids) for o in outs))
+        counts = usage(prompt_tokens, sum(len(o.token_ids) for o in outs))
+        return {**counts, "completion_tokens_details": completion_tokens_details(outs)} if self.predicted else counts
 
 
 async def full_reply(reply: Reply, streams: list[RequestStream]) -> dict:

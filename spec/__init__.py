@@ -1,8 +1,9 @@
-"""Tercel's engine core: `from spec import LLM, SamplingParams, StructuredOutputs`."""
+"""Tercel's engine core: `from spec import LLM, SamplingParams, StructuredOutputs, Prediction`."""
+from drafters.base import Prediction
 from spec.config import EngineConfig
 from spec.llm import LLM
 from spec.request import RequestOutput
 from verifier.sampling_params import SamplingParams
 from verifier.structured import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "Prediction"]

@@ -8,7 +8,9 @@ commit (move accepted KV into place, publish full blocks to the prefix cache) ->
 A request with a grammar (`SamplingParams.structured`) gets its masks in draft (pruning
 the tree, spec/constraints.py), applies them in accept and advances its matcher in emit;
 where the grammar forces tokens they are its tree this step (jump-forward), with or
-without a drafter.
+without a drafter. A request with a prediction (OpenAI's Predicted Outputs) gets the
+prediction's chain in its tree, joined to the drafter's proposal (drafters/prediction.py),
+also with no drafter.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from drafters.base import Prediction
 from drafters.config import SpecConfig
+from drafters.prediction import PredictionDrafter, chain_nodes, join_prediction
 from spec.adaptive import AdaptiveController, Candidate
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
@@ -83,6 +87,7 @@ class SeqPlan:
     # drafter's tree (`drafted`) below it if the drafter drafts ahead, else nothing
     forced: int = 0
     drafted: Proposal | None = None     # draft: the drafter's own proposal, for its counters
+    predicted: tuple[int, ...] = ()     # draft: the prediction's chain proposed below the forced tokens
     forced_accepted: int = 0            # accept: forced chain nodes accepted
     # draft: a constrained request's grammar bitmask per sampled row, int32 [rows, W]; None: no grammar
     masks: torch.Tensor | None = None
@@ -171,6 +176,7 @@ class LLMEngine:
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
         self._steps = self._last_step_tokens = 0  # forward steps so far, and the last one's tokens
         self.drafter = None
+        self.predictor = PredictionDrafter()   # drafts each request's own prediction, with or without a drafter
         self.adaptive = AdaptiveController(config.adaptive)    # its cost curve comes with the warm-up
         self.timing = StepTiming()
         self._propose_seconds = 0.0         # this step's drafter.propose
@@ -271,15 +277,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, speculate: bool = True,
-                    speculation: SpecConfig | None = None, grammar=None) -> Request:
+                    speculation: SpecConfig | None = None, grammar=None,
+                    prediction: Prediction | None = None) -> Request:
         """Validate and queue; ValueError (naming the problem) leaves no state behind.
         `speculate=False` decodes this request plainly; `speculation` caps its tree (depth,
         top-k, budget) below the engine's own SpecConfig; `grammar`: params.structured already
-        compiled (the server compiles before queueing; the cache may have dropped it since)."""
+        compiled (the server compiles before queueing; the cache may have dropped it since);
+        `prediction`: the reply the client expects, drafted (ignored when not speculating)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(ids, params)
+        if prediction is not None:
+            self.limits().validate_prediction(ids, params, prediction)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, ids, params,
@@ -288,6 +298,7 @@ class LLMEngine:
                       generator=make_generator(seed, self.target.device))
         req.speculate = speculate
         req.speculation = self._cap_speculation(speculation)
+        req.prediction = prediction if speculate else None    # it only speeds a reply up: off means off
         if params.structured is not None:
             req.grammar = self.grammars.matcher(params.structured) if grammar is None \
                 else self.grammars.matcher_of(grammar)
@@ -437,8 +448,20 @@ class LLMEngine:
         except Exception as e:   # this request's grammar: it fails alone, in emit
             req.fault = e
             return 0
+        return len(req.forced) + max(self._drafter_nodes(req), self._prediction_depth(req))
+
+    def _drafter_nodes(self, req: Request) -> int:
+        """Draft nodes the drafter may propose this step: below forced tokens only if it drafts ahead."""
         ahead = not req.forced or (self.drafter is not None and self.drafter.drafts_ahead)
-        return len(req.forced) + (self._spec_limits(req)[1] if ahead else 0)
+        return self._spec_limits(req)[1] if ahead else 0
+
+    def _prediction_depth(self, req: Request) -> int:
+        """The prediction's chain this step: as deep as the request's tree goes (γ), below its
+        forced tokens, never past max_tokens or the context."""
+        if req.prediction is None:
+            return 0
+        room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        return max(0, min((req.speculation or self.spec_config).num_speculative_tokens, room - 1 - len(req.forced)))
 
     def _forced(self, req: Request) -> list[int]:
         if req.grammar is None or not self.config.jump_forward:
@@ -474,7 +497,9 @@ class LLMEngine:
                 plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced)
                 plan.forced = len(plan.request.forced)
         drafted = [p for p in picked if p.seq.num_lookahead > p.forced]
-        props = self._trim(drafted, self._propose([p.request for p in drafted]), plans)
+        proposed = [(p, prop) for p, prop in zip(drafted, self._proposals(drafted)) if prop is not None]
+        drafted = [p for p, _ in proposed]
+        props = self._trim(drafted, [prop for _, prop in proposed], plans)
         for plan, prop in zip(drafted, props):
             if prop is None:        # the adaptive controller kept none of it: a plain decode step
                 continue
@@ -524,13 +549,39 @@ class LLMEngine:
             plan.proposal, plan.masks = constrain(plan.proposal, matcher)
         plan.sole = sole_tokens(plan.masks)
 
+    def _proposals(self, drafted: list[SeqPlan]) -> list["Proposal | None"]:
+        """Per plan, the drafter's proposal joined with its request's prediction chain; None
+        where there is neither (the drafter failed: a plain decode step)."""
+        reqs = [p.request for p in drafted if self._drafter_nodes(p.request)]
+        own = dict(zip((r.seq_id for r in reqs), self._propose(reqs)))    # empty if the drafter failed
+        return [self._with_prediction(p, own.get(p.request.seq_id)) for p in drafted]
+
+    def _with_prediction(self, plan: SeqPlan, own: "Proposal | None") -> "Proposal | None":
+        """The request's prediction chain joined with the drafter's proposal `own` (drafters/prediction.py)."""
+        from drafters.base import DraftRequest
+        req = plan.request
+        if req.prediction is None:
+            return own
+        depth = self._prediction_depth(req)
+        view = DraftRequest(req.seq_id, req.token_ids + req.forced, req.params, req.generator, depth, depth,
+                            unverified=len(req.forced), num_prompt=req.num_prompt_tokens, prediction=req.prediction)
+        try:
+            chain = self.predictor.propose([view])[0]
+        except Exception:  # a bug here must not fail the request: the drafter's proposal alone
+            self.drafter_errors += 1
+            log.exception("drafting the prediction of seq %d failed", req.seq_id)
+            return own
+        plan.predicted = chain.tree.tokens[1:]
+        return join_prediction(chain, own, max(self._drafter_nodes(req), depth))
+
     def _propose(self, reqs: list[Request]) -> list["Proposal"]:
         """The drafter's trees for reqs, in order; none at all (plain decoding) if it raises."""
         from drafters.base import DraftRequest
         if not reqs:
             return []
         views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),
-                              unverified=len(r.forced), num_prompt=r.num_prompt_tokens) for r in reqs]
+                              unverified=len(r.forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction)
+                 for r in reqs]
         start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
@@ -656,6 +707,8 @@ class LLMEngine:
             # the forced chain is nodes 1..forced: the accepted path runs through it first
             plan.forced_accepted = sum(1 for j in plan.accepted if j <= plan.forced)
             req.spec.forced_tokens += plan.forced_accepted
+            if plan.predicted:
+                self._count_prediction(req, plan)
             if plan.drafted is not None:
                 self._count(req, plan.proposal.num_draft_nodes - plan.forced,
                             plan.proposal.tree.max_depth - plan.forced, len(plan.accepted) - plan.forced_accepted)
@@ -716,6 +769,15 @@ class LLMEngine:
         else:
             result = accept_tree(tree, node_probs, prop.draft, req.generator)
         return result.accepted, [tree.tokens[j] for j in result.accepted] + [result.token]
+
+    @staticmethod
+    def _count_prediction(req: Request, plan: SeqPlan) -> None:
+        """The prediction's tokens verified this step (what the cut and the grammar left of its
+        chain) and how many of them were accepted."""
+        nodes = chain_nodes(plan.proposal.tree, plan.forced, plan.predicted)
+        accepted = len(set(nodes) & set(plan.accepted))
+        req.spec.prediction_accepted += accepted
+        req.spec.prediction_rejected += len(nodes) - accepted
 
     @staticmethod
     def _count(req: Request, nodes: int, max_depth: int, accepted: int) -> None:
@@ -820,6 +882,7 @@ class LLMEngine:
             log.exception("drafter %s failed to learn seq %d's output", self.drafter.name, req.seq_id)
 
     def _release_draft(self, req: Request) -> None:
+        self.predictor.release(req.seq_id)
         if self.drafter is not None:
             self.drafter.release(req.seq_id)
 

@@ -1,10 +1,16 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(conversations, params)`."""
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(conversations, params)`.
+
+Both take `predictions=` (OpenAI's Predicted Outputs): the reply each prompt is expected to get,
+as text or a `Prediction` of token ids; one for every prompt, or a sequence with one per prompt
+(None: none). A prediction is drafted, so it changes the speed and never the output.
+"""
 from __future__ import annotations
 
 import itertools
 from dataclasses import fields
 from typing import Sequence
 
+from drafters.base import Prediction
 from spec.config import EngineConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
@@ -12,6 +18,7 @@ from verifier.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
+Predicted = str | Prediction | None
 
 
 class LLM:
@@ -40,18 +47,20 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 predictions: Predicted | Sequence[Predicted] = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([(p, None) for p in prompts], params)
+        return self._run([(p, None) for p in prompts], params, predictions)
 
     def chat(self, conversations: list[Message] | list[list[Message]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             predictions: Predicted | Sequence[Predicted] = None) -> list[RequestOutput]:
         """Conversations go through the model's chat template with the assistant turn opened."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run([(None, self.apply_chat_template(c)) for c in conversations], params)
+        return self._run([(None, self.apply_chat_template(c)) for c in conversations], params, predictions)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         if not messages:
@@ -62,16 +71,18 @@ class LLM:
                 raise ValueError(f"bad message {m!r}: need role system/user/assistant and string content")
         return chat_token_ids(self.tokenizer, messages)
 
-    def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params, predictions=None) -> list[RequestOutput]:
         params = params or SamplingParams()
         plist = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(items):
             raise ValueError(f"{len(plist)} SamplingParams for {len(items)} prompts")
+        predicted = self._predictions(predictions, len(items))
         engine, ids = self.engine, []
         try:
-            for (prompt, tokens), p in zip(items, plist):
+            for (prompt, tokens), p, pred in zip(items, plist, predicted):
                 rid = f"gen-{next(self._ids)}"
-                engine.add_request(rid, prompt if prompt is not None else tokens, p, prompt_token_ids=tokens)
+                engine.add_request(rid, prompt if prompt is not None else tokens, p, prompt_token_ids=tokens,
+                                   prediction=pred)
                 ids.append(rid)
         except Exception:
             for rid in ids:            # a bad prompt in the list: leave nothing queued
@@ -84,6 +95,19 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in ids]
+
+
+    def _predictions(self, predictions, n: int) -> list[Prediction | None]:
+        """One Prediction (or None) per prompt; text is tokenized as a reply's text."""
+        if predictions is None or isinstance(predictions, (str, Prediction)):
+            predictions = [predictions] * n
+        plist = list(predictions)
+        if len(plist) != n:
+            raise ValueError(f"{len(plist)} predictions for {n} prompts")
+        for p in plist:
+            if p is not None and not isinstance(p, (str, Prediction)):
+                raise ValueError(f"a prediction is a str, a Prediction or None, got {type(p).__name__}")
+        return [Prediction.from_text(p, self.tokenizer) if isinstance(p, str) else p for p in plist]
 
 
 def chat_token_ids(tokenizer, messages: list[Message]) -> list[int]:

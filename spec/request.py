@@ -25,6 +25,8 @@ class SpecStats:
     accepted_tokens: int = 0
     emitted_tokens: int = 0          # tokens produced by verify steps (accepted + corrected/bonus)
     forced_tokens: int = 0           # grammar-forced tokens accepted in jump-forward steps (not counted above)
+    prediction_accepted: int = 0     # tokens of the request's prediction accepted by verification
+    prediction_rejected: int = 0     # tokens of its prediction verified and not accepted
     accepted_per_depth: list[int] = field(default_factory=list)
 
     @property
@@ -64,6 +66,7 @@ class Request:
         self.draft_cap: int | None = None        # draft nodes it may propose this step (None: its tree's)
         self.grammar = None                      # verifier.grammar.Matcher of params.structured, or None
         self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
+        self.prediction = None                   # drafters.base.Prediction: the reply the client expects, or None
         self.fault: Exception | None = None      # raised for this request alone in schedule (it then fails)
         self.error: RequestError | None = None   # why it failed alone (finish_reason "error")
         self.logprobs: list = []                 # verifier.logprobs.TokenLogprob per output token, if asked

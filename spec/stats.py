@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drafters.base import Prediction
 from drafters.config import SpecConfig
 from verifier.sampling_params import SamplingParams
 
@@ -44,6 +45,23 @@ class EngineLimits:
         if -(-(total + self.tree_slots) // self.kv_block_size) > self.kv_blocks_total:
             raise ValueError(f"prompt + max_tokens = {total} tokens needs more KV blocks than the "
                              f"pool has ({self.kv_blocks_total} of {self.kv_block_size})")
+
+    def validate_prediction(self, ids: list[int], params: SamplingParams, prediction: Prediction) -> None:
+        """Raise ValueError (naming `prediction`) if this request's prediction can never be drafted."""
+        if not isinstance(prediction, Prediction):
+            raise ValueError(f"prediction must be a Prediction, got {type(prediction).__name__}")
+        n = len(prediction.token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"prediction is {n} tokens, more than the context length "
+                             f"max_model_len={self.max_model_len}")
+        if any(t >= self.vocab_size for t in prediction.token_ids):
+            raise ValueError(f"prediction token ids must be in [0, {self.vocab_size})")
+        # Without a drafter its chain (γ deep) is the tree; with one it fits in the drafter's nodes.
+        chain = self.tree_slots or self.speculation.num_speculative_tokens
+        total = len(ids) + params.max_tokens + chain
+        if -(-total // self.kv_block_size) > self.kv_blocks_total:
+            raise ValueError(f"prompt + max_tokens + a prediction chain of {chain} = {total} tokens needs more KV "
+                             f"blocks than the pool has ({self.kv_blocks_total} of {self.kv_block_size})")
 
 
 @dataclass(frozen=True)
