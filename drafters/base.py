@@ -68,6 +68,9 @@ class DraftRequest:
     unverified: int = 0
     num_prompt: int = 0             # token_ids[:num_prompt] is the prompt, the rest the output
     prediction: Prediction | None = None    # the reply the client expects, if it sent one
+    # The ids min_tokens masks while the output is shorter (EOS, stop tokens); a sampling
+    # drafter draws from the target's transform (verifier/sampler.py:transform_logits) with them.
+    held_back: frozenset[int] = frozenset()
 
     @property
     def verified_ids(self) -> list[int]:

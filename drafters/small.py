@@ -24,7 +24,7 @@ from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.sampler import target_probs
+from verifier.sampler import target_probs, transform_logits
 from verifier.target import TargetModel
 
 
@@ -139,7 +139,7 @@ class SmallModelDrafter(Drafter):
         for d in range(depth):
             live = [i for i, r in enumerate(reqs) if d < r.max_depth]
             for row, i in enumerate(live):
-                tok, q = self._pick(reqs[i], logits[row])
+                tok, q = self._pick(reqs[i], logits[row], drafted[i])
                 drafted[i].append(tok)
                 qrows[i].append(q)
             if d + 1 == depth or not any(d + 1 < reqs[i].max_depth for i in live):
@@ -154,7 +154,13 @@ class SmallModelDrafter(Drafter):
             props.append(Proposal(tree, None if qs[0] is None else _chain_q(qs)))
         return props
 
-    def _pick(self, req: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _pick(self, req: DraftRequest, logits: torch.Tensor, path: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The next chain token after `path` (drafted so far) and the q it was drawn from: the
+        target's transform (bias, min_tokens, penalties over the output and the path), so q
+        leans where p does."""
+        if req.params.has_logit_transform:
+            output = req.token_ids[req.num_prompt:] + path
+            logits = transform_logits(logits, req.params, req.token_ids[:req.num_prompt], output, req.held_back)
         if self.deterministic or req.params.greedy:
             return int(logits.argmax()), None
         q = target_probs(logits[None], req.params)[0]

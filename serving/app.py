@@ -20,18 +20,22 @@ from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
 from serving.bridge import EngineBridge, EngineUnavailable, QueueFullError, RequestStream, Submission
+from serving.chat_prompt import ChatPrompt
+from serving.defaults import SamplingDefaults
 from serving.disconnect import until_disconnected
 from serving.errors import engine_stopped, engine_unavailable, install_error_handlers, queue_full, refused, \
     unauthorized, unknown_model
+from serving.fields import check_fields, check_min_tokens, check_sampling
 from serving.limits import BodyLimit, ServerLimits
 from serving.logprobs import TokenPieces
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
-from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorResponse
+from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, \
+    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse, VersionResponse
 from serving.streaming import Reply, full_reply, sse_events
 from serving.tools.formats import HERMES, ToolFormat
-from serving.tools.prompt import template_messages
+from serving.utility_routes import UtilityRoutes, model_card
 from verifier.sampling_params import SamplingParams
 from verifier.tokenizer import prompt_ids
 
@@ -46,6 +50,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()   # CORS for browser clients; none: no CORS headers at all
     special_tokens_in_content: bool = False  # parse `<|im_start|>` in messages as a token (unsafe)
     tool_format: ToolFormat = HERMES          # how the model writes tool calls (--tool-call-parser)
+    chat_template: str | None = None          # replaces the model's chat template (--chat-template)
+    # what requests that leave sampling fields out get (the model's generation_config.json)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -57,7 +64,12 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics)
     app.post("/reset_prefix_cache")(routes.reset_prefix_cache)
-    app.get("/v1/models")(routes.models)
+    app.get("/v1/models", response_model=ModelList)(routes.models)
+    more = UtilityRoutes(config.model_names, bridge.limits, bridge.tokenizer, routes.chat_prompt)
+    app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404))(more.model)
+    app.get("/version", response_model=VersionResponse)(more.version)
+    app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404))(more.tokenize)
+    app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))(more.detokenize)
     app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion))(routes.chat)
     app.post("/v1/completions", response_model=None, responses=_responses(Completion))(routes.completions)
     app.add_middleware(BodyLimit, limit=config.limits.max_body_bytes)
@@ -81,6 +93,9 @@ class Routes:
         self._expected = f"Bearer {config.api_key}".encode() if config.api_key else None
         self._token_chars = longest_token(bridge.tokenizer)
         self._pieces = TokenPieces(bridge.tokenizer)     # token texts for logprobs, cached across requests
+        tok = bridge.tokenizer if config.chat_template is None else bridge.tokenizer.with_chat_template(
+            config.chat_template)
+        self.chat_prompt = ChatPrompt(tok, config.tool_format, config.special_tokens_in_content)
 
     async def authorize(self, request: Request, call_next):
         if self._expected is not None and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
@@ -106,26 +121,24 @@ class Routes:
         return {"dropped_blocks": await self.bridge.reset_prefix_cache()}
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.served, "object": "model", "created": 0, "owned_by": "tercel"}]}
+        return {"object": "list", "data": [model_card(name) for name in self.config.model_names]}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        req = parse_chat(body, self.config.tool_format)
+        check_fields(body, chat=True)
+        req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format)
         self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
-        return await until_disconnected(request, self._chat(req))
+        return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
 
-    async def _chat(self, req: ParsedRequest):
-        tok = self.bridge.tokenizer
-        messages, tools = template_messages(req.prompts[0], req.tools, self.config.tool_format,
-                                            getattr(tok, "renders_tools", False))
+    async def _chat(self, req: ParsedRequest, template_kwargs: dict | None):
         try:    # off the event loop: a long prompt takes seconds to tokenize
-            ids = await run_in_threadpool(tok.apply_chat_template, messages, tools=tools,
-                                          allow_special_tokens_in_content=self.config.special_tokens_in_content)
+            ids = await run_in_threadpool(self.chat_prompt.ids, req.prompts[0], req.tools, True, template_kwargs)
         except ValueError as e:
             raise bad("messages", str(e)) from None
         return await self._generate(req, [ids], chat=True)
 
     async def completions(self, body: CompletionRequest, request: Request):
-        req = parse_completion(body)
+        check_fields(body, chat=False)
+        req = parse_completion(self.config.sampling_defaults.apply(body))
         self._check(req, [p for p in req.prompts if isinstance(p, str)], "prompt")
         return await until_disconnected(request, self._completions(req))
 
@@ -143,6 +156,7 @@ class Routes:
         if req.model not in self.config.model_names:
             raise unknown_model(req.model, self.served)
         self.config.limits.check_stop(req.sampling["stop"])
+        check_sampling(req, self.bridge.limits)
         if self._token_chars:
             context = self.bridge.limits.max_model_len
             for text in texts:
@@ -186,6 +200,7 @@ class Routes:
     def _params(self, req: ParsedRequest, ids: list[int], choice: int, chat: bool) -> SamplingParams:
         limits = self.bridge.limits
         max_tokens = req.max_tokens or max(1, limits.max_model_len - len(ids))
+        check_min_tokens(req.sampling["min_tokens"], max_tokens)
         seed = req.sampling["seed"]
         sampling = {**req.sampling, "seed": None if seed is None else seed + choice}
         try:
@@ -223,6 +238,12 @@ def _openapi(app: FastAPI) -> dict:
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
     return app.openapi_schema
+
+
+def _errors(*codes: int) -> dict:
+    """OpenAI error bodies for /openapi.json, by status."""
+    text = {400: "invalid request", 404: "unknown model"}
+    return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
 
 
 def _responses(ok_model) -> dict:

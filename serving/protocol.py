@@ -94,7 +94,7 @@ def parse_completion(body: CompletionRequest) -> ParsedRequest:
 def _parsed(body, prompts: list, max_tokens: int | None, logprobs: int | None) -> ParsedRequest:
     opts = body.stream_options
     param, structured = _structured(body)
-    sampling = {**_sampling(body), "structured": structured, "logprobs": logprobs}
+    sampling = {**_sampling(body), **_output_controls(body), "structured": structured, "logprobs": logprobs}
     return ParsedRequest(prompts, max_tokens, sampling, _or(body.n, 1), bool(body.stream),
                          bool(opts and opts.include_usage), body.speculation, body.model, structured, param,
                          logprobs=logprobs, prediction=_prediction(body))
@@ -146,6 +146,14 @@ def _sampling(body) -> dict:
                 frequency_penalty=_or(body.frequency_penalty, 0.0),
                 repetition_penalty=_or(body.repetition_penalty, 1.0), seed=body.seed,
                 stop=(stop,) if isinstance(stop, str) else tuple(stop), ignore_eos=bool(body.ignore_eos))
+
+
+def _output_controls(body) -> dict:
+    """vLLM's fields over the output: stop tokens, min_tokens, the bias, what the text keeps."""
+    return dict(stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=_or(body.min_tokens, 0),
+                logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                skip_special_tokens=_or(body.skip_special_tokens, True))
 
 
 def _or(value, default):

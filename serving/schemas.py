@@ -18,9 +18,12 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from verifier.sampling_params import MIN_REPETITION_PENALTY
+from verifier.sampling_params import MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
 
 MAX_N = 16                      # choices per request (OpenAI's limit is 128; ours is the batch)
+MAX_LOGIT_BIAS_TOKENS = 1024    # logit_bias entries: each row of a step adds them
+MAX_STOP_TOKEN_IDS = 256        # each sampled token is looked up among them
+MODEL_DEFAULT = "the model's generation_config.json (unless --generation-config none), else"
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"     # OpenAI's rule; it also keeps names out of the call's quotes
 
@@ -50,6 +53,7 @@ def whole(**limits):
 Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_encodable)]
 TokenId = whole(ge=0)
+ChatTemplateKwargs = dict[str, Any]     # variables for the chat template (serving/fields.py checks the names)
 
 
 class _Strict(BaseModel):
@@ -98,17 +102,38 @@ class StreamOptions(_Strict):
 
 
 class _Generation(_Strict):
-    """The sampling and speculation fields both routes share."""
+    """The sampling and speculation fields both routes share. Unknown fields are kept aside
+    (`model_extra`): serving/fields.py refuses the ones that would change the output and logs
+    the rest once per name, as vLLM does."""
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str
     max_tokens: whole(ge=1) | None = Field(None, description="default: what the context length leaves")
     n: whole(ge=1, le=MAX_N) | None = 1
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: whole(ge=-1) | None = Field(0, description="-1 or 0: off")
-    min_p: float | None = Field(0.0, ge=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, description=f"default: {MODEL_DEFAULT} 1")
+    top_p: float | None = Field(None, gt=0, le=1, description=f"default: {MODEL_DEFAULT} 1")
+    top_k: whole(ge=-1) | None = Field(None, description=f"-1 or 0: off; default: {MODEL_DEFAULT} off")
+    min_p: float | None = Field(None, ge=0, le=1, description=f"default: {MODEL_DEFAULT} 0")
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10,
+                                             description=f"default: {MODEL_DEFAULT} 1")
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS_TOKENS,     # as the published schema reads it
+                                json_schema_extra={"additionalProperties": False})] | None = Field(
+        None, description="token id (as a string) -> a bias in [-100, 100] added to its logit before sampling; "
+                          "-100 bans the token, 100 all but forces it")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="token ids that end the output (vLLM)")
+    min_tokens: whole(ge=0) | None = Field(
+        None, description="EOS and stop tokens (and stop strings) count only after this many output tokens (vLLM)")
+    include_stop_str_in_output: bool | None = Field(
+        False, description="keep the stop string, or the stop token's text, at the end of the text (vLLM)")
+    skip_special_tokens: bool | None = Field(True, description="leave special tokens out of the text (vLLM)")
+    best_of: whole(ge=1) | None = Field(None, description="1 or n: candidates beyond n are not supported (400)")
+    metadata: dict[str, Any] | None = Field(None, description="accepted; no effect")
+    store: bool | None = Field(None, description="accepted; no effect (nothing is stored)")
+    service_tier: str | None = Field(None, description="accepted; no effect")
     seed: whole(ge=-2**63, lt=2**63) | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     ignore_eos: bool | None = False
@@ -189,6 +214,9 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default: "auto" with tools, "none" without')
     parallel_tool_calls: bool | None = Field(True, description="false: one call at most")
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="extra variables for the chat template's render (vLLM); not messages, tools, "
+                          "add_generation_prompt, bos_token, eos_token or the template's functions")
 
 
 Prompt = Union[NonEmptyText, Annotated[list[TokenId], Field(min_length=1)],
@@ -200,6 +228,24 @@ class CompletionRequest(_Generation):
     prompt: Prompt = Field(description="a string, an array of token ids, or an array of either")
     logprobs: whole(ge=0, le=5) | None = Field(None, description="each token's logprob and this many alternatives")
     echo: bool | None = Field(False, description="the prompt before the completion, with its logprobs if asked")
+    suffix: Text | None = Field(None, description="not supported: a non-empty suffix is refused (400)")
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or `messages` through the chat template as a chat request's."""
+    model: str | None = Field(None, description="a served model name; absent: the served model")
+    prompt: Text | None = Field(None, description="a text to tokenize (this or messages)")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        None, description="a conversation, tokenized as /v1/chat/completions would (this or prompt)")
+    add_generation_prompt: bool | None = Field(True, description="messages: open the assistant's turn")
+    add_special_tokens: bool | None = Field(True, description="prompt: add the tokenizer's BOS and the like")
+    tools: list[Tool] | None = Field(None, description="messages: the tools offered, as a chat request's")
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = Field(None, description="a served model name; absent: the served model")
+    tokens: list[TokenId]
 
 
 # ---- responses (documented in /openapi.json) ------------------------------------------------
@@ -300,9 +346,35 @@ class Completion(BaseModel):
     tercel: TercelStats
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
 def request_field_names() -> frozenset[str]:
     """Every field name of the request models: what a validation error's location can name."""
     models = (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, SpeculationOptions, StreamOptions,
               JSONSchemaResponseFormat, JSONSchemaFormat, ToolCall, CalledFunction, Tool, FunctionDefinition,
-              NamedToolChoice, FunctionName, PredictionContent)
+              NamedToolChoice, FunctionName, PredictionContent, TokenizeRequest, DetokenizeRequest)
     return frozenset(f.alias or name for m in models for name, f in m.model_fields.items())

@@ -15,6 +15,13 @@ DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets 
 def add_serve_args(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, .gguf file or HF directory")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients send as \"model\" (the first is reported); default: --model and its last part")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file replacing the model's")
+    p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                   help="sampling defaults for fields a request leaves out, from the model's generation_config.json "
+                        "(auto), another folder's, or none")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram (default), suffix, eagle3:PATH, small:PATH, "
                                                              "tree:SPEC, or 'none'")
     p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
@@ -146,23 +153,43 @@ def _device_memory() -> int:
 def launch_app(args):
     """The engine (loaded on its own thread) and the app serving it: (EngineBridge, FastAPI).
     One `tercel serve` process has one; so has each Ray Serve replica (serving/replicas.py)."""
-    from serving.app import ServerConfig, build_app
+    from serving.app import build_app
     from serving.bridge import EngineBridge, debug_from_env
     from serving.metrics import Metrics
     from spec.engine import LLMEngine
 
     config = engine_config(args)
     limits = server_limits(args)
+    app_config = server_config(args, limits)      # before the load: a bad flag costs no model load
     log.info("loading %s (drafter: %s)", config.model, config.drafter or "none")
     bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue,
                                  check_integrity_when_idle=args.log_level == "debug" or debug_from_env(),
                                  stream_buffer=limits.stream_buffer)
-    names = (args.model, Path(args.model).name)
+    return bridge, build_app(bridge, app_config)
+
+
+def server_config(args, limits):
+    """The app's settings from the flags; the chat template and the sampling defaults are read
+    here, so a missing file or a bad value stops the server before it listens."""
+    from serving.app import ServerConfig
+    from serving.defaults import load_sampling_defaults
+    names = tuple(args.served_model_name or dict.fromkeys((args.model, Path(args.model).name)))
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    return bridge, build_app(bridge, ServerConfig(model_names=tuple(dict.fromkeys(names)), api_key=args.api_key,
-                                                  limits=limits, allowed_origins=origins,
-                                                  special_tokens_in_content=args.allow_special_tokens_in_content,
-                                                  tool_format=FORMATS[args.tool_call_parser]))
+    defaults = load_sampling_defaults(args.generation_config, args.model)
+    log.info("%s; requests that leave a field out get it", defaults.describe())
+    return ServerConfig(model_names=names, api_key=args.api_key, limits=limits, allowed_origins=origins,
+                        special_tokens_in_content=args.allow_special_tokens_in_content,
+                        tool_format=FORMATS[args.tool_call_parser], chat_template=chat_template(args.chat_template),
+                        sampling_defaults=defaults)
+
+
+def chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"--chat-template {path}: {e.strerror or e}") from None
 
 
 def run_serve(args) -> int:

@@ -45,7 +45,7 @@ from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.logprobs import TokenLogprob, decided, row_logprob
 from verifier.parallel import open_target
-from verifier.sampler import apply_penalties, greedy_token, make_generator, sample_token, target_probs
+from verifier.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
 from verifier.sampling_params import SamplingParams
 from verifier.target import TargetModel
 from verifier.tokenizer import prompt_ids
@@ -293,7 +293,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, ids, params,
-                      IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
+                      IncrementalDetokenizer.of(self.tokenizer, params, params.finishing_ids(self.eos_ids)),
                       prompt=prompt if isinstance(prompt, str) else None,
                       generator=make_generator(seed, self.target.device))
         req.speculate = speculate
@@ -580,8 +580,8 @@ class LLMEngine:
         if not reqs:
             return []
         views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),
-                              unverified=len(r.forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction)
-                 for r in reqs]
+                              unverified=len(r.forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction,
+                              held_back=self._held_back(r.params)) for r in reqs]
         start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
@@ -718,7 +718,7 @@ class LLMEngine:
             plan.tokens = [plan.sole[0]]                # the grammar allows this one token
         elif not plan.mid_prefill:
             plan.tokens = [sample_token(plan.logits[-1], req.params, req.prompt_token_ids,
-                                        req.output_token_ids, req.generator)]
+                                        req.output_token_ids, req.generator, self._held_back(req.params))]
         if plan.tokens and req.params.logprobs is not None:
             plan.logprobs = self._logprobs(plan)
 
@@ -730,7 +730,7 @@ class LLMEngine:
             if plan.sole and plan.sole[0] >= 0:
                 return [decided(plan.tokens[0], k)]
             return [row_logprob(plan.logits[-1], plan.tokens[0], k, self.config.logprobs_mode, req.params,
-                                req.prompt_token_ids, req.output_token_ids)]
+                                req.prompt_token_ids, req.output_token_ids, self._held_back(req.params))]
         tree, rows = plan.proposal.tree, {u: i for i, u in enumerate(plan.logit_rows)}
         out = []
         for u, token in zip((0, *plan.accepted), plan.tokens):
@@ -739,7 +739,7 @@ class LLMEngine:
             else:
                 before = req.output_token_ids + tree.path_tokens(u)[1:]
                 out.append(row_logprob(plan.logits[rows[u]], token, k, self.config.logprobs_mode, req.params,
-                                       req.prompt_token_ids, before))
+                                       req.prompt_token_ids, before, self._held_back(req.params)))
         return out
 
     def _accept_proposal(self, req: Request, plan: SeqPlan) -> tuple[tuple[int, ...], list[int]]:
@@ -748,14 +748,14 @@ class LLMEngine:
         whose grammar allows one token (plan.sole) has the one-hot distribution on it."""
         prop, logits, sole = plan.proposal, plan.logits, plan.sole
         tree, p = prop.tree, req.params
-        prompt, output = req.prompt_token_ids, req.output_token_ids
+        prompt, output, held = req.prompt_token_ids, req.output_token_ids, self._held_back(p)
         row = [-1] * tree.num_nodes                 # node -> its logits row, -1 where it has none
         for i, u in enumerate(plan.logit_rows):
             row[u] = i
 
         def node_logits(u: int) -> torch.Tensor:
-            # Penalties see every token up to node u: the output so far plus u's path below the root.
-            return apply_penalties(logits[row[u]], p, prompt, output + tree.path_tokens(u)[1:])
+            # Penalties and min_tokens see every token up to node u: the output plus u's path below the root.
+            return transform_logits(logits[row[u]], p, prompt, output + tree.path_tokens(u)[1:], held)
 
         def node_probs(u: int) -> torch.Tensor:
             if row[u] < 0:
@@ -769,6 +769,10 @@ class LLMEngine:
         else:
             result = accept_tree(tree, node_probs, prop.draft, req.generator)
         return result.accepted, [tree.tokens[j] for j in result.accepted] + [result.token]
+
+    def _held_back(self, p: SamplingParams) -> frozenset[int]:
+        """The ids min_tokens masks (none without it): what would end the request."""
+        return p.finishing_ids(self.eos_ids) if p.min_tokens else frozenset()
 
     @staticmethod
     def _count_prediction(req: Request, plan: SeqPlan) -> None:

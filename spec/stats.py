@@ -37,6 +37,8 @@ class EngineLimits:
             raise ValueError("prompt is empty: give at least one token")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
         total = len(ids) + params.max_tokens
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "

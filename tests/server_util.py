@@ -38,15 +38,16 @@ def free_port() -> int:
 class LiveServer:
     def __init__(self, config, model_name: str, api_key: str | None = None, max_queue: int = 256,
                  limits: ServerLimits | None = None, allowed_origins: tuple[str, ...] = (),
-                 send_buffer_bytes: int | None = None):
+                 send_buffer_bytes: int | None = None, **app_options):
         """`send_buffer_bytes`: the kernel's send buffer of each connection (a slow network path:
-        a client that does not read blocks the server's writes after that much)."""
+        a client that does not read blocks the server's writes after that much); `app_options`:
+        more ServerConfig fields (model_names then replaces `model_name`'s one)."""
         limits = limits or ServerLimits()
         self.bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=max_queue,
                                           check_integrity_when_idle=True, stream_buffer=limits.stream_buffer)
         self.engine = self.bridge.engine     # for tests that patch the engine; reads go through bridge.stats
-        app = build_app(self.bridge, ServerConfig(model_names=(model_name,), api_key=api_key, limits=limits,
-                                                  allowed_origins=allowed_origins))
+        app = build_app(self.bridge, ServerConfig(**{"model_names": (model_name,), **app_options}, api_key=api_key,
+                                                  limits=limits, allowed_origins=allowed_origins))
         listener = socket.socket()
         if send_buffer_bytes:       # accepted connections inherit it (and lose autotuning)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)

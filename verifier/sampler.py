@@ -5,8 +5,10 @@ It lives in verifier/, next to the model that produces the logits it transforms:
 (spec/) samples and accepts with it, and the small drafter (drafters/) draws its proposals
 with it; both sit above verifier/, so neither imports the other for it.
 
-Order of operations (as vLLM): penalties on raw logits -> temperature -> top-k -> top-p
--> min-p -> renormalise.
+Order of operations (as vLLM v1): logit_bias and min_tokens on raw logits -> penalties ->
+temperature -> top-k -> top-p -> min-p -> renormalise. The first three depend on the tokens
+before the row (`transform_logits`); a tree node's row is transformed with its own path, so
+speculative acceptance and plain sampling see one function.
 """
 from __future__ import annotations
 
@@ -34,6 +36,22 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams,
         counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
+
+
+def transform_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                     output_ids: list[int], held_back: frozenset[int] | tuple = ()) -> torch.Tensor:
+    """logits: [V] raw -> [V] biased, masked and penalised (a new tensor when any applies).
+    `output_ids`: the output before this row (a tree node's: the output plus its path);
+    `held_back`: the ids min_tokens masks while the output is shorter (`finishing_ids`)."""
+    early = params.min_tokens > len(output_ids) and held_back
+    if params.logit_bias or early:
+        logits = logits.clone()
+        if params.logit_bias:
+            ids, bias = zip(*params.logit_bias)
+            logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+        if early:
+            logits[sorted(held_back)] = float("-inf")
+    return apply_penalties(logits, params, prompt_ids, output_ids)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -84,9 +102,10 @@ def greedy_token(logits: torch.Tensor, chunk: int = 128) -> int:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                 output_ids: list[int], generator: torch.Generator | None) -> int:
+                 output_ids: list[int], generator: torch.Generator | None,
+                 held_back: frozenset[int] | tuple = ()) -> int:
     """logits: [V] raw logits of one position -> the next token id."""
-    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    logits = transform_logits(logits, params, prompt_ids, output_ids, held_back)
     if params.greedy:
         return greedy_token(logits)
     probs = target_probs(logits[None], params)[0]

@@ -18,6 +18,7 @@ GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
 # and softmax over several infs has no answer.
 MIN_REPETITION_PENALTY = 0.01
 MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0            # OpenAI's range for logit_bias values: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # (token id, bias) pairs added to the raw logits, OpenAI's logit_bias; a dict is accepted
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0               # EOS and stop tokens are held back until this many output tokens
+    include_stop_str_in_output: bool = False   # keep the stop string (or stop token's text) in the text
     # The output's constraint (JSON schema, regex, grammar, choice), or None; see verifier/grammar.py
     structured: StructuredOutputs | None = None
     # Per output token its logprob and the `logprobs` most likely alternatives (None: none at all);
@@ -48,7 +53,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for check in (_check_temperature, _check_top, _check_penalties, _check_lengths):
+        object.__setattr__(self, "logit_bias", _frozen_bias(self.logit_bias))
+        for check in (_check_temperature, _check_top, _check_penalties, _check_lengths, _check_bias):
             check(self)
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise ValueError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
@@ -63,6 +69,25 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def has_logit_transform(self) -> bool:
+        """Whether `transform_logits` changes a row: a bias, min_tokens or a penalty is set."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.has_penalties
+
+    def finishing_ids(self, eos_ids) -> frozenset[int]:
+        """The token ids that end this request when sampled: its stop tokens, and EOS unless
+        ignored. min_tokens holds back exactly these."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
+
+
+def _frozen_bias(bias) -> tuple[tuple[int, float], ...]:
+    # Sorted pairs: a frozen, hashable value whatever order the caller's dict had.
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        return tuple(sorted((k, v) for k, v in items))
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
 
 
 def _number(name: str, value) -> float:
@@ -106,3 +131,20 @@ def _check_lengths(p: SamplingParams) -> None:
         k = getattr(p, name)
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
             raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {k!r}")
+    if isinstance(p.min_tokens, bool) or not isinstance(p.min_tokens, int) or p.min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {p.min_tokens!r}")
+    if p.min_tokens > p.max_tokens:
+        raise ValueError(f"min_tokens ({p.min_tokens}) must not exceed the maximum of new tokens ({p.max_tokens})")
+    if p.min_tokens and p.structured is not None:
+        # The grammar may allow only a stop token where min_tokens forbids it: no token left.
+        raise ValueError("min_tokens cannot be combined with an output constraint")
+
+
+def _check_bias(p: SamplingParams) -> None:
+    for token, bias in p.logit_bias:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if not -MAX_LOGIT_BIAS <= _number("logit_bias value", bias) <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+    if len({t for t, _ in p.logit_bias}) != len(p.logit_bias):
+        raise ValueError("logit_bias names a token twice")

@@ -7,6 +7,7 @@ this wrapper against it).
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from datetime import datetime
@@ -76,24 +77,34 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True, allow_special_tokens_in_content: bool = False,
-                            tools: list[dict] | None = None, **_ignored) -> list[int] | str:
+                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                            **_ignored) -> list[int] | str:
         """Render the template as transformers does (sandboxed Jinja, trim/lstrip blocks;
-        `tools` in the template's `tools` variable).
+        `tools` in the template's `tools` variable, `chat_template_kwargs` as more variables).
 
         Special-token strings inside what a client wrote (message content, names, tool calls,
-        the tools) become plain text tokens, so a client cannot forge a turn;
-        `allow_special_tokens_in_content=True` parses them as tokens instead, as transformers
-        does. The rendered text is the same either way."""
+        the tools, the extra variables) become plain text tokens, so a client cannot forge a
+        turn; `allow_special_tokens_in_content=True` parses them as tokens instead, as
+        transformers does. The rendered text is the same either way."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        extra = chat_template_kwargs or {}
         if not tokenize:
-            return self._render(messages, add_generation_prompt, tools)
-        written = [messages, tools]
+            return self._render(messages, add_generation_prompt, tools, extra)
+        written = [messages, tools, list(extra.values())]    # an extra variable may be named `role`
         if allow_special_tokens_in_content or not any(map(self._has_special_text, _strings(written))):
             # Nothing to forge: encode the whole text, so ordinary chats keep their ids exactly.
             # The template already writes special tokens such as BOS; do not add them twice.
-            return self.encode(self._render(messages, add_generation_prompt, tools), add_special_tokens=False)
-        return self._encode_escaped(messages, add_generation_prompt, tools)
+            return self.encode(self._render(messages, add_generation_prompt, tools, extra), add_special_tokens=False)
+        return self._encode_escaped(messages, add_generation_prompt, tools, extra)
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer rendering `template` instead of the model's (`tercel serve
+        --chat-template`); compiled here, so a template that does not parse fails at startup."""
+        twin = copy.copy(self)
+        twin.chat_template, twin._template, twin._reads_tools = template, None, None
+        twin._compiled()
+        return twin
 
     @property
     def renders_tools(self) -> bool:
@@ -106,9 +117,15 @@ class Tokenizer:
             self._reads_tools = self.chat_template, "tools" in names
         return self._reads_tools[1]
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        return self._compiled().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                extra: dict | None = None) -> str:
+        from jinja2 import TemplateError
+        try:    # the caller's variables first: the ones the template is given win
+            return self._compiled().render({**(extra or {}), "messages": messages,
+                                            "add_generation_prompt": add_generation_prompt, "tools": tools,
+                                            "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
+        except TemplateError as e:    # what it was given does not render (undefined, sandboxed): the input's
+            raise ValueError(f"chat template: {e}") from None
 
     def _special_table(self) -> tuple[dict, re.Pattern]:
         """Special added tokens by text, and a pattern of their texts longest first (the
@@ -127,7 +144,8 @@ class Tokenizer:
         # A normalized added token matches the normalized text, so look there too.
         return bool(pattern.search(text) or (norm is not None and pattern.search(norm.normalize_str(text))))
 
-    def _encode_escaped(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+    def _encode_escaped(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                        extra: dict) -> list[int]:
         """Hide content's special-token strings behind placeholders while rendering, so the
         only special strings left are the template's; the text between those is encoded with
         special-token parsing off, the hidden strings restored."""
@@ -142,7 +160,8 @@ class Tokenizer:
                 return f"{mark}{len(hidden) - 1}{mark}"
             return pattern.sub(one, text)
 
-        text = self._render(_map_strings(messages, hide), add_generation_prompt, _map_strings(tools, hide))
+        text = self._render(_map_strings(messages, hide), add_generation_prompt, _map_strings(tools, hide),
+                            {k: _map_strings(v, hide) for k, v in extra.items()})
         placeholder = re.compile(f"{mark}(\\d+){mark}")
 
         def restore(m: re.Match) -> str:
