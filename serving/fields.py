@@ -4,8 +4,8 @@ that need the engine's limits; each refusal is a 400 naming its field, before an
 Field policy (as vLLM): a field that would change the output and that Tercel does not do is
 refused; OpenAI's bookkeeping fields (`user`, `metadata`, `store`, `service_tier`) are
 accepted and change nothing; any other unknown field is ignored and logged once per name.
-`logprobs`, `top_logprobs`, `echo`, `prompt_logprobs` and `prediction` are left to the work
-that implements them (ignored here until then).
+`logprobs`, `top_logprobs`, `echo` and `prediction` are request fields of their own
+(serving/schemas.py).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_util import free_port
+from server_util import free_port, metric_value
 
 RUNNING = 3              # the non-streaming request's two choices and the stream
 TIMEOUT = httpx.Timeout(300, connect=10)
@@ -42,10 +42,7 @@ class Serve:
             return False
 
     def running(self) -> float:
-        for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
-            if line.startswith("tercel_requests_running "):
-                return float(line.split()[1])
-        raise KeyError("tercel_requests_running")
+        return metric_value(httpx.get(f"{self.url}/metrics", timeout=5).text, "tercel_requests_running")
 
     def log(self) -> str:
         return self.log_path.read_text()
