@@ -38,7 +38,7 @@ class ChoiceDeltas:
         """The choices entries of one output, the finish entry last when it is the final one."""
         deltas = self._deltas(out)
         if out.finished:
-            finish = "tool_calls" if self.called and out.finish_reason == "stop" else out.finish_reason
+            finish = finish_reason(out.finish_reason, self.called)
             deltas.append(({} if self.chat else {"text": ""}, finish))
         entries = [self._entry(d, finish) for d, finish in deltas]
         if self.pieces is not None and entries and out.logprobs is not None:
@@ -71,6 +71,11 @@ class ChoiceDeltas:
             return completion_logprobs([*(out.prompt_logprobs or []), *new], self.pieces,
                                        [*out.prompt_token_ids, *tokens])
         return completion_logprobs(new, self.pieces, tokens)
+
+
+def finish_reason(engine_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that called tools and ended by itself."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason
 
 
 def tool_deltas(events: list) -> list[dict]:

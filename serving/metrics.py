@@ -126,13 +126,18 @@ class Metrics:
 
 def _labelled(families, labels: dict[str, str]) -> bytes:
     """An exposition of `families` with `labels` added to every sample."""
-    out = []
-    for fam in families:
-        copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-        copy.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
-        out.append(copy)
+    return _exposition(_relabel(f, labels) for f in families)
+
+
+def _relabel(fam, labels: dict[str, str]) -> Metric:
+    copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+    copy.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
+    return copy
+
+
+def _exposition(families) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed(out))
+    registry.register(_Fixed(list(families)))
     return generate_latest(registry)
 
 
@@ -143,10 +148,8 @@ def merge_replica_metrics(texts: dict[str, str]) -> bytes:
     for replica, text in sorted(texts.items()):
         for fam in text_string_to_metric_families(text):
             merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit))
-            merged.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in fam.samples]
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed(list(families.values())))
-    return generate_latest(registry)
+            merged.samples += _relabel(fam, {"replica": replica}).samples
+    return _exposition(families.values())
 
 
 class _Fixed:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from serving.bridge import RequestFailed, RequestStream
 from serving.errors import engine_unavailable, request_failed, stream_error
-from serving.deltas import ChoiceDeltas
+from serving.deltas import ChoiceDeltas, finish_reason
 from serving.logprobs import TokenPieces, chat_logprobs, completion_logprobs
 from serving.prediction import completion_tokens_details
 from serving.protocol import bad, envelope, tercel_stats, usage
@@ -134,7 +134,7 @@ def _choice(i: int, out: RequestOutput, reply: Reply) -> dict:
         if parsed.calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
-            finish = "tool_calls" if finish == "stop" else finish
+        finish = finish_reason(finish, bool(parsed.calls))
     logprobs = chat_logprobs(out.logprobs, reply.pieces) if reply.pieces and out.logprobs is not None else None
     return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from drafters.base import Prediction
+from drafters.base import DraftRequest, Prediction
 from drafters.config import SpecConfig
 from drafters.prediction import PredictionDrafter, chain_nodes, join_prediction
 from spec.adaptive import AdaptiveController, Candidate
@@ -558,7 +558,6 @@ class LLMEngine:
 
     def _with_prediction(self, plan: SeqPlan, own: "Proposal | None") -> "Proposal | None":
         """The request's prediction chain joined with the drafter's proposal `own` (drafters/prediction.py)."""
-        from drafters.base import DraftRequest
         req = plan.request
         if req.prediction is None:
             return own
@@ -576,7 +575,6 @@ class LLMEngine:
 
     def _propose(self, reqs: list[Request]) -> list["Proposal"]:
         """The drafter's trees for reqs, in order; none at all (plain decoding) if it raises."""
-        from drafters.base import DraftRequest
         if not reqs:
             return []
         views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),

@@ -71,6 +71,12 @@ def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "ll
     return out
 
 
+@pytest.fixture(scope="session")
+def smol_head(tmp_path_factory, smollm2_dir) -> Path:
+    """A random SmolLM2-shaped EAGLE-3 head (the identity tests' eagle3 drafter), built once."""
+    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle"), draft_vocab=4096)
+
+
 def make_random_eagle_head(target_dir: Path, out: Path, draft_vocab: int = 512, seed: int = 0) -> Path:
     """A random-weight EAGLE-3 head for the checkpoint in target_dir, saved in the EAGLE layout."""
     from drafters.eagle3 import save_head

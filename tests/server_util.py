@@ -64,6 +64,11 @@ class LiveServer:
                 raise RuntimeError("server did not start")
             time.sleep(0.05)
 
+    def openai_client(self, timeout: float = 600):
+        """The official openai client on this server (no retries: a refusal is the test's answer)."""
+        import openai
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
     def metric(self, name: str, headers: dict | None = None) -> float:
         """A sample's value: `name`, or `name{label="value",...}` for the series with those labels."""
         return metric_value(httpx.get(f"{self.url}/metrics", headers=headers or {}).text, name)

@@ -4,7 +4,6 @@ speculation on and off, and refusals before any work."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from server_util import LiveServer
@@ -24,7 +23,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return server.openai_client()
 
 
 def chat(client, **kw):

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from bench.structured import load_tasks
@@ -28,7 +27,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return server.openai_client()
 
 
 def schema_format(task) -> dict:

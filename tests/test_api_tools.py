@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from server_util import LiveServer
@@ -28,7 +27,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    return server.openai_client()
 
 
 def ask(client, messages=None, **kw):

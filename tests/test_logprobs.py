@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from conftest import IDENTITY_ALONE as ALONE, make_random_eagle_head, slow_marked, spec_drafters, write_reply_corpus
+from conftest import IDENTITY_ALONE as ALONE, slow_marked, spec_drafters, write_reply_corpus
 from spec import LLM, SamplingParams, StructuredOutputs
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.logprobs import row_logprob
@@ -47,11 +47,6 @@ def test_asking_for_logprobs_leaves_the_tokens_alone(plain, prompts, reference):
             assert lp.token == token and len(lp.top) == K and lp.top[0][1] >= lp.logprob
             assert lp.top[0][0] == token         # greedy: the chosen token is the most likely
             assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
-
-
-@pytest.fixture(scope="module")
-def smol_head(tmp_path_factory, smollm2_dir):
-    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle_logprobs"), draft_vocab=4096)
 
 
 @pytest.fixture(scope="module")

@@ -35,12 +35,6 @@ def reference(plain, prompts):
 
 
 @pytest.fixture(scope="module")
-def smol_head(tmp_path_factory, smollm2_dir):
-    from conftest import make_random_eagle_head
-    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle"), draft_vocab=4096)
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory, plain, reference):
     """The plain replies as a conversation file: the datastore drafter's corpus."""
     return write_reply_corpus(tmp_path_factory.mktemp("corpus") / "replies.jsonl", plain, reference)

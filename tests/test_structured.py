@@ -208,12 +208,6 @@ def test_a_drafter_that_drafts_ahead_extends_the_forced_chain(prompts, reference
 
 
 @pytest.fixture(scope="module")
-def smol_head(tmp_path_factory, smollm2_dir):
-    from conftest import make_random_eagle_head
-    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle_structured"), draft_vocab=4096)
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory, plain, reference):
     return write_reply_corpus(tmp_path_factory.mktemp("corpus") / "replies.jsonl", plain,
                               [o.token_ids for o in reference])

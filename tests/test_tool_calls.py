@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from conftest import IDENTITY_ALONE as ALONE, make_random_eagle_head, slow_marked, spec_drafters, write_reply_corpus
+from conftest import IDENTITY_ALONE as ALONE, slow_marked, spec_drafters, write_reply_corpus
 from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import HERMES, LLAMA3_JSON
 from serving.tools.parser import parse_reply
@@ -59,11 +59,6 @@ def test_plain_calls_parse_and_follow_their_schemas(reference):
             assert choice.mode != "named" or c.name == choice.name
             if out.finish_reason == "stop":
                 jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
-
-
-@pytest.fixture(scope="module")
-def smol_head(tmp_path_factory, smollm2_dir):
-    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle_tools"), draft_vocab=4096)
 
 
 @pytest.fixture(scope="module")
