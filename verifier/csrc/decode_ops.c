@@ -333,14 +333,20 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
 #define PF 32            /* keys ahead that K rows are prefetched */
 
 /* Attention's vectors are as wide as the machine's: W lanes (the dot products' lane split,
- * hence a row's bits, depend on W, but never on the batch). HB query heads of a row share each
- * K/V load: 8 keys x 3 heads of accumulators fit AVX-512's 32 vector registers. */
+ * hence a row's bits, depend on W, but never on the batch). Up to VB query vectors that see
+ * the same keys in a chunk (a row's query heads of one KV head; in a tree, also other nodes'
+ * over the prefix they share) are summed from each K/V load, their accumulators in ACC
+ * registers: 3 x 4 or 3 x 8 of AVX-512's 32, 3 x 4 or 6 x 2 (vectors x keys) of AVX2's 16.
+ * Which vectors share a load changes no arithmetic: each key's dot product and each output's
+ * sum run in the same order whatever shares them. */
 #if defined(__AVX512F__)
 #define W 16
-#define HB 3
+#define VB 3
+#define ACC 24
 #else
 #define W 8
-#define HB 1
+#define VB 6
+#define ACC 12
 #endif
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
@@ -377,67 +383,103 @@ typedef struct {
     int64_t kvh;
 } Item;
 
-/* score[r][i - c0] = q[r] . k[i] * scale for keys [c0, to) (c0 % 8 == 0) and the nb vectors
- * r0.. of one row: keys in groups of 8 (a short last group padded with its first key), each
- * K row read once for all nb vectors, and K rows PF keys ahead (and these keys' V rows)
- * requested from memory while these are summed. */
-static inline void scores(const Item *it, int r0, const int nb, int64_t c0, int64_t to, const bf16 *kc,
-                          const bf16 *vc, int64_t nkv, const int64_t D, float scale, float *score) {
-    const int64_t *list = it->list[r0], n = it->n[r0];
-    for (int64_t i = c0; i < to; i += 8) {
-        const bf16 *k[8];
-        for (int j = 0; j < 8; j++) k[j] = kc + (list[i + j < to ? i + j : i] * nkv + it->kvh) * D;
-        if (r0 == 0)
-            for (int j = 0; j < 8; j++) {
-                const bf16 *kn = kc + (list[i + PF + j < n ? i + PF + j : i] * nkv + it->kvh) * D;
-                const bf16 *vn = vc + (list[i + j < to ? i + j : i] * nkv + it->kvh) * D;
+/* Keys (in scores) or value groups of W lanes (in weigh_values) held in registers per vector
+ * when nb vectors share each load: the ACC accumulators split among them, 4 at most (8 keys
+ * at a time ran slower: 4 leaves registers for the loads). */
+#define PER_VECTOR(nb) (ACC / (nb) >= 4 ? 4 : ACC / (nb) >= 2 ? 2 : 1)
+
+/* score[v[b]][i - c0] = q[v[b]] . k[i] * scale for keys [c0, to) (c0 % 8 == 0) and the nb
+ * vectors v[0..nb) (which see the same keys there), padded to a whole group of 8 with the
+ * group's first key: keys kg at a time, each K row read once for all nb vectors, and K rows PF
+ * keys ahead (and these keys' V rows) requested from memory while these are summed (`ahead`).
+ * Each key's sum: W lanes over the head dimension in order, folded to 8, then sum8. */
+static inline void scores(const Item *it, const int *v, const int nb, int64_t c0, int64_t to, const bf16 *kc,
+                          const bf16 *vc, int64_t nkv, const int64_t D, float scale, float *score, int ahead) {
+    const int kg = PER_VECTOR(nb);
+    const int64_t *list = it->list[v[0]], n = it->n[v[0]], end = c0 + ((to - c0 + 7) & ~(int64_t)7);
+    for (int64_t i = c0; i < end; i += kg) {
+        const bf16 *k[4];
+        for (int j = 0; j < kg; j++) k[j] = kc + (list[i + j < to ? i + j : i & ~(int64_t)7] * nkv + it->kvh) * D;
+        if (ahead)
+            for (int j = 0; j < kg; j++) {
+                const bf16 *kn = kc + (list[i + PF + j < n ? i + PF + j : i & ~(int64_t)7] * nkv + it->kvh) * D;
+                const bf16 *vn = vc + (list[i + j < to ? i + j : i & ~(int64_t)7] * nkv + it->kvh) * D;
                 for (int64_t e = 0; e < D; e += 32) {
                     __builtin_prefetch(kn + e);
                     __builtin_prefetch(vn + e);
                 }
             }
-        vf acc[HB][8] = {{{0}}};
+        vf acc[VB][4] = {{{0}}};
         for (int64_t e = 0; e < D; e += W)
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < kg; j++) {
                 vf kv = load_bf16w(k[j] + e);
-                for (int b = 0; b < nb; b++) acc[b][j] += loadw(it->q[r0 + b] + e) * kv;
+                for (int b = 0; b < nb; b++) acc[b][j] += loadw(it->q[v[b]] + e) * kv;
             }
-        for (int b = 0; b < nb; b++) {
+        /* 8 sums per sum8x8: 8 / kg vectors' kg keys */
+        for (int b = 0; b < nb; b += 8 / kg) {
             v8f folded[8];
-            for (int j = 0; j < 8; j++) folded[j] = fold8(acc[b][j]);
-            store8(score + (r0 + b) * CH + i - c0, sum8x8(folded) * scale);
+            for (int j = 0; j < 8; j++) {
+                int bb = b + j / kg;
+                folded[j] = bb < nb ? fold8(acc[bb][j % kg]) : (v8f){0};
+            }
+            v8f sums = sum8x8(folded) * scale;
+            for (int h = 0; h < 8 / kg && b + h < nb; h++)
+                memcpy(score + v[b + h] * CH + i - c0, (const float *)&sums + h * kg, sizeof(float) * kg);
         }
     }
 }
 
-/* o[r] = sum over keys [c0, to) of p[r][i - c0] v[i] for the nb vectors r0.. of one row (p in
- * score), keys in order; W lanes x 8 at a time, each V row read once for all nb vectors. */
-static inline void weigh_values(const Item *it, int r0, const int nb, int64_t c0, int64_t to, const bf16 *vc,
+/* o[v[b]] = sum over keys [c0, to) of p[v[b]][i - c0] v[i] for the nb vectors v[0..nb) (p in
+ * score), keys in order; W lanes x gw at a time, each V row read once for all nb vectors. */
+static inline void weigh_values(const Item *it, const int *v, const int nb, int64_t c0, int64_t to, const bf16 *vc,
                                 int64_t nkv, const int64_t D, const float *score, vf (*o)[256 / W]) {
-    const int64_t *list = it->list[r0];
-    for (int64_t g0 = 0; g0 < D / W; g0 += 8) {
-        const int64_t w = D / W - g0 < 8 ? D / W - g0 : 8;
-        vf acc[HB][8];
+    const int gw = PER_VECTOR(nb);
+    const int64_t *list = it->list[v[0]];
+    for (int64_t g0 = 0; g0 < D / W; g0 += gw) {
+        const int64_t w = D / W - g0 < gw ? D / W - g0 : gw;
+        vf acc[VB][4];
         for (int b = 0; b < nb; b++)
             for (int64_t g = 0; g < w; g++) acc[b][g] = (vf){0};
         for (int64_t i = c0; i < to; i++) {
-            const bf16 *v = vc + (list[i] * nkv + it->kvh) * D + W * g0;
+            const bf16 *vr = vc + (list[i] * nkv + it->kvh) * D + W * g0;
             for (int64_t g = 0; g < w; g++) {
-                vf vv = load_bf16w(v + W * g);
-                for (int b = 0; b < nb; b++) acc[b][g] += score[(r0 + b) * CH + i - c0] * vv;
+                vf vv = load_bf16w(vr + W * g);
+                for (int b = 0; b < nb; b++) acc[b][g] += score[v[b] * CH + i - c0] * vv;
             }
         }
         for (int b = 0; b < nb; b++)
-            for (int64_t g = 0; g < w; g++) o[r0 + b][g0 + g] = acc[b][g];
+            for (int64_t g = 0; g < w; g++) o[v[b]][g0 + g] = acc[b][g];
     }
 }
 
-/* Vectors r0.. that share r0's row, at most HB */
-static inline int row_block(const Item *it, int r0) {
-    int nb = 1;
-    while (nb < HB && r0 + nb < it->nq && it->list[r0 + nb] == it->list[r0] && it->n[r0 + nb] == it->n[r0]) nb++;
-    return nb;
+/* Whether vectors a and b see the same keys in [c0, to): the same row's query heads, or rows
+ * whose key lists agree there (a tree's nodes over their shared prefix). */
+static inline int same_keys(const Item *it, int a, int b, int64_t c0, const int64_t *to) {
+    if (to[a] != to[b]) return 0;
+    if (it->list[a] == it->list[b]) return 1;
+    return memcmp(it->list[a] + c0, it->list[b] + c0, sizeof(int64_t) * (to[a] - c0)) == 0;
 }
+
+/* The item's vectors with keys in this chunk, in bundles of up to VB that see the same keys
+ * (consecutive vectors, in order); returns the bundle count. */
+static int bundles(const Item *it, int64_t c0, const int64_t *to, int (*member)[VB], int *size) {
+    int nbund = 0;
+    for (int r = 0; r < it->nq; r++) {
+        if (to[r] <= c0) continue;
+        if (nbund && size[nbund - 1] < VB && same_keys(it, member[nbund - 1][0], r, c0, to))
+            member[nbund - 1][size[nbund - 1]++] = r;
+        else
+            member[nbund][0] = r, size[nbund++] = 1;
+    }
+    return nbund;
+}
+
+/* scores / weigh_values with nb (1..VB) a constant, so that each count keeps its accumulators
+ * in registers */
+_Static_assert(VB <= 6, "BY_COUNT names counts up to 6");
+#define CASE(call, n) case n: call((n) < VB ? (n) : VB); break;
+#define BY_COUNT(call, nb)                                                                          \
+    switch (nb) { CASE(call, 1) CASE(call, 2) CASE(call, 3) CASE(call, 4) CASE(call, 5) default: call(VB); }
 
 /* p = exp(s - m) over one vector's cnt scores (the rest of their group of 8 zeroed); returns
  * m, the largest score, and puts the sum of p (key i's term in lane i % 8) in *l. */
@@ -461,32 +503,26 @@ static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
  * no key in the chunk). score: QV x CH floats. */
 static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
                                 const int64_t D, float scale, float *score, float *part) {
-    int64_t to[QV];
+    int64_t to[QV] = {0};     /* (nq <= QV, which the compiler cannot see) */
+    int member[QV][VB], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
-    for (int r = 0, nb; r < it->nq; r += nb) {
-        nb = row_block(it, r);
-        if (to[r] <= c0) continue;
-        if (nb == 3)
-            scores(it, r, 3, c0, to[r], kc, vc, nkv, D, scale, score);
-        else if (nb == 2)
-            scores(it, r, 2, c0, to[r], kc, vc, nkv, D, scale, score);
-        else
-            scores(it, r, 1, c0, to[r], kc, vc, nkv, D, scale, score);
+    const int nbund = bundles(it, c0, to, member, size);
+    for (int u = 0; u < nbund; u++) {
+        const int *v = member[u];
+#define SCORES(nb) scores(it, v, nb, c0, to[v[0]], kc, vc, nkv, D, scale, score, u == 0)
+        BY_COUNT(SCORES, size[u])
+#undef SCORES
     }
     vf o[QV][256 / W];
-    for (int r = 0, nb; r < it->nq; r += nb) {
-        nb = row_block(it, r);
-        if (to[r] <= c0) continue;
-        for (int b = 0; b < nb; b++) {
-            float *pr = part + (r + b) * (D + 2);
-            pr[D] = chunk_softmax(score + (r + b) * CH, to[r] - c0, pr + D + 1);
+    for (int u = 0; u < nbund; u++) {
+        const int *v = member[u];
+        for (int b = 0; b < size[u]; b++) {
+            float *pr = part + v[b] * (D + 2);
+            pr[D] = chunk_softmax(score + v[b] * CH, to[v[b]] - c0, pr + D + 1);
         }
-        if (nb == 3)
-            weigh_values(it, r, 3, c0, to[r], vc, nkv, D, score, o);
-        else if (nb == 2)
-            weigh_values(it, r, 2, c0, to[r], vc, nkv, D, score, o);
-        else
-            weigh_values(it, r, 1, c0, to[r], vc, nkv, D, score, o);
+#define WEIGH(nb) weigh_values(it, v, nb, c0, to[v[0]], vc, nkv, D, score, o)
+        BY_COUNT(WEIGH, size[u])
+#undef WEIGH
     }
     for (int r = 0; r < it->nq; r++) {
         float *pr = part + r * (D + 2);
