@@ -18,8 +18,12 @@ node's place in the proposal), per request, starting from the drafter-wide figur
 decay (`memory`), so a drifting drafter is followed.
 
 Two decisions per step. Before drafting, whether a request drafts at all: it does while
-what its cuts were expected to gain over plain decoding outweighs what its drafter's time
-would have decoded. After drafting, with the proposals in hand, how many of each proposal's nodes are
+what its cuts were expected to gain over plain decoding (its `worth`) outweighs what its
+drafter's time would have decoded. A new request's worth starts from every request's (its
+first proposals say little), and while a request does not draft, its worth returns toward
+every request's at the rate its steps are forgotten: what a request's text offers changes
+(a RAG answer starts copying its sources after a sentence of its own), and one weak first
+proposal must not switch a cheap drafter off until the next probe. After drafting, with the proposals in hand, how many of each proposal's nodes are
 verified. Now and then a request probes: it drafts whatever its worth and verifies one node
 beyond its cut (nodes judged not to pay are never verified otherwise, and their estimates
 would never recover); probes that fail come ever rarer. Both depend on past steps and on
@@ -168,6 +172,7 @@ class AdaptiveController:
         self.cost = cost
         self.prior = RankAcceptance(0.99)       # every request's proposals, slowly forgotten
         self.scored = ScoreAcceptance(config.score_bands)
+        self.typical: float | None = None       # every request's worth, slowly forgotten
         self.state = True                       # whether the last step verified any draft node
         self.last_budget = 0                    # the most draft nodes a request verified in it
 
@@ -176,7 +181,7 @@ class AdaptiveController:
         return self.config.enabled and self.cost is not None
 
     def history(self) -> SpecHistory:
-        return SpecHistory(RankAcceptance(self.config.memory), self.config.probe_every,
+        return SpecHistory(RankAcceptance(self.config.memory), self.config.probe_every, worth=self.typical,
                            next_probe=self.config.probe_every)
 
     def drafts(self, history: SpecHistory, decoding: int, base_rows: int) -> bool:
@@ -187,7 +192,10 @@ class AdaptiveController:
             return True
         # tokens expected from drafting against those the drafter's time would decode
         plain_rate = max(decoding, 1) / self._step_ms(base_rows, decoding, 0)
-        return history.worth >= plain_rate * self.cost.draft_ms()
+        if history.worth >= plain_rate * self.cost.draft_ms():
+            return True
+        history.worth = _blend(history.worth, self.typical, self.config.memory)    # not drafting: forgetting why
+        return False
 
     def trim(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
         """After drafting: how many of each proposal's draft nodes to verify. `base_rows`: the
@@ -210,7 +218,9 @@ class AdaptiveController:
         per_node = (step_ms(nodes) - step_ms(0)) / nodes if nodes else 0.0
         keep = []
         for c, g, k in zip(cands, gains, cut):
-            c.history.worth = _blend(c.history.worth, sum(g[:k]) - plain_rate * per_node * k, self.config.memory)
+            worth = sum(g[:k]) - plain_rate * per_node * k
+            c.history.worth = _blend(c.history.worth, worth, self.config.memory)
+            self.typical = _blend(self.typical, worth, self.prior.memory)
             keep.append(self._probe(c.history, k, len(c.depths)) if c.history.probing else self._settle(c.history, k))
         return keep
 

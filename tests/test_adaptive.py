@@ -137,6 +137,30 @@ def test_a_request_that_stops_paying_stops_drafting_and_is_probed():
     assert hist.interval == 4                # probes every probe_every steps again
 
 
+def test_a_request_starts_from_every_requests_worth_and_looks_again_while_drafting_pays_elsewhere():
+    """One weak proposal must not switch a request off until its probe: a new request starts
+    from what every request's cuts were worth, and one that stopped drafting returns toward it
+    (while drafting does not pay anywhere, it waits for its probes: the test above)."""
+    ctl = controller(1.0, probe_every=64, max_probe_every=128)
+    ctl.cost.observe(StepSample(2, 1, 1, 1, False, 0.011, 0.002, 0.0135))    # the drafter takes 2 ms
+    sure = lambda h: Candidate(h, (1, 2), (0.9, 0.9), "match")             # noqa: E731
+    weak = lambda h: Candidate(h, (1,), (0.1,), "match")                   # noqa: E731
+    first = decoding(ctl)
+    for _ in range(50):
+        ctl.observe(sure(first), [1, 2])
+        ctl.observe(weak(first), [])
+    assert ctl.trim([sure(first)], 1, 1) == [2] and first.worth > 1
+    late = ctl.history()
+    assert late.worth == ctl.typical > 1
+    steps = 0
+    while ctl.drafts(late, 1, 1):               # weak proposals only: its worth falls until it stops
+        assert ctl.trim([weak(late)], 1, 1) == [0]
+        steps += 1
+    assert 10 < steps < 40
+    back = next(i for i in range(1, 64) if ctl.drafts(late, 1, 1))
+    assert back < 5                             # long before its probe, 64 steps on
+
+
 def test_disabled_or_unmeasured_keeps_whole_trees():
     for ctl in (AdaptiveController(AdaptiveConfig(enabled=False), StepCost(linear(1, 1), 0.1)),
                 AdaptiveController(AdaptiveConfig(), None)):
