@@ -192,9 +192,10 @@ class AdaptiveController:
             return True
         # tokens expected from drafting against those the drafter's time would decode
         plain_rate = max(decoding, 1) / self._step_ms(base_rows, decoding, 0)
-        if history.worth >= plain_rate * self.cost.draft_ms():
+        if history.worth >= plain_rate * self.cost.drafting_ms():
             return True
-        history.worth = _blend(history.worth, self.typical, self.config.memory)    # not drafting: forgetting why
+        if self.typical is not None:        # not drafting: forgetting why
+            history.worth = _blend(history.worth, self.typical, self.config.memory)
         return False
 
     def trim(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
@@ -211,7 +212,7 @@ class AdaptiveController:
         request remembers what its cut was worth: its nodes' expected tokens less what their
         share of the extra time would have decoded plainly."""
         def step_ms(nodes: int) -> float:
-            return self._step_ms(base_rows, decoding, nodes)
+            return self._step_ms(base_rows, decoding, nodes, drafted=len(cands))
         gains = [self.gains(c) for c in cands]
         cut = best_prefixes(gains, max(decoding, 1), step_ms)
         plain_rate, nodes = max(decoding, 1) / step_ms(0), sum(cut)
@@ -259,10 +260,12 @@ class AdaptiveController:
         ranks = range(1, len(cand.depths) + 1)
         return [cand.history.ranks.rate(i, self.prior.rate(i, c.first_guess, 1.0), c.prior_weight) for i in ranks]
 
-    def _step_ms(self, base_rows: int, decoding: int, nodes: int) -> float:
-        """The step's milliseconds with `nodes` draft nodes (the drafter's time is spent by then)."""
+    def _step_ms(self, base_rows: int, decoding: int, nodes: int, drafted: int = 0) -> float:
+        """The step's milliseconds with `nodes` draft nodes after `drafted` requests drafted
+        (the drafter's time is spent by then; its slowdown of the forward is not)."""
         cost = self.cost
-        return cost.forward_ms(base_rows + nodes) + decoding * cost.request_ms() + nodes * cost.node_ms()
+        return cost.forward_ms(base_rows + nodes) + drafted * cost.slowdown_ms() + decoding * cost.request_ms() \
+            + nodes * cost.node_ms()
 
 
 def _blend(old: float | None, new: float, memory: float) -> float:

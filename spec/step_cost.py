@@ -6,7 +6,10 @@ thread count; a row count not run yet costs the curve measured on this machine a
 scaled as the counts that were (longer contexts, a busy neighbour, fewer threads from the
 governor move every count). On top of the forward, each drafting request costs its
 drafter's time and each draft node its acceptance work (a softmax over the vocabulary at
-T > 0), both measured while serving.
+T > 0), both measured while serving. A drafter also slows the forward after it: a datastore
+lookup's binary searches leave the caches and TLB cold for the weights (a one-row forward
+took 0.6 ms of 3.8 longer after one); that is learned too, as the forward's time after
+drafting less its time without, and is part of what drafting costs.
 """
 from __future__ import annotations
 
@@ -95,7 +98,9 @@ class StepCost:
         self.curve = curve
         self.threads = 0                                        # the count steps run on now
         self._smoothing = smoothing
-        self._forward: dict[tuple[int, int], _Average] = {}     # (threads, rows) -> ms
+        self._forward: dict[tuple[int, int], _Average] = {}     # (threads, rows) -> ms, drafting's slowdown less
+        self._undrafted: dict[tuple[int, int], _Average] = {}   # (threads, rows) -> ms of forwards without drafting
+        self._slowdown = _Average(smoothing)                    # the forward's ms more after drafting, per request
         self._scale: dict[int, _Average] = {}                   # threads -> measured / curve
         self._propose = _Average(smoothing)                     # the drafter's own call, per request
         self._draft = _Average(smoothing)
@@ -113,7 +118,16 @@ class StepCost:
         return (scale.value if scale is not None else 1.0) * self.curve(rows)
 
     def draft_ms(self) -> float:
+        """The drafter's time and its bookkeeping, per drafting request."""
         return self._draft.get(self._propose.get(0.0))
+
+    def slowdown_ms(self) -> float:
+        """How much longer a step's forward runs because a request drafted before it."""
+        return max(0.0, self._slowdown.get(0.0))
+
+    def drafting_ms(self) -> float:
+        """All that drafting costs a step, per drafting request."""
+        return self.draft_ms() + self.slowdown_ms()
 
     def request_ms(self) -> float:
         return self._request.get(0.0)
@@ -126,8 +140,14 @@ class StepCost:
         curve and their other work is the prompt's."""
         if s.prefill or not s.decoding or s.forward_s <= 0:
             return
-        ms = s.forward_s * 1e3
-        self._average(self._forward, (self.threads, s.rows)).add(ms)
+        ms, key = s.forward_s * 1e3, (self.threads, s.rows)
+        undrafted = self._undrafted.get(key)
+        if not s.drafting:
+            self._average(self._undrafted, key).add(ms)
+        elif undrafted is not None and undrafted.count >= MIN_SEEN:
+            self._slowdown.add((ms - undrafted.value) / s.drafting)
+        ms -= s.drafting * self.slowdown_ms()
+        self._average(self._forward, key).add(ms)
         self._average(self._scale, self.threads).add(ms / self.curve(s.rows))
         if s.drafting:
             self._propose.add(s.draft_s * 1e3 / s.drafting)

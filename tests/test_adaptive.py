@@ -66,6 +66,28 @@ def test_step_cost_follows_the_steps_run_and_ignores_prompt_chunks():
     assert cost.forward_ms(1) == pytest.approx(5.0)
 
 
+def test_drafting_costs_the_forwards_slowdown_after_it_too():
+    """A drafter whose lookups leave the caches cold slows the forward after it: the step
+    cost learns that beside its own time, and the forward's curve stays the undrafted one."""
+    cost = StepCost(linear(4.0, 1.0), smoothing=0.5)
+    plain = StepSample(rows=1, decoding=1, drafting=0, nodes=0, prefill=False,
+                       forward_s=0.004, draft_s=0.0, total_s=0.0042)
+    cut = StepSample(rows=1, decoding=1, drafting=1, nodes=0, prefill=False,      # drafted, verified none
+                     forward_s=0.0046, draft_s=0.0002, total_s=0.0051)
+    for _ in range(3):
+        cost.observe(plain)
+    assert cost.slowdown_ms() == 0.0
+    for _ in range(6):
+        cost.observe(cut)
+    assert cost.slowdown_ms() == pytest.approx(0.6) and cost.draft_ms() == pytest.approx(0.3)
+    assert cost.drafting_ms() == pytest.approx(0.9)
+    assert cost.forward_ms(1) == pytest.approx(4.0, abs=0.05)
+    ctl = AdaptiveController(AdaptiveConfig(), cost)
+    hist = ctl.history()
+    hist.worth = 0.15            # a drafted step's expected gain: above the drafter's time, below its whole cost
+    assert 0.15 > cost.draft_ms() / 4.2 and not ctl.drafts(hist, 1, 1)
+
+
 # ----- acceptance estimates --------------------------------------------------------------------
 
 def test_rank_counts_decay_toward_recent_steps():
