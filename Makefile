@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The server drafts from the training replies when they are there (datastore drafter), else n-gram.
-DATA ?= ../shared/data/train
-DRAFTER ?= $(if $(wildcard $(DATA)),datastore:$(DATA),ngram)
+# The server drafts with suffix decoding (its requests' prompts and outputs and recent replies):
+# at or above the datastore and n-gram drafters on MT-bench and Spec-Bench on both machine
+# kinds (docs/performance.md, "Adaptive speculation", fourth run).
+DRAFTER ?= suffix
 
 serve: $(STAMP)
 	$(VENV)/bin/tercel serve --drafter $(DRAFTER) $(SERVE_ARGS)
