@@ -514,13 +514,16 @@ class LLMEngine:
 
     def _trim(self, drafted: list[SeqPlan], props: list["Proposal"], plans: list[SeqPlan]) -> list:
         """The proposals cut to the draft nodes the adaptive controller verifies (None where it
-        keeps none). A request below a forced chain or a pinned one keeps its whole proposal."""
+        keeps none, or the drafter proposed none: a plain decode step, without a tree's mask
+        and acceptance). A request below a forced chain or a pinned one keeps its whole
+        proposal, a bare root included (its draws follow the tree path)."""
         if not props:
             return []
-        cut = [i for i, (plan, prop) in enumerate(zip(drafted, props))
-               if not plan.forced and not self._pinned(plan.request) and plan.request.history is not None
-               and prop.num_draft_nodes]
-        others = set(range(len(drafted))) - set(cut)
+        free = [not plan.forced and not self._pinned(plan.request) for plan in drafted]
+        props = [None if f and not prop.num_draft_nodes else prop for f, prop in zip(free, props)]
+        cut = [i for i, (f, plan, prop) in enumerate(zip(free, drafted, props))
+               if f and prop is not None and plan.request.history is not None]
+        others = [i for i in set(range(len(drafted))) - set(cut) if props[i] is not None]
         base_rows = sum(p.num_rows for p in plans if p not in drafted) + len(cut) \
             + sum(drafted[i].forced + props[i].num_draft_nodes for i in others)
         decoding = sum(1 for p in plans if not p.mid_prefill)

@@ -225,6 +225,31 @@ def test_engine_verifies_what_the_controller_keeps_and_outputs_stay_the_targets(
     assert engine.blocks.num_used_blocks == 0
 
 
+def test_a_bare_root_is_a_plain_decode_step_except_for_a_pinned_request(tiny_llama_dir):
+    """A proposal without draft nodes costs no tree mask and no tree acceptance: the step
+    decodes plainly. A seeded sampled request keeps the tree path (its draws follow it)."""
+    from drafters.base import Proposal
+    from spec import LLM
+    from tree.token_tree import TokenTree
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
+        prompts, greedy)]
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram")
+    engine, trees = llm.engine, []
+    engine.drafter.propose = lambda views: [Proposal(TokenTree.single(v.token_ids[-1])) for v in views]
+    accept = engine._accept_proposal
+
+    def spy(req, plan):
+        trees.append(req.params.seed)
+        return accept(req, plan)
+    engine._accept_proposal = spy
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain and trees == []
+    llm.generate(prompts[:1], SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
+    assert trees and set(trees) == {3}
+    assert engine.blocks.num_used_blocks == 0
+
+
 def test_engine_measures_its_cost_curve_at_load(tiny_llama_dir):
     from spec import LLM
     llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
