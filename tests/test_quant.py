@@ -30,6 +30,23 @@ def test_gguf_blocks_decode_bit_exactly(kind):
     assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(blocks, qtype).reshape(48, 96)))
 
 
+def test_q4_k_blocks_decode_to_ggufs_weights():
+    """Q4_K super-blocks by the format's definition (gguf-py cannot write them: random
+    scales, mins and nibbles under random fp16 d and dmin) decode to gguf-py's weights, as
+    int4 groups of 32 the q4x16 kernel takes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 512
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    halves = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16)
+    blocks[..., 0:4] = halves.view(np.uint8)                      # d, dmin
+    ours = read_block_tensor("Q4_K", blocks, rows, cols)
+    assert isinstance(ours, Int4Weight) and ours.group == 32
+    want = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType.Q4_K).reshape(rows, cols))
+    assert torch.equal(ours.dequantize(), want)
+
+
 def test_affine_blocks_keep_their_weights():
     """w = d q + m becomes (q - 8) d + (m + 8 d): the same weights."""
     g = torch.Generator().manual_seed(0)

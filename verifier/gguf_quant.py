@@ -1,10 +1,15 @@
-"""Read a GGUF's Q4_0, Q4_1 and Q8_0 blocks as they are, without a float round trip.
+"""Read a GGUF's Q4_0, Q4_1, Q4_K and Q8_0 blocks as they are, without a float round trip.
 
-Block layouts (ggml, 32 weights per block, little-endian):
-    Q4_0: d fp16, 16 bytes of nibbles            w = d * (q - 8)
-    Q4_1: d fp16, m fp16, 16 bytes of nibbles    w = d * q + m
-    Q8_0: d fp16, 32 int8                        w = d * q
-Nibble byte j holds weight j (low half) and weight j + 16 (high half) of its block.
+Block layouts (ggml, little-endian):
+    Q4_0: d fp16, 16 bytes of nibbles            w = d * (q - 8)          32 weights
+    Q4_1: d fp16, m fp16, 16 bytes of nibbles    w = d * q + m            32 weights
+    Q8_0: d fp16, 32 int8                        w = d * q                32 weights
+    Q4_K: d fp16, dmin fp16, 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of
+          nibbles; sub-block j (32 weights): w = (d * sc[j]) * q - dmin * mn[j]   256 weights
+Q4_0 / Q4_1 nibble byte j holds weight j (low half) and weight j + 16 (high half) of its
+block; Q4_K's 32-byte chunk c holds weights 64 c + l (low halves) and 64 c + 32 + l (high).
+A Q4_K sub-block is a Q4_1 block whose d and m are products (d * sc, -dmin * mn): it is
+served by the same int4 kernels, groups of 32.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from verifier.gguf_convert import hf_name, unpermute_rope_rows
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, int4_from_affine
 
 BLOCK = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}    # weights, bytes
 
 
 def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
@@ -32,9 +37,35 @@ def _nibbles(blocks: np.ndarray, at: int) -> torch.Tensor:
     return torch.from_numpy(q.reshape(q.shape[0], -1))
 
 
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes per super-block -> its 8 sub-blocks' 6-bit scales and mins ([..., 8]
+    each): bytes 0-3 hold scales 0-3 (and the top bits of scales 4-7), 4-7 mins 0-3 (and the
+    top bits of mins 4-7), 8-11 the low four bits of scales and mins 4-7."""
+    d, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _q4_k(blocks: np.ndarray) -> Int4Weight:
+    """[N, super-blocks, 144] Q4_K bytes -> int4 groups of 32 (see the module docstring)."""
+    n, nsb = blocks.shape[:2]
+    f16 = lambda at: np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    sc, mn = _k_scales(blocks[..., 4:16])
+    d = f16(0)[..., None] * sc.astype(np.float32)               # [N, nsb, 8], as ggml computes them
+    m = f16(2)[..., None] * mn.astype(np.float32)
+    qs = blocks[..., 16:].reshape(n, nsb, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, nsb * 256)     # chunk c: low, then high halves
+    return int4_from_affine(torch.from_numpy(q), torch.from_numpy(d.reshape(n, -1)),
+                            torch.from_numpy(-m.reshape(n, -1)))
+
+
 def read_block_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> QuantWeight:
     """One quantized tensor (`data`: its raw bytes, [rows, row bytes]) as Tercel's form."""
-    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // BLOCK, _BLOCK_BYTES[kind])
+    per, nbytes = _BLOCKS[kind]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // per, nbytes)
+    if kind == "Q4_K":
+        return _q4_k(blocks)
     if kind == "Q4_0":
         d = _f16(blocks, 0)
         return Int4Weight(_nibbles(blocks, 2), d, torch.zeros_like(d))
@@ -62,12 +93,12 @@ def block_index(reader, gguf_path: Path) -> dict:
     docs/performance.md, "Load and import times")."""
     tensors = [{"name": t.name, "kind": t.tensor_type.name, "rows": int(t.shape[1]), "cols": int(t.shape[0]),
                 "offset": int(t.data_offset), "nbytes": int(t.n_bytes)}
-               for t in reader.tensors if t.tensor_type.name in _BLOCK_BYTES]
+               for t in reader.tensors if t.tensor_type.name in _BLOCKS]
     return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors}
 
 
 def read_quantized(index: dict, cfg: dict) -> dict[str, QuantWeight]:
-    """HF name -> weight for every Q4_0 / Q4_1 / Q8_0 tensor of the indexed file (others
+    """HF name -> weight for every Q4_0 / Q4_1 / Q4_K / Q8_0 tensor of the indexed file (others
     come dense from the converted safetensors)."""
     unpermute = cfg["model_type"] == "llama"
     out = {}

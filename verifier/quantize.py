@@ -4,7 +4,7 @@ What each weight becomes (the model file's own weights wherever a kernel can tak
 
 | weight | int4 | int8 |
 |---|---|---|
-| projections, GGUF Q4_0 / Q4_1 | the file's blocks (group 32) | requantized per channel |
+| projections, GGUF Q4_0 / Q4_1 / Q4_K | the file's blocks (group 32) | requantized per channel |
 | projections, GGUF Q8_0 | requantized, int4 groups of 32 | requantized per channel |
 | projections, dense (HF, F16/F32) | int4 groups of 32 | per channel |
 | embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same |
@@ -43,14 +43,14 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def auto_quantization(model_dir: Path, device: torch.device) -> str:
-    """The fastest setting that keeps the file's weights: int4 for a Q4 GGUF, int8 for a
+    """The fastest setting that keeps the file's weights: int4 for a Q4 GGUF (Q4_K too), int8 for a
     Q8_0 one; dense checkpoints, CUDA, and machines where the fused CPU kernels cannot be
     built (no C compiler) stay unquantized."""
     index = Path(model_dir) / INDEX_FILE
     if device.type != "cpu" or not index.is_file() or not cpu_ops.available():
         return "none"
     kinds = {t["kind"] for t in json.loads(index.read_text())["tensors"] if t["name"].startswith("blk.")}
-    if kinds & {"Q4_0", "Q4_1"}:
+    if kinds & {"Q4_0", "Q4_1", "Q4_K"}:
         return "int4"
     return "int8" if "Q8_0" in kinds else "none"
 
