@@ -126,6 +126,24 @@ def test_default_quantization_is_int4_for_the_q4_gguf_and_none_for_hf(smollm2_di
         TargetModel(str(tiny_llama_dir), quantization="int3")
 
 
+def test_default_quantization_keeps_a_mixed_files_other_kinds_off_int4(tmp_path):
+    """int4 only where the decoder is all int4 blocks: a Q4_K_M file of a model whose rows are
+    not multiples of 256 stores most matrices as Q5_0 and Q6_K, which int4 would requantize."""
+    import json
+    from verifier.gguf_quant import INDEX_FILE
+    from verifier.quantize import auto_quantization
+
+    def auto(kinds, others):
+        d = tmp_path / f"{'-'.join(kinds)}_{'-'.join(others)}"
+        d.mkdir()
+        tensors = [{"name": f"blk.{i}.ffn_down.weight", "kind": k} for i, k in enumerate(kinds)]
+        (d / INDEX_FILE).write_text(json.dumps({"gguf": "", "tensors": tensors, "other_kinds": others}))
+        return auto_quantization(d, torch.device("cpu"))
+    assert auto(["Q4_K", "Q4_K"], []) == "int4" and auto(["Q4_1"], []) == "int4"
+    assert auto(["Q4_K", "Q8_0"], ["Q5_0", "Q6_K"]) == "int8"
+    assert auto(["Q4_K"], ["Q6_K"]) == "none" and auto(["Q8_0"], []) == "int8"
+
+
 def test_quality_gate_on_a_short_text(int4, smollm2_dir):
     """Teacher-forced on 8 held-out replies (about 700 positions): top-1 agreement with the
     fp32 weights >= 99%, perplexity ratio <= 1.01."""

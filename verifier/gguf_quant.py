@@ -94,7 +94,10 @@ def block_index(reader, gguf_path: Path) -> dict:
     tensors = [{"name": t.name, "kind": t.tensor_type.name, "rows": int(t.shape[1]), "cols": int(t.shape[0]),
                 "offset": int(t.data_offset), "nbytes": int(t.n_bytes)}
                for t in reader.tensors if t.tensor_type.name in _BLOCKS]
-    return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors}
+    # the decoder's matrices stored otherwise (Q5_0, Q6_K, F16, ...): dense here, requantized by a quantized path
+    others = sorted({t.tensor_type.name for t in reader.tensors
+                     if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type.name not in _BLOCKS})
+    return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors, "other_kinds": others}
 
 
 def read_quantized(index: dict, cfg: dict) -> dict[str, QuantWeight]:

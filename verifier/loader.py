@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-CONVERSION_FORMAT = 2      # 2: the converted directory also indexes the GGUF's quantized blocks
+CONVERSION_FORMAT = 3      # 3: the block index covers Q4_K and names the decoder's other weight kinds
 
 
 def _smollm2_gguf() -> Path:

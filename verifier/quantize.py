@@ -38,19 +38,23 @@ from verifier.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, in
 
 log = logging.getLogger("tercel.quantize")
 QUANTIZATIONS = ("int4", "int8", "none")
+INT4_NATIVE = frozenset({"Q4_0", "Q4_1", "Q4_K"})      # GGUF blocks the int4 kernels take as they are
 EMBED_GROUP = 32
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def auto_quantization(model_dir: Path, device: torch.device) -> str:
-    """The fastest setting that keeps the file's weights: int4 for a Q4 GGUF (Q4_K too), int8 for a
-    Q8_0 one; dense checkpoints, CUDA, and machines where the fused CPU kernels cannot be
-    built (no C compiler) stay unquantized."""
+    """The fastest setting that keeps the file's weights: int4 for a GGUF whose decoder is all
+    Q4_0 / Q4_1 / Q4_K blocks, int8 for one with Q8_0 blocks; dense checkpoints, CUDA, and
+    machines where the fused CPU kernels cannot be built (no C compiler) stay unquantized. A
+    decoder that mixes in other kinds (SmolLM2's Q4_K_M: Q5_0 and Q6_K where a row is not a
+    multiple of 256) is not put on int4, which would requantize those to 4 bits."""
     index = Path(model_dir) / INDEX_FILE
     if device.type != "cpu" or not index.is_file() or not cpu_ops.available():
         return "none"
-    kinds = {t["kind"] for t in json.loads(index.read_text())["tensors"] if t["name"].startswith("blk.")}
-    if kinds & {"Q4_0", "Q4_1", "Q4_K"}:
+    meta = json.loads(index.read_text())
+    kinds = {t["kind"] for t in meta["tensors"] if t["name"].startswith("blk.")}
+    if kinds and kinds <= INT4_NATIVE and not meta.get("other_kinds"):
         return "int4"
     return "int8" if "Q8_0" in kinds else "none"
 
