@@ -58,21 +58,6 @@ CURVE_ROUNDS = 5        # timed forwards per row count for the adaptive controll
 CURVE_CONTEXT = 256     # tokens before the timed rows: about a chat request's context
 
 
-@dataclass
-class StepTiming:
-    """Wall time of speculative steps, split into their phases (benchmarks read it)."""
-    steps: int = 0
-    draft_seconds: float = 0.0      # schedule + drafter.propose
-    verify_seconds: float = 0.0     # the target forward over prefill chunks and trees
-    accept_seconds: float = 0.0     # acceptance, KV commit, emit, drafter bookkeeping
-
-    def add(self, draft: float, verify: float, accept: float) -> None:
-        self.steps += 1
-        self.draft_seconds += draft
-        self.verify_seconds += verify
-        self.accept_seconds += accept
-
-
 @dataclass(eq=False)
 class SeqPlan:
     """One scheduled sequence on its way through a step: `_draft` makes one per scheduled
@@ -178,7 +163,7 @@ class LLMEngine:
         self.drafter = None
         self.predictor = PredictionDrafter()   # drafts each request's own prediction, with or without a drafter
         self.adaptive = AdaptiveController(config.adaptive)    # its cost curve comes with the warm-up
-        self.timing = StepTiming()
+        self.timing = PhaseTimes()      # the speculative steps' phases, cumulative
         self._propose_seconds = 0.0         # this step's drafter.propose
         self._drafting = 0                  # requests proposed for this step
         self.spec_config = config.speculation or SpecConfig()
@@ -327,7 +312,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot between two steps, for readers outside the engine (metrics, benchmarks)."""
         on = self.drafter is not None and self.adaptive.state
-        t = self.timing
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.blocks.num_total_blocks, kv_blocks_free=self.blocks.num_free_blocks,
@@ -336,7 +320,7 @@ class LLMEngine:
             preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             steps=self._steps, last_step_tokens=self._last_step_tokens,
-            timing=PhaseTimes(t.steps, t.draft_seconds, t.verify_seconds, t.accept_seconds))
+            timing=self.timing)
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached blocks no request holds; returns how many."""
@@ -386,7 +370,7 @@ class LLMEngine:
         end = time.perf_counter()
         speculated = any(p.drafted is not None for p in plans)
         if speculated:
-            self.timing.add(drafted - start, verified - drafted, end - verified)
+            self.timing = self.timing.plus(drafted - start, verified - drafted, end - verified)
         self._observe(plans, verified - drafted, end - start)
         self._last_step_tokens = sum(p.num_rows for p in plans)
         self._steps += 1

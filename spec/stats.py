@@ -75,6 +75,11 @@ class PhaseTimes:
     verify_seconds: float = 0.0     # the target forward over prefill chunks and trees
     accept_seconds: float = 0.0     # acceptance, KV commit, emit, drafter bookkeeping
 
+    def plus(self, draft: float, verify: float, accept: float) -> PhaseTimes:
+        """These times with one more step's phases added."""
+        return PhaseTimes(self.steps + 1, self.draft_seconds + draft, self.verify_seconds + verify,
+                          self.accept_seconds + accept)
+
     def __sub__(self, earlier: PhaseTimes) -> PhaseTimes:
         return PhaseTimes(self.steps - earlier.steps, self.draft_seconds - earlier.draft_seconds,
                           self.verify_seconds - earlier.verify_seconds, self.accept_seconds - earlier.accept_seconds)
