@@ -22,6 +22,7 @@ import torch
 from tree.token_tree import TokenTree
 from verifier.attention import get_backend
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.loader import DEFAULT_MODEL
 from verifier.target import TargetModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -87,7 +88,7 @@ def verify_curve(args, target: TargetModel, device: torch.device) -> list[tuple[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")

@@ -22,7 +22,7 @@ log = logging.getLogger("tercel.training")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train-drafter", description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=["eagle3", "small"], default="eagle3")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="alias, .gguf or HF directory")
+    p.add_argument("--target", default=TrainConfig.target, help="alias, .gguf or HF directory")
     p.add_argument("--data", nargs="+", required=True, help="JSONL files or directories of them")
     p.add_argument("--output", required=True, help="directory for the trained drafter")
     p.add_argument("--limit-per-source", type=int, default=None,

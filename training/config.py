@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verifier.checks import positive_ints
+from verifier.loader import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
@@ -11,7 +12,7 @@ class TrainConfig:
     kind: str                          # eagle3 | small
     data: tuple[str, ...]              # JSONL files or directories of them
     output: str                        # the trained drafter (and checkpoints/) go here
-    target: str = "smollm2-135m-instruct"
+    target: str = DEFAULT_MODEL
     # data
     limit_per_source: int | None = None  # seeded sample of at most this many conversations per source
     max_len: int = 1024                # tokens per conversation after templating
