@@ -10,6 +10,9 @@ import argparse
 import sys
 import time
 
+from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
+                           speculation_from_args)
+
 
 def _chat_args(sub) -> None:
     p = sub.add_parser("chat", help="chat with the model in the terminal (one prompt, or a REPL)")
@@ -25,24 +28,10 @@ def _chat_args(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
-    p.add_argument("--drafter", default=None, help="speculative drafter: eagle3:PATH, ngram, suffix, small:PATH, "
-                                                  "tree:SPEC (default: plain decoding)")
-    p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
-    p.add_argument("--topk", type=int, default=None, help="children per draft node (1 = a chain)")
-    p.add_argument("--budget", type=int, default=None, help="draft nodes per step")
+    add_speculation_args(p, None, "speculative drafter: eagle3:PATH, ngram, suffix, small:PATH, tree:SPEC "
+                                  "(default: plain decoding)")
 
 
-def add_quantization_arg(p) -> None:
-    from spec.config import QUANTIZATION_CHOICES
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="CPU weights: int4 or int8 kernels, none (dense fp32), or auto (default: int4 for a "
-                        "Q4 GGUF such as the default model, int8 for Q8_0, none for HF checkpoints and CUDA)")
-
-
-def add_tensor_parallel_arg(p) -> None:
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="shard the target over N devices (N GPUs with NCCL; N processes with gloo on CPU); "
-                        "dense weights only: with N > 1, --quantization auto picks none")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +62,7 @@ def run_chat(args) -> int:
     from spec import LLM, SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    drafter = None if args.drafter in (None, "", "none") else args.drafter
+    drafter = drafter_name(args.drafter)
     spec = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
     print("loading model...", file=sys.stderr, flush=True)
     llm = LLM(args.model, drafter=drafter, speculation=spec, quantization=args.quantization,
@@ -94,21 +83,6 @@ def run_chat(args) -> int:
             history = history[:1] if args.system else []
         elif line:
             _turn(llm, history, line, params)
-
-
-def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | None, budget: int | None):
-    """None when no tree option is given (the drafter's tuned default); else that default
-    with the given fields replaced."""
-    if gamma is None and topk is None and budget is None:
-        return None
-    from dataclasses import replace
-
-    from drafters.base import default_speculation
-    base = default_speculation(drafter)
-    given = {k: v for k, v in (("num_speculative_tokens", gamma), ("topk", topk)) if v is not None}
-    if budget is not None or given:
-        given["budget"] = budget      # a budget tuned for the default shape does not carry over
-    return replace(base, **given)
 
 
 def _turn(llm, history: list[dict], user: str, params) -> None:

@@ -6,6 +6,8 @@ import math
 import os
 from pathlib import Path
 
+from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
+                           speculation_from_args)
 from serving.tools.formats import FORMATS
 
 log = logging.getLogger("tercel.serve")
@@ -22,11 +24,7 @@ def add_serve_args(sub) -> None:
     p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling defaults for fields a request leaves out, from the model's generation_config.json "
                         "(auto), another folder's, or none")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="ngram (default), suffix, eagle3:PATH, small:PATH, "
-                                                             "tree:SPEC, or 'none'")
-    p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
-    p.add_argument("--topk", type=int, default=None, help="children per draft node")
-    p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
+    add_speculation_args(p, DEFAULT_DRAFTER, "ngram (default), suffix, eagle3:PATH, small:PATH, tree:SPEC, or 'none'")
     p.add_argument("--no-adaptive", action="store_true",
                    help="every request verifies its drafter's whole tree every step, whatever it costs")
     p.add_argument("--no-jump-forward", action="store_true",
@@ -48,7 +46,6 @@ def add_serve_args(sub) -> None:
                    help="CPU threads at most (default: the affinity mask's CPUs or the cgroup's CPU quota)")
     p.add_argument("--fixed-threads", action="store_true",
                    help="every step on --threads; by default steps run on fewer while that measures faster")
-    from serving.cli import add_quantization_arg, add_tensor_parallel_arg
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -114,7 +111,6 @@ def parse_serve_args(argv: list[str]):
 
 
 def engine_config(args):
-    from serving.cli import speculation_from_args
     from spec.adaptive import AdaptiveConfig
     from spec.config import EngineConfig
     from spec.threads import ThreadConfig
@@ -124,7 +120,7 @@ def engine_config(args):
         from spec.profile import load_profile
         choice = load_profile(args.profile)
         drafter, profiled = choice.drafter, choice.speculation
-    drafter = None if drafter in (None, "", "none") else drafter
+    drafter = drafter_name(drafter)
     spec = speculation_from_args(drafter, gamma, topk, budget) or profiled
     kv = {}
     if args.kv_blocks:

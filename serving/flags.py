@@ -1,0 +1,43 @@
+"""Command-line flags that `tercel serve` and `tercel chat` share: the drafter and its tree,
+the CPU weights, tensor parallelism. Kept free of torch so that `--help` stays quick."""
+from __future__ import annotations
+
+
+def add_speculation_args(p, default_drafter: str | None, drafter_help: str) -> None:
+    p.add_argument("--drafter", default=default_drafter, help=drafter_help)
+    p.add_argument("--gamma", type=int, default=None, help="speculation depth (default: the drafter's)")
+    p.add_argument("--topk", type=int, default=None, help="children per draft node (1 = a chain)")
+    p.add_argument("--budget", type=int, default=None, help="draft nodes per request per step")
+
+
+def drafter_name(arg: str | None) -> str | None:
+    """The --drafter value as the engine takes it: None for plain decoding ('none' or empty)."""
+    return None if arg in (None, "", "none") else arg
+
+
+def add_quantization_arg(p) -> None:
+    from spec.config import QUANTIZATION_CHOICES
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="CPU weights: int4 or int8 kernels, none (dense fp32), or auto (default: int4 for a "
+                        "Q4 GGUF such as the default model, int8 for Q8_0, none for HF checkpoints and CUDA)")
+
+
+def add_tensor_parallel_arg(p) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the target over N devices (N GPUs with NCCL; N processes with gloo on CPU); "
+                        "dense weights only: with N > 1, --quantization auto picks none")
+
+
+def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | None, budget: int | None):
+    """None when no tree option is given (the drafter's tuned default); else that default
+    with the given fields replaced."""
+    if gamma is None and topk is None and budget is None:
+        return None
+    from dataclasses import replace
+
+    from drafters.base import default_speculation
+    base = default_speculation(drafter)
+    given = {k: v for k, v in (("num_speculative_tokens", gamma), ("topk", topk)) if v is not None}
+    if budget is not None or given:
+        given["budget"] = budget      # a budget tuned for the default shape does not carry over
+    return replace(base, **given)
