@@ -335,8 +335,8 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
 /* Attention's vectors are as wide as the machine's: W lanes (the dot products' lane split,
  * hence a row's bits, depend on W, but never on the batch). Up to VB query vectors that see
  * the same keys in a chunk (a row's query heads of one KV head; in a tree, also other nodes'
- * over the prefix they share) are summed from each K/V load, their accumulators in ACC
- * registers: 3 x 4 or 3 x 8 of AVX-512's 32, 3 x 4 or 6 x 2 (vectors x keys) of AVX2's 16.
+ * over the prefix they share) are summed from each K/V load, their accumulators within ACC
+ * registers: 3 x 4 (vectors x keys) of AVX-512's 32, 3 x 4 or 6 x 2 of AVX2's 16.
  * Which vectors share a load changes no arithmetic: each key's dot product and each output's
  * sum run in the same order whatever shares them. */
 #if defined(__AVX512F__)
