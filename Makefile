@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The server drafts with suffix decoding (its requests' prompts and outputs and recent replies):
-# at or above the datastore and n-gram drafters on MT-bench and Spec-Bench on both machine
-# kinds (docs/performance.md, "Adaptive speculation", fourth run).
+# at or above the datastore drafter on MT-bench and Spec-Bench with AVX-512, within noise of it
+# and of n-gram with AVX2 (docs/performance.md, "Adaptive speculation", fourth run).
 DRAFTER ?= suffix
 
 serve: $(STAMP)

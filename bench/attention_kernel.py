@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tree.token_tree import TokenTree
 from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.cpu_forward import row_plan
@@ -46,17 +47,6 @@ def library_at(rev: str, into: Path) -> ctypes.CDLL:
     return cpu_ops._load(path)
 
 
-def binary_tree(n: int) -> torch.Tensor:
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        mask[i, j] = True
-        while j:
-            j = (j - 1) // 2
-            mask[i, j] = True
-    return mask
-
-
 class Case:
     """One sequence at `ctx` cached tokens verifying an n-node binary tree, over LAYERS caches."""
 
@@ -65,7 +55,9 @@ class Case:
         table = torch.randperm(blocks, generator=gen).tolist()
         self.caches = [[torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
                         for _ in range(2)] for _ in range(LAYERS)]
-        seq = SeqInput([1] * n, ctx, table, mask=binary_tree(n) if n > 1 else None, logits_indices=list(range(n)))
+        tree = TokenTree(tokens=list(range(100, 100 + n)), parents=[-1] + [(i - 1) // 2 for i in range(1, n)])
+        seq = SeqInput(list(tree.tokens), ctx, table, mask=tree.ancestor_mask() if n > 1 else None,
+                       logits_indices=list(range(n)))
         self.plan = row_plan([seq], BLOCK, HEADS // KV_HEADS)
         self.q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
         none = torch.zeros(1, 1)                     # attend reads no rope table

@@ -23,8 +23,8 @@ drafter's time would have decoded. A new request's worth starts from every reque
 first proposals say little), and while a request does not draft, its worth returns toward
 every request's at the rate its steps are forgotten: what a request's text offers changes
 (a RAG answer starts copying its sources after a sentence of its own), and one weak first
-proposal must not switch a cheap drafter off until the next probe. After drafting, with the proposals in hand, how many of each proposal's nodes are
-verified. Now and then a request probes: it drafts whatever its worth and verifies one node
+proposal must not switch a cheap drafter off until the next probe. After drafting, with the
+proposals in hand, how many of each proposal's nodes are verified. Now and then a request probes: it drafts whatever its worth and verifies one node
 beyond its cut (nodes judged not to pay are never verified otherwise, and their estimates
 would never recover); probes that fail come ever rarer. Both depend on past steps and on
 the proposals, never on this step's target logits, so rejection sampling keeps the output exactly the

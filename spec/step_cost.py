@@ -6,10 +6,9 @@ thread count; a row count not run yet costs the curve measured on this machine a
 scaled as the counts that were (longer contexts, a busy neighbour, fewer threads from the
 governor move every count). On top of the forward, each drafting request costs its
 drafter's time and each draft node its acceptance work (a softmax over the vocabulary at
-T > 0), both measured while serving. A drafter also slows the forward after it: a datastore
-lookup's binary searches leave the caches and TLB cold for the weights (a one-row forward
-took 0.6 ms of 3.8 longer after one); that is learned too, as the forward's time after
-drafting less its time without, and is part of what drafting costs.
+T > 0), both measured while serving. A drafter can also slow the forward after it (a
+datastore lookup did; docs/performance.md, "Adaptive speculation"): that is learned too, as
+the forward's time after drafting less its time without, and is part of what drafting costs.
 """
 from __future__ import annotations
 

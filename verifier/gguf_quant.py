@@ -50,14 +50,12 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(blocks: np.ndarray) -> Int4Weight:
     """[N, super-blocks, 144] Q4_K bytes -> int4 groups of 32 (see the module docstring)."""
     n, nsb = blocks.shape[:2]
-    f16 = lambda at: np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
-    sc, mn = _k_scales(blocks[..., 4:16])
-    d = f16(0)[..., None] * sc.astype(np.float32)               # [N, nsb, 8], as ggml computes them
-    m = f16(2)[..., None] * mn.astype(np.float32)
+    sc, mn = (torch.from_numpy(x).float() for x in _k_scales(blocks[..., 4:16]))
+    d = _f16(blocks, 0)[..., None] * sc                         # [N, nsb, 8], as ggml computes them
+    m = _f16(blocks, 2)[..., None] * mn
     qs = blocks[..., 16:].reshape(n, nsb, 4, 1, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, nsb * 256)     # chunk c: low, then high halves
-    return int4_from_affine(torch.from_numpy(q), torch.from_numpy(d.reshape(n, -1)),
-                            torch.from_numpy(-m.reshape(n, -1)))
+    return int4_from_affine(torch.from_numpy(q), d.reshape(n, -1), -m.reshape(n, -1))
 
 
 def read_block_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> QuantWeight:
