@@ -1,6 +1,7 @@
 """The paged tree-attention kernel's achieved memory bandwidth, and the cost of a tree verify.
 
     python -m bench.attention_bandwidth                                  # CUDA: Triton, bf16
+    python -m bench.attention_bandwidth --shapes llama-3.1-8b --nodes 1,2,4,8,16,32,64   # random weights
     python -m bench.attention_bandwidth --device cpu --backend torch --dtype fp32 --batch 4
 
 (1) One layer of attention shaped like the model (query heads, KV heads, head size) for a
@@ -9,16 +10,20 @@ tree (a random tree: each node's parent is an earlier node). Bytes are what the 
 move at least: every sequence's cached K and V once, the new tokens' q, k, v and the output.
 Bandwidth = bytes / median time of `--repeats` calls (CUDA events on a GPU).
 (2) The target's whole forward for one sequence at a `--context`-token context verifying a
-tree of n nodes, n = 1 .. `--max-nodes`: median ms per forward, the curve that prices a tree.
+tree of n nodes, n = 1 .. `--max-nodes` (or the `--nodes` list): median ms per forward, the
+curve that prices a tree. `--shapes llama-3.1-8b` times a model of that size with random weights
+(bench/random_model.py): nothing to carry to a GPU machine but the config.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
 
+from bench.random_model import SHAPES, random_target
 from tree.token_tree import TokenTree
 from verifier.attention import get_backend
 from verifier.batch import ForwardBatch, SeqInput
@@ -76,14 +81,30 @@ def kernel_bandwidth(args, target: TargetModel, device: torch.device, dtype: tor
 
 def verify_curve(args, target: TargetModel, device: torch.device) -> list[tuple[int, float]]:
     bs, gen = 16, torch.Generator().manual_seed(1)
-    target.allocate_kv(-(-(args.context + args.max_nodes) // bs) + 1, bs)
+    nodes = node_counts(args)
+    target.allocate_kv(-(-(args.context + max(nodes)) // bs) + 1, bs)
     table = list(range(target.kv.num_blocks))
     target.forward(ForwardBatch([SeqInput(list(range(3, 3 + args.context)), 0, table)]))    # the cached prefix
     curve = []
-    for n in range(1, args.max_nodes + 1):
+    for n in nodes:
         seq = SeqInput([5] * n, args.context, table, mask=random_tree(n, gen), logits_indices=list(range(n)))
         curve.append((n, timed(lambda: target.forward(ForwardBatch([seq])), device, args.repeats) * 1e3))
     return curve
+
+
+def node_counts(args) -> list[int]:
+    if not args.nodes:
+        return list(range(1, args.max_nodes + 1))
+    counts = sorted({int(n) for n in args.nodes.split(",")})
+    if counts[0] < 1:
+        raise SystemExit(f"--nodes: counts must be >= 1, got {args.nodes!r}")
+    return counts
+
+
+def load_target(args, device: torch.device, dtype: torch.dtype) -> TargetModel:
+    if args.shapes is None:
+        return TargetModel(args.model, device=args.device, dtype=dtype, backend=args.backend, quantization="none")
+    return random_target(args.shapes, tempfile.mkdtemp(prefix="tercel-shapes-"), device, dtype, args.backend)
 
 
 def main() -> None:
@@ -96,15 +117,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tree", type=int, default=8)
     ap.add_argument("--max-nodes", type=int, default=16)
+    ap.add_argument("--nodes", help="comma-separated tree sizes for the verify curve (instead of 1..--max-nodes)")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), help="random weights with these shapes instead of --model")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --backend torch --dtype fp32")
-    target = TargetModel(args.model, device=args.device, dtype=dtype, backend=args.backend, quantization="none")
+    target = load_target(args, device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     k = kernel_bandwidth(args, target, device, dtype)
-    print(f"{name}; {args.backend} attention, {args.dtype}; {target.config.num_heads} query heads, "
+    model = f"random weights, {args.shapes} shapes" if args.shapes else args.model
+    print(f"{name}; {model}; {args.backend} attention, {args.dtype}; {target.config.num_heads} query heads, "
           f"{target.config.num_kv_heads} KV heads, head size {target.config.head_dim}\n")
     print(f"paged tree attention, {args.batch} sequences x ({args.context} cached + {args.tree}-node tree): "
           f"{k['us']:.1f} us, {k['bytes'] / 1e6:.2f} MB, {k['gbps']:.1f} GB/s\n")

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the replies by the target's own (self-distillation, Tercel's engine)")
     p.add_argument("--regen-max-tokens", type=int, default=256)
     p.add_argument("--regen-temperature", type=float, default=0.0)
+    p.add_argument("--regen-batch", type=int, default=TrainConfig.regen_batch, help="replies generated at once")
     p.add_argument("--feature-cache", default=None, help="directory to cache target features (fp16)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="eagle3: draft vocabulary size")
     p.add_argument("--ttt-steps", type=int, default=7, help="eagle3: training-time-test steps")
@@ -122,7 +123,7 @@ def _regenerate(cfg: TrainConfig, convs, out: Path):
     from training.regenerate import regenerate
     path = out / "regenerated.jsonl"
     regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
-               temperature=cfg.regen_temperature, seed=cfg.seed)
+               temperature=cfg.regen_temperature, batch_size=cfg.regen_batch, seed=cfg.seed)
     regen, _ = load_conversations([str(path)])
     wanted = {c.id for c in convs}
     return [c for c in regen if c.id in wanted]

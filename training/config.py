@@ -19,6 +19,7 @@ class TrainConfig:
     regenerate: bool = False           # replace replies by the target's own (self-distillation)
     regen_max_tokens: int = 256
     regen_temperature: float = 0.0
+    regen_batch: int = 32              # replies generated at once (a GPU takes more)
     feature_cache: str | None = None   # directory for cached target features (eagle3)
     # model
     draft_vocab: int = 4096            # eagle3: rows of the head's LM head
@@ -53,7 +54,8 @@ class TrainConfig:
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
         positive_ints(self, ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens", "checkpoint_every",
-                             "eval_prompts", "eval_tokens", "small_layers", "regen_max_tokens"), flag=True)
+                             "eval_prompts", "eval_tokens", "small_layers", "regen_max_tokens", "regen_batch"),
+                      flag=True)
         if not 0 <= self.warmup < 1:
             raise ValueError(f"--warmup is a share of the steps in [0, 1), got {self.warmup}")
         if self.lr <= 0 or self.grad_clip <= 0 or not 0 < self.step_decay <= 1:

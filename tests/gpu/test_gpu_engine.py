@@ -4,21 +4,15 @@ T=0 speculation must equal plain decoding for every drafter, seeded sampling mus
 and the KV pool must be whole after mixed and cancelled requests, on the default model
 (SmolLM2-135M-Instruct, loaded from its GGUF as bf16 on the GPU).
 """
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("the Triton interpreter is on in this process: run `make test-gpu`", allow_module_level=True)
-
-from conftest import (drive_random_requests, make_random_eagle_head, mtbench_prompts, spec_drafters,  # noqa: E402
+from conftest import (drive_random_requests, make_random_eagle_head, mtbench_prompts, spec_drafters,
                       write_reply_corpus)
-from drafters.config import SpecConfig  # noqa: E402
-from spec import LLM, SamplingParams  # noqa: E402
+from drafters.config import SpecConfig
+from spec import LLM, SamplingParams
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

@@ -4,20 +4,14 @@ Run with `make test-gpu` (a process of its own: tests/test_triton_kernels.py tur
 interpreter on for the CPU). Tolerances, on outputs of unit-variance inputs: fp32 1e-4; bf16
 3e-2 (8 mantissa bits: inputs, the P.V product and the output are rounded); fp16 4e-3.
 """
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("the Triton interpreter is on in this process: run `make test-gpu`", allow_module_level=True)
-
-from attention_cases import make_case, snapshot_commit  # noqa: E402
-from verifier.attention import triton_kernels as tk  # noqa: E402
-from verifier.attention.torch_backend import TorchBackend  # noqa: E402
-from verifier.attention.triton_backend import TritonBackend  # noqa: E402
+from attention_cases import make_case, snapshot_commit
+from verifier.attention import triton_kernels as tk
+from verifier.attention.torch_backend import TorchBackend
+from verifier.attention.triton_backend import TritonBackend
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=4e-3, rtol=4e-3)}
