@@ -21,6 +21,7 @@
 #
 # Environment: PYTHON (default python3), GPU_CHECK_BUDGET (seconds for all stages, default 480),
 # GPU_CHECK_KEEP_GOING=1 (run the later stages after a failure; default: stop at the first),
+# GPU_CHECK_STAGES (the stages to run, e.g. "install test-gpu train"; default all),
 # GPU_CHECK_TARGET (model to train for, default the default model), GPU_CHECK_TRAIN_ARGS (more
 # train-drafter flags, e.g. to shrink the dry run), GPU_CHECK_DATA (a data folder to use as is).
 set -uo pipefail
@@ -52,6 +53,7 @@ pack() {   # the logs in one file: OUT holds few files (the device tool brings b
 stage() {  # stage NAME SECONDS CMD...: CMD's output in logs/NAME.log, at most SECONDS (and the budget left)
   local name=$1 limit=$2 left=$((BUDGET - SECONDS)); shift 2
   if ((FAILED > 0)) && [[ ${GPU_CHECK_KEEP_GOING:-0} != 1 ]]; then return; fi
+  if [[ -n ${GPU_CHECK_STAGES:-} && " $GPU_CHECK_STAGES " != *" $name "* ]]; then return; fi
   ((limit > left)) && limit=$left
   if ((limit < 5)); then note "- $name: not run, the budget of ${BUDGET} s is spent"; FAILED=$((FAILED + 1)); return; fi
   local t0=$SECONDS rc
@@ -67,7 +69,7 @@ stage() {  # stage NAME SECONDS CMD...: CMD's output in logs/NAME.log, at most S
 }
 
 figures() {  # the markdown tables of a stage's log, into the summary
-  [[ -f $LOGS/$1.log ]] && { note ""; note "### $1"; grep -E '^(\||[A-Za-z].*(GB/s|tok/s|accepted|τ))' "$LOGS/$1.log" \
+  [[ -f $LOGS/$1.log ]] && { note ""; note "### $1"; grep -E '^([|]|[A-Za-z].*(GB/s|tok/s|accepted|τ))' "$LOGS/$1.log" \
     | tee -a "$SUMMARY" >/dev/null; note ""; }
 }
 
@@ -145,7 +147,7 @@ DRAFTERS="ngram,suffix,datastore:$DATA/train"
 stage install 60 install_wheels
 stage env 30 report_env
 cat "$LOGS/env.log" >>"$SUMMARY" 2>/dev/null
-stage test-gpu 200 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+stage test-gpu 200 "$PY" -m pytest -v -p no:cacheprovider --durations=12 tests/gpu
 if [[ $CUDA == 1 ]]; then
   stage bandwidth-smollm2 60 "$PY" -m bench.attention_bandwidth --nodes 1,2,4,8,16,32,64
   stage bandwidth-llama8b 90 "$PY" -m bench.attention_bandwidth --shapes llama-3.1-8b --nodes 1,2,4,8,16,32,64 \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.kv_cache import slots_for
 
 
 def tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -49,3 +50,18 @@ def snapshot_commit(cache: torch.Tensor, src: list[int], dst: list[int]) -> torc
     for s, t in zip(src, dst):
         new[:, t] = old[:, s]
     return new.view(cache.shape)
+
+
+def decoded_after_commit(run, seq: SeqInput, node: int, q, k, v, k_cache, v_cache) -> torch.Tensor:
+    """Tree node `node` of `seq` decoded alone once its ancestors sit, committed, at the positions
+    after the prefix: `run(batch, q, k, v, k_cache, v_cache)` -> (out, ...). Returns its [H, D]."""
+    ancestors = seq.mask[node].nonzero().flatten().tolist()[:-1]         # in depth order
+    bs = k_cache.shape[1]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    slots = slots_for(seq.block_table, seq.ctx_len, seq.ctx_len + len(ancestors), bs)
+    for a, slot in zip(ancestors, slots):
+        kc.view(-1, *kc.shape[2:])[slot] = k[a]
+        vc.view(-1, *vc.shape[2:])[slot] = v[a]
+    alone = ForwardBatch([SeqInput([1], seq.ctx_len + len(ancestors), seq.block_table)])
+    one = slice(node, node + 1)
+    return run(alone, q[one], k[one], v[one], kc, vc)[0][0]

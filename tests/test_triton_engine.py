@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed, so its backend ca
 from conftest import make_tiny_model  # noqa: E402
 from drafters.config import SpecConfig  # noqa: E402
 from spec import LLM, SamplingParams  # noqa: E402
+from spec.adaptive import AdaptiveConfig  # noqa: E402
 from stats import chi_square_pvalue, total_variation  # noqa: E402
 from verifier.attention import triton_kernels as tk  # noqa: E402
 from verifier.sampler import target_probs  # noqa: E402
@@ -48,7 +49,9 @@ def prompts() -> list[list[int]]:
 
 
 def make_llm(model_dir, backend: str, **kw) -> LLM:
-    kw = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 8, "max_num_seqs": 4, **kw}
+    # fixed trees: whether drafting pays under the interpreter must not decide what is tested
+    kw = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 8, "max_num_seqs": 4,
+          "adaptive": AdaptiveConfig(enabled=False), **kw}
     return LLM(str(model_dir), attention_backend=backend, **kw)
 
 

@@ -18,7 +18,7 @@ from verifier.attention.torch_backend import TorchBackend  # noqa: E402
 from verifier.attention.triton_backend import TritonBackend  # noqa: E402
 from verifier.batch import ForwardBatch, SeqInput  # noqa: E402
 from verifier.kv_cache import KVCache, slots_for  # noqa: E402
-from attention_cases import make_case, snapshot_commit  # noqa: E402
+from attention_cases import decoded_after_commit, make_case, snapshot_commit  # noqa: E402
 
 assert tk.INTERPRETED, "triton_kernels was imported before TRITON_INTERPRET=1 was set"
 
@@ -57,9 +57,9 @@ def test_mixed_batch_matches_torch(h, kvh, d, bs):
 
 
 def test_multi_tile_loops_match_torch():
-    """Several query tiles per sequence and several key tiles per loop (small tiles) match torch."""
+    """Several key tiles per row (small tiles), long prefill chunks and trees match torch."""
     case = make_case([("causal", 37, 40), ("tree", 17, 21), ("causal", 50, 1)], 6, 2, 32, 4, seed=7)
-    assert_matches_torch(*case, block_m=16, block_n=16)   # 5 tokens x 3 heads per 16-row tile
+    assert_matches_torch(*case, block_n=16)
 
 
 def test_ctx_len_zero_matches_torch():
@@ -86,6 +86,27 @@ def test_wrong_mask_is_detected():
     out, _, _ = run_backend(TritonBackend(), bad, q, k, v, kc, vc)
     assert not torch.allclose(out, ref, **TOL)
     assert torch.allclose(out[:row], ref[:row], **TOL)   # only the edited row and its descendants move
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_a_tree_node_has_the_bits_of_its_token_decoded_after_its_ancestors(block_n):
+    """Row invariance, what T=0 exactness rests on: each node of a tree over a 21-token prefix
+    equals, bit for bit, the same token decoded alone after its ancestors were committed."""
+    batch, q, k, v, kc, vc = make_case([("tree", 21, 9)], 6, 2, 32, 4, seed=13)
+    run = lambda *case: run_backend(TritonBackend(), *case, block_n=block_n)  # noqa: E731
+    tree = run(batch, q, k, v, kc, vc)[0]
+    for node in range(9):
+        assert torch.equal(decoded_after_commit(run, batch.seqs[0], node, q, k, v, kc, vc), tree[node]), node
+
+
+def test_a_prompt_row_has_the_same_bits_in_any_chunking():
+    """A 30-token prompt in one chunk, or as 11 cached tokens and a 19-token chunk: same bits."""
+    batch, q, k, v, kc, vc = make_case([("causal", 0, 30)], 6, 2, 32, 4, seed=17)
+    whole, kc1, vc1 = run_backend(TritonBackend(), batch, q, k, v, kc, vc, block_n=16)
+    table = batch.seqs[0].block_table
+    rest = ForwardBatch([SeqInput([1] * 19, 11, table)])
+    tail, _, _ = run_backend(TritonBackend(), rest, q[11:], k[11:], v[11:], kc1, vc1, block_n=16)
+    assert torch.equal(tail, whole[11:])
 
 
 def test_write_kv_stores_strided_tokens_at_their_slots():

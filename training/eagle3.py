@@ -35,11 +35,11 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
     head_cfg = Eagle3Config.for_target(tc, cfg.draft_vocab)
     feats = _features(cfg, target, examples, head_cfg.aux_layer_ids)
     head = _new_head(head_cfg, target, draft_ids, cfg.init_from_target, cfg.seed)
-    lm_draft = target.net.lm_head.weight.detach()[draft_ids].float()         # [Vd, Ht]
+    lm_draft = target.net.lm_head.weight.detach()[draft_ids.to(target.device)].float()         # [Vd, Ht]
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
     def step(batch_idx: list[int]) -> StepResult:
-        batch = collate([feats[i] for i in batch_idx])
+        batch = collate([feats[i] for i in batch_idx]).to(target.device)   # features wait on the CPU
         with torch.autocast(device_type=batch.aux.device.type, dtype=dtype, enabled=dtype != torch.float32):
             stats = ttt_forward(head, batch, lm_draft, steps=cfg.ttt_steps, decay=cfg.step_decay)
         metrics = {f"acc{s}": a for s, a in enumerate(stats.step_acc[:4]) if a == a}
@@ -101,7 +101,7 @@ def collate(feats: list[Features]) -> Batch:
 
 def _new_head(hc: Eagle3Config, target, draft_ids: torch.Tensor, from_target: bool, seed: int) -> Eagle3Head:
     torch.manual_seed(seed)
-    head = Eagle3Head(hc)
+    head = Eagle3Head(hc).to(target.device)      # trains where the target runs
     for m in head.modules():
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=0.02)

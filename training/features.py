@@ -78,8 +78,9 @@ def capture(target, examples: list[TokenizedExample], aux_layers: tuple[int, ...
         for ex in group:
             end = start + len(ex.input_ids)
             out.append(Features(torch.tensor(ex.input_ids), torch.tensor(ex.loss_mask, dtype=torch.bool),
-                                aux[start:end].half().clone(), final[start:end].half().clone(),
-                                argmax[start:end].clone()))
+                                aux[start:end].to("cpu", torch.float16, copy=True),    # waits on the CPU
+                                final[start:end].to("cpu", torch.float16, copy=True),
+                                argmax[start:end].to("cpu", copy=True)))
             start = end
         if progress is not None:
             progress(sum(len(ex.input_ids) for ex in group))

@@ -13,7 +13,7 @@ The loss is the cross-entropy to the target distribution, weighted `decay**s` pe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -28,6 +28,9 @@ class Batch:
     aux: torch.Tensor         # [B, T, 3·Ht]
     final: torch.Tensor       # [B, T, Ht] target hidden after the final norm
     argmax: torch.Tensor      # [B, T] target full-vocabulary argmax
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 @dataclass

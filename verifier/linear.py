@@ -9,13 +9,16 @@ So one and two rows (batch-1 decode) go through MKL as `W @ x.T`, one row padded
 because MKL's gemv path is the slow one, and three or more rows (batched decode, tree
 verification, prefill) go through oneDNN with the weight reordered once into its blocked
 layout. The reorder is a copy, made on first use and redone if the weight changes. On
-CUDA, and whenever autograd needs the product, plain F.linear is used.
+CUDA, F.linear in fixed tiles of rows (verifier/row_tiles.py: a row's bits must not depend on
+the row count); whenever autograd needs the product, plain F.linear.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from verifier.row_tiles import in_row_tiles
 
 ONEDNN_MIN_ROWS = 3
 
@@ -43,7 +46,11 @@ class Linear(nn.Linear):
     _packed_key: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 2 or self._needs_autograd(x):
+        if x.dim() != 2 or self._needs_autograd(x):
+            return F.linear(x, self.weight, self.bias)
+        if x.is_cuda:
+            return in_row_tiles(lambda rows: F.linear(rows, self.weight, self.bias), x)
+        if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32 and _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), self.bias,

@@ -27,6 +27,7 @@ from verifier.kv_cache import KVCache
 from verifier.linear import Linear
 from verifier.parallel_layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from verifier.rope import RotaryEmbedding, apply_rotary
+from verifier.row_tiles import in_row_tiles
 from verifier.shard import TensorShard
 
 
@@ -57,6 +58,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and not torch.is_grad_enabled():
+            return in_row_tiles(self._norm, x)         # a row's bits must not depend on the row count
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:   # one fused op instead of five
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Statistics in fp32 whatever the activation dtype (as HF does).

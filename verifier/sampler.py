@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from verifier import cpu_ops
+from verifier.row_tiles import in_row_tiles
 from verifier.sampling_params import SamplingParams
 
 
@@ -57,7 +58,15 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: l
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] penalised logits -> [N, V] fp32 probabilities after temperature and truncation.
 
-    Not for greedy requests (temperature 0 has no distribution; it is an argmax)."""
+    Not for greedy requests (temperature 0 has no distribution; it is an argmax). On CUDA row
+    by row, as plain sampling calls it: torch's reductions and sort pick their layout by the
+    tensor's shape (verifier/row_tiles.py)."""
+    if logits.is_cuda and logits.shape[0] > 1:
+        return in_row_tiles(lambda row: _target_probs(row, params), logits, rows=1)
+    return _target_probs(logits, params)
+
+
+def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

@@ -13,9 +13,11 @@ from conftest import (drive_random_requests, make_random_eagle_head, mtbench_pro
                       write_reply_corpus)
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+FIXED = AdaptiveConfig(enabled=False)     # whole trees every step, whatever drafting pays here
 DRAFTERS = spec_drafters()
 
 
@@ -46,7 +48,8 @@ def corpus(tmp_path_factory, plain, reference):
 def test_greedy_speculation_is_token_identical(name, prompts, reference, corpus, smollm2_dir, tmp_path):
     drafter, spec = DRAFTERS[name]
     head = make_random_eagle_head(smollm2_dir, tmp_path / "head", draft_vocab=4096) if name == "eagle3" else None
-    llm = LLM(device="cuda", max_num_seqs=8, drafter=drafter.format(head=head, corpus=corpus), speculation=spec)
+    llm = LLM(device="cuda", max_num_seqs=8, drafter=drafter.format(head=head, corpus=corpus), speculation=spec,
+              adaptive=FIXED)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.stats.verify_steps for o in outs) > 0
@@ -55,7 +58,7 @@ def test_greedy_speculation_is_token_identical(name, prompts, reference, corpus,
 
 def test_seeded_sampling_reproduces(prompts):
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=i) for i in range(len(prompts))]
-    llm = LLM(device="cuda", max_num_seqs=8, drafter="ngram")
+    llm = LLM(device="cuda", max_num_seqs=8, drafter="ngram", adaptive=FIXED)
     first = [o.token_ids for o in llm.generate(prompts, params)]
     again = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts[:3], params[:3])]
@@ -65,7 +68,7 @@ def test_seeded_sampling_reproduces(prompts):
 
 def test_kv_pool_is_whole_after_100_mixed_and_cancelled_requests(prompts):
     llm = LLM(device="cuda", max_num_seqs=8, num_kv_blocks=160, drafter="tree:small:smollm2-135m-instruct+ngram",
-              speculation=SpecConfig(num_speculative_tokens=3, topk=2, budget=6))
+              speculation=SpecConfig(num_speculative_tokens=3, topk=2, budget=6), adaptive=FIXED)
     rng = random.Random(0)
 
     def make(i):

@@ -8,10 +8,13 @@ interpreter on for the CPU). Tolerances, on outputs of unit-variance inputs: fp3
 import pytest
 import torch
 
-from attention_cases import make_case, snapshot_commit
+from attention_cases import decoded_after_commit, make_case, snapshot_commit
 from verifier.attention import triton_kernels as tk
 from verifier.attention.torch_backend import TorchBackend
 from verifier.attention.triton_backend import TritonBackend
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.linear import Linear
+from verifier.model import RMSNorm
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=4e-3, rtol=4e-3)}
@@ -47,3 +50,33 @@ def test_commit_kv_matches_torch(dtype):
     want_k, want_v = snapshot_commit(k, src, dst), snapshot_commit(v, src, dst)
     tk.commit_kv(k, v, torch.tensor(src, device=CUDA), torch.tensor(dst, device=CUDA))
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_tree_rows_and_prompt_chunks_have_the_bits_of_plain_decoding_in_bf16():
+    """What T=0 exactness rests on: a tree node equals its token decoded alone after its ancestors
+    were committed, and a prompt's rows do not depend on its chunking, bit for bit."""
+    batch, q, k, v, kc, vc = make_case([("tree", 300, 12)], 9, 3, 64, 16, seed=3, device="cuda",
+                                       dtype=torch.bfloat16)
+    one = lambda *case: run(TritonBackend(), *case)  # noqa: E731
+    tree = one(batch, q, k, v, kc, vc)[0]
+    for node in range(12):
+        assert torch.equal(decoded_after_commit(one, batch.seqs[0], node, q, k, v, kc, vc), tree[node]), node
+    batch, q, k, v, kc, vc = make_case([("causal", 0, 100)], 9, 3, 64, 16, seed=4, device="cuda",
+                                       dtype=torch.bfloat16)
+    whole, kc1, vc1 = one(batch, q, k, v, kc, vc)
+    rest = ForwardBatch([SeqInput([1] * 63, 37, batch.seqs[0].block_table)])
+    assert torch.equal(one(rest, q[37:], k[37:], v[37:], kc1, vc1)[0], whole[37:])
+
+
+@torch.inference_mode()
+def test_linear_and_norm_rows_have_the_same_bits_at_any_row_count():
+    """A row alone, beside others in 5-, 64- and 130-row calls, anywhere in the call: same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lin = Linear(576, 1536, bias=False).to("cuda", torch.bfloat16)
+    norm = RMSNorm(576, 1e-5).to("cuda", torch.bfloat16)
+    x = torch.randn(130, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    for layer in (lin, norm):
+        alone = layer(x[7:8])
+        for rows in (x[3:8], x[:64], x[7:71], x):
+            at = int((rows == x[7]).all(-1).nonzero()[0])
+            assert torch.equal(layer(rows)[at], alone[0]), (type(layer).__name__, len(rows))

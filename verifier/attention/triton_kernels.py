@@ -20,7 +20,7 @@ flags branch with `if` instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,36 +33,21 @@ LOG2E = 1.4426950408889634
 
 @dataclass
 class PagedAttnMeta:
-    """Per-forward index tensors the kernels read; built once by `pack_paged_meta`."""
+    """Per-forward index tensors the kernels read; built once by `pack_paged_meta`.
+
+    Each new token attends to `ctx` cached keys and then to `n_new` of the new tokens, in
+    index order: tokens 0..i for causal rows, the ancestors and itself for tree rows (listed
+    in `anc`; an ancestor's index is below its descendant's, so index order is depth order)."""
 
     block_tables: torch.Tensor   # [B, max_blocks] int32, row s padded with 0 past its blocks
-    q_starts: torch.Tensor       # [B + 1] int32: cu_seqlens of the new tokens
     ctx_lens: torch.Tensor       # [B] int32: cached tokens each sequence attends to in full
-    mask_offsets: torch.Tensor   # [B] int64: start of seq s's row-major [q, q] mask in `mask`; -1 = causal
-    mask: torch.Tensor           # [sum of q*q over masked seqs] int8 (one dummy 0 when none)
+    tok_seq: torch.Tensor        # [T] int32: the sequence of each new token
+    n_new: torch.Tensor          # [T] int32: new tokens it sees (itself included)
+    anc_offsets: torch.Tensor    # [T] int64: start of its list in `anc`; -1 = causal (tokens 0..i)
+    anc: torch.Tensor            # [sum of n_new over tree rows] int32 (one dummy 0 when none)
     slot_mapping: torch.Tensor   # [T] int64: physical slot of each new token
     block_size: int
-    q_lens: list[int]            # host copy, so query tiles are planned without a device sync
-    _tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-
-    @property
-    def max_q_len(self) -> int:
-        return max(self.q_lens)
-
-    def q_tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tile_seq, tile_q0), each [num_tiles] int32: which sequence and first new token
-        each program's query tile covers. Built on the host once per tile size, then reused
-        by every layer."""
-        if block_q not in self._tiles:
-            seq, q0 = [], []
-            for s, q in enumerate(self.q_lens):
-                for start in range(0, q, block_q):
-                    seq.append(s)
-                    q0.append(start)
-            dev = self.q_starts.device
-            self._tiles[block_q] = (torch.tensor(seq, dtype=torch.int32, device=dev),
-                                    torch.tensor(q0, dtype=torch.int32, device=dev))
-        return self._tiles[block_q]
+    q_lens: list[int]            # host copy
 
 
 def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
@@ -75,29 +60,34 @@ def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[l
     nblocks = [-(-(c + q) // block_size) for q, c in zip(q_lens, ctx_lens)]
     width = max(nblocks)
     bt = torch.zeros(len(q_lens), width, dtype=torch.int32)
-    slots, offsets, flat, used = [], [], [], 0
+    slots, tok_seq, n_new, offsets, flat, used = [], [], [], [], [], 0
     for s, (q, c, table, m) in enumerate(zip(q_lens, ctx_lens, block_tables, masks)):
         assert q > 0 and c >= 0, (q, c)
         assert len(table) >= nblocks[s], f"seq {s}: {len(table)} blocks for {c + q} tokens"
         bt[s, :nblocks[s]] = torch.tensor(table[:nblocks[s]], dtype=torch.int32)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+        tok_seq += [s] * q
         if m is None:
-            offsets.append(-1)
-        else:
-            assert tuple(m.shape) == (q, q), (tuple(m.shape), q)
+            n_new += range(1, q + 1)
+            offsets += [-1] * q
+            continue
+        assert tuple(m.shape) == (q, q), (tuple(m.shape), q)
+        m = m.detach().to("cpu", torch.bool)
+        counts = m.sum(1).tolist()
+        n_new += counts
+        for n in counts:
             offsets.append(used)
-            flat.append(m.detach().to("cpu", torch.int8).reshape(-1))
-            used += q * q
-    mask = torch.cat(flat) if flat else torch.zeros(1, dtype=torch.int8)
-    cu = [0]
-    for q in q_lens:
-        cu.append(cu[-1] + q)
+            used += n
+        flat.append(m.nonzero()[:, 1].to(torch.int32))      # row-major: each row's keys in index order
+    anc = torch.cat(flat) if flat else torch.zeros(1, dtype=torch.int32)
+    i32 = dict(dtype=torch.int32, device=device)
     return PagedAttnMeta(
         block_tables=bt.to(device),
-        q_starts=torch.tensor(cu, dtype=torch.int32, device=device),
-        ctx_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
-        mask_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-        mask=mask.to(device),
+        ctx_lens=torch.tensor(ctx_lens, **i32),
+        tok_seq=torch.tensor(tok_seq, **i32),
+        n_new=torch.tensor(n_new, **i32),
+        anc_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
+        anc=(anc if anc.numel() else torch.zeros(1, dtype=torch.int32)).to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_size=block_size,
         q_lens=list(q_lens),
@@ -186,84 +176,59 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok
 @triton.jit
 def _paged_tree_attn_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr, q_starts_ptr, ctx_lens_ptr, mask_offsets_ptr, mask_ptr,
-        tile_seq_ptr, tile_q0_ptr, qk_scale,
+        block_tables_ptr, ctx_lens_ptr, tok_seq_ptr, n_new_ptr, anc_offsets_ptr, anc_ptr, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # grid = (query tiles, KVH). A tile is BLOCK_Q new tokens of one sequence times the GROUP
-    # query heads sharing kv head `kv_head`: row r is token q0 + r // GROUP, head
-    # kv_head * GROUP + r % GROUP, so each K/V tile is loaded once for the whole group.
-    tile = tl.program_id(0)
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # grid = (new tokens, KVH): one token's GROUP query heads sharing kv head `kv_head` (rows
+    # past GROUP are padding). Its keys are numbered k = 0 .. ctx + n_new - 1: the cached
+    # prefix, then the new tokens it sees in index order, so a tree node at depth d walks the
+    # same keys, in the same BLOCK_N tiles from key 0, as the token decoded alone after its
+    # ancestors were committed: the same bits (docs/design.md, exactness on CUDA).
+    t = tl.program_id(0)
     kv_head = tl.program_id(1)
-    s = tl.load(tile_seq_ptr + tile)
-    q0 = tl.load(tile_q0_ptr + tile)
-    q_start = tl.load(q_starts_ptr + s)
-    q_len = tl.load(q_starts_ptr + s + 1) - q_start
+    s = tl.load(tok_seq_ptr + t)
     ctx = tl.load(ctx_lens_ptr + s)
-    mask_off = tl.load(mask_offsets_ptr + s)
-    causal = mask_off < 0
+    total = ctx + tl.load(n_new_ptr + t)
+    anc_off = tl.load(anc_offsets_ptr + t)
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
 
     r = tl.arange(0, BLOCK_M)
-    tok = q0 + r // GROUP                                   # [BLOCK_M] new-token index in the sequence
-    head = kv_head * GROUP + r % GROUP
-    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    row_ok = r < GROUP
+    head = kv_head * GROUP + r
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_off = t.to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    # (a) the cached prefix, positions [0, ctx): visible to every row, no mask to read.
-    for n0 in range(0, ctx, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        key_ok = pos < ctx
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok,
-                                     key_ok[None, :], kv_head, qk_scale, stride_cb, stride_cs,
-                                     stride_ch, d, d_ok, PAGE, DOT_PRECISION)
-
-    # (b) the new tokens j, at positions ctx + j. Causal: j <= i, so stop after this tile's
-    # last token. Tree: read the packed int8 mask row (never loaded for causal sequences).
-    hi = tl.where(causal, tl.minimum(q_len, q0 + BLOCK_Q), q_len)
-    for j0 in range(0, hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        key_ok = j < hi
-        pair_ok = row_ok[:, None] & key_ok[None, :]
-        if causal:
-            visible = pair_ok & (j[None, :] <= tok[:, None])
+    for k0 in range(0, total, BLOCK_N):
+        key = k0 + tl.arange(0, BLOCK_N)
+        key_ok = key < total
+        if anc_off < 0:
+            pos = key                                   # causal: new key e is new token e, at ctx + e
         else:
-            tree_vis = tl.load(mask_ptr + mask_off + tok[:, None].to(tl.int64) * q_len + j[None, :],
-                               mask=pair_ok, other=0)
-            visible = pair_ok & (tree_vis != 0)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, ctx + j,
-                                     key_ok, visible, kv_head, qk_scale, stride_cb, stride_cs,
-                                     stride_ch, d, d_ok, PAGE, DOT_PRECISION)
+            a = tl.load(anc_ptr + anc_off + (key - ctx), mask=key_ok & (key >= ctx), other=0)
+            pos = tl.where(key < ctx, key, ctx + a)     # logical position of the key in the sequence
+        visible = (r[:, None] >= 0) & key_ok[None, :]
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok,
+                                     visible, kv_head, qk_scale, stride_cb, stride_cs, stride_ch, d, d_ok,
+                                     PAGE, DOT_PRECISION)
 
     # A row that sees nothing (only possible with an all-False mask row and ctx == 0) gives 0.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    o_off = t.to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def attn_tile_sizes(group: int, max_q_len: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): rows per program and new tokens per program (BLOCK_M >= 16 for tl.dot).
-    Decode steps and small trees get 16-row tiles; long chunks and big trees get 64."""
-    floor = max(16, triton.next_power_of_2(group))
-    block_m = floor if max_q_len * group <= 16 else max(64, floor)
-    return block_m, block_m // group
-
-
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: PagedAttnMeta, scale: float, block_m: int | None = None,
-                         block_n: int = 64) -> torch.Tensor:
+                         meta: PagedAttnMeta, scale: float, block_n: int = 64) -> torch.Tensor:
     """q: [T, H, D] new-token queries (sequence order, D contiguous); caches: [num_blocks, bs,
-    KVH, D] already holding the new tokens' K/V. Returns out [T, H, D] (q's dtype, contiguous)."""
+    KVH, D] already holding the new tokens' K/V. Returns out [T, H, D] (q's dtype, contiguous).
+    The tile sizes depend on the model alone (never on the batch), so a row's bits do not."""
     _check_cache(k_cache, v_cache, 4)
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -273,24 +238,17 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     assert t == sum(meta.q_lens), f"q has {t} tokens, meta plans {sum(meta.q_lens)}"
     bt = meta.block_tables
     assert bt.dtype == torch.int32 and bt.dim() == 2 and bt.stride(1) == 1 and bt.device == q.device
-    assert meta.mask.dtype == torch.int8 and meta.mask_offsets.dtype == torch.int64
+    assert meta.anc.dtype == torch.int32 and meta.anc_offsets.dtype == torch.int64
     group = h // kvh
-    if block_m is None:
-        block_m, block_q = attn_tile_sizes(group, meta.max_q_len)
-    else:
-        block_q = block_m // group
-    assert block_m >= 16 and block_n >= 16 and block_q >= 1, (block_m, block_n, group)
-    tile_seq, tile_q0 = meta.q_tiles(block_q)
+    assert block_n >= 16, block_n
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grid = (tile_seq.numel(), kvh)
-    _paged_tree_attn_kernel[grid](
+    _paged_tree_attn_kernel[(t, kvh)](
         out, q, k_cache, v_cache,
-        bt, meta.q_starts, meta.ctx_lens, meta.mask_offsets, meta.mask,
-        tile_seq, tile_q0, scale * LOG2E,
+        bt, meta.ctx_lens, meta.tok_seq, meta.n_new, meta.anc_offsets, meta.anc, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP=group,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PAGE=meta.block_size,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, PAGE=meta.block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
