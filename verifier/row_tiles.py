@@ -22,7 +22,7 @@ def in_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  rows: int = TILE_ROWS) -> torch.Tensor:
     """fn (row-wise, [rows, ...] -> [rows, ...]) over x [M, ...] in tiles of `rows` rows."""
     m = x.shape[0]
-    if m == rows:
+    if m == rows or m == 0:
         return fn(x)
     tiles = -(-m // rows)
     padded = x
