@@ -35,6 +35,20 @@ def own_logits_chunked(target: TargetModel, ids: list[int], chunks: list[int]) -
     return torch.cat(out)
 
 
+def jitter_norms(model_dir):
+    """Every norm weight drawn from [0.5, 1.5] instead of HF's ones: a norm applied to the wrong
+    tensor, or not at all, then moves the logits."""
+    from safetensors.torch import load_file, save_file
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if t.dim() == 1 and "norm" in name:
+            tensors[name] = torch.rand(t.shape, generator=gen) + 0.5
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return model_dir
+
+
 TINY_VARIANTS = {
     "llama": dict(model_type="llama"),
     "llama-tied-llama3-rope": dict(model_type="llama", tie_word_embeddings=True,
@@ -44,16 +58,18 @@ TINY_VARIANTS = {
     "llama-linear-rope-mha": dict(model_type="llama", num_key_value_heads=4,
                                   rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "qwen2-bias": dict(model_type="qwen2"),
+    # q/k norms over 32-wide heads (4 x 32 = 128 query columns from a 64-wide residual)
+    "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32),
     "mistral": dict(model_type="mistral", sliding_window=None),
 }
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_tiny_random_models_match_hf(tmp_path, variant):
-    """Tiny random Llama/Qwen2/Mistral checkpoints, loaded through the HF-directory path, give
+    """Tiny random Llama/Qwen2/Qwen3/Mistral checkpoints, loaded through the HF-directory path, give
     HF's logits at every position, with prefill and decode chunks over a shuffled paged cache."""
     kw = dict(TINY_VARIANTS[variant])
-    d = make_tiny_model(tmp_path, None, **kw)
+    d = jitter_norms(make_tiny_model(tmp_path, None, **kw))
     ids = random.Random(1).choices(range(256), k=37)
     ref = hf_logits(d, ids)
     target = TargetModel(str(d), device="cpu", load_tokenizer_files=False)
@@ -104,3 +120,14 @@ def test_old_rope_scaling_form_is_read():
     new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                                            "rope_theta": 5e5}})
     assert old.rope == new.rope and old.rope.rope_type == "linear" and old.rope.theta == 5e5
+
+
+def test_unsupported_families_and_sliding_windows_are_refused_by_name():
+    """Phi-3 (not served yet) and Qwen3 with sliding-window layers fail at load, naming what."""
+    from verifier.config import ModelConfig
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="'phi3'.*llama, mistral, qwen2, qwen3"):
+        ModelConfig.from_hf({**base, "model_type": "phi3"})
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_hf({**base, "model_type": "qwen3", "use_sliding_window": True})
+    assert ModelConfig.from_hf({**base, "model_type": "qwen3", "use_sliding_window": False}).qk_norm

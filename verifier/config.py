@@ -1,15 +1,15 @@
 """The target model's architecture, read from an HF `config.json` dictionary.
 
-One frozen dataclass covers the Llama family Tercel serves (Llama, Mistral, Qwen2):
+One frozen dataclass covers the Llama family Tercel serves (Llama, Mistral, Qwen2, Qwen3):
 RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied
-LM head, optional q/k/v bias (Qwen2).
+LM head, optional q/k/v bias (Qwen2), per-head RMSNorm of q and k before RoPE (Qwen3).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     attention_bias: bool = False        # Qwen2 has bias on q/k/v projections
+    qk_norm: bool = False               # Qwen3: RMSNorm over each head of q and k, before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -84,6 +85,9 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        if d.get("use_sliding_window") and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"]):
+            raise ValueError(f"{model_type}: sliding-window attention layers are not supported "
+                             "(use_sliding_window is true in config.json)")
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -98,6 +102,7 @@ class ModelConfig:
             rope=rope_from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bias,
+            qk_norm=model_type == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )

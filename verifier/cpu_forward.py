@@ -73,6 +73,8 @@ class CpuLayer:
     o: QuantLinear
     gate_up: QuantLinear
     down: QuantLinear
+    q_norm: torch.nn.Module | None = None   # Qwen3's per-head norms of q and k, else None
+    k_norm: torch.nn.Module | None = None
 
 
 def cpu_heads(net) -> cpu_ops.Heads:
@@ -83,7 +85,8 @@ def cpu_heads(net) -> cpu_ops.Heads:
 def cpu_layers(net) -> list[CpuLayer]:
     return [CpuLayer(l.input_layernorm.weight, l.input_layernorm.eps, l.post_attention_layernorm.weight,
                      l.post_attention_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj,
-                     l.mlp.gate_up_proj, l.mlp.down_proj) for l in net.model.layers]
+                     l.mlp.gate_up_proj, l.mlp.down_proj, l.self_attn.q_norm, l.self_attn.k_norm)
+            for l in net.model.layers]
 
 
 @torch.inference_mode()
@@ -129,12 +132,27 @@ def _layers(c, layers: list[CpuLayer], heads: cpu_ops.Heads, plan: cpu_ops.Rows,
             taps[i] = x.clone()
         k_cache, v_cache = kv.layer(i)
         cpu_ops.prefetch_kv(heads, plan, k_cache, v_cache)
-        cpu_ops.attention(heads, plan, mm(layer.qkv, h, bias=False), layer.qkv.bias, q, k_cache, v_cache, o)
+        if layer.q_norm is None:
+            cpu_ops.attention(heads, plan, mm(layer.qkv, h, bias=False), layer.qkv.bias, q, k_cache, v_cache, o)
+        else:                          # the bias, then the per-head norms, then the C kernel's RoPE
+            qkv = _qk_normed(c, layer, mm(layer.qkv, h))
+            cpu_ops.attention(heads, plan, qkv, None, q, k_cache, v_cache, o)
         cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
         cpu_ops.silu_mul(mm(layer.gate_up, h), a)
         y = mm(layer.down, a)
     cpu_ops.add_rms_norm(x, y, layers[-1].post_norm, 0.0, None)   # the last residual add (out None: no norm)
     return taps
+
+
+def _qk_normed(c, layer: CpuLayer, qkv: torch.Tensor) -> torch.Tensor:
+    """bf16 [T, (NH + 2 NKV) D] with each q and k head RMS-normed (fp32 statistics, row by row:
+    a head's result depends on its own values only)."""
+    from verifier.model import head_norm
+    heads = qkv.view(qkv.shape[0], -1, c.head_dim)
+    heads[:, :c.num_heads] = head_norm(layer.q_norm, heads[:, :c.num_heads])
+    heads[:, c.num_heads:c.num_heads + c.num_kv_heads] = head_norm(layer.k_norm,
+                                                                   heads[:, c.num_heads:c.num_heads + c.num_kv_heads])
+    return qkv
 
 
 def _own(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:

@@ -17,8 +17,11 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -47,22 +50,23 @@ def _field(reader, key, default=None):
 
 def gguf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"GGUF architecture {arch!r} is not a Llama-family model Tercel serves")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not one Tercel serves "
+                         f"({', '.join(GGUF_ARCHITECTURES)})")
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": "llama" if arch == "mistral" else arch,
         "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": int(a("feed_forward_length")),
         "num_hidden_layers": int(a("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(a("attention.head_count_kv", heads)),
-        "head_dim": int(a("rope.dimension_count", hidden // heads)),
+        "head_dim": int(a("attention.key_length", a("rope.dimension_count", hidden // heads))),
         "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(a("context_length", 4096)),
         "rope_theta": float(a("rope.freq_base", 10000.0)),

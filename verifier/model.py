@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Module names follow the HF checkpoint names so the loader is a short mapping; the only
 difference is the fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` =
@@ -71,6 +71,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def head_norm(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over each head of [T, N, D] (Qwen3's q_norm and k_norm), as [T * N, D] rows."""
+    return norm(heads.reshape(-1, heads.shape[-1])).view(heads.shape)
+
+
 def sharded(shard: TensorShard | None) -> TensorShard | None:
     """The shard when there are several ranks; None (the plain modules) for one."""
     return shard if shard is not None and shard.size > 1 else None
@@ -90,10 +95,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = row_linear(cfg.q_size, cfg.hidden_size, shard)
         self.scale = cfg.head_dim ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend, meta):
         c = self.cfg
         qkv = self.qkv_proj(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [T, H + 2 KVH, D]
+        if self.q_norm is not None:
+            qkv = torch.cat([head_norm(self.q_norm, qkv[:, :c.num_heads]),
+                             head_norm(self.k_norm, qkv[:, c.num_heads:c.num_heads + c.num_kv_heads]),
+                             qkv[:, c.num_heads + c.num_kv_heads:]], dim=1)
         # q and k rotate together; the result takes the rotary tables' dtype
         qk = apply_rotary(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)            # [T, H + KVH, D]
         v = qkv[:, c.num_heads + c.num_kv_heads:].to(v_cache.dtype)                   # [T, KVH, D]

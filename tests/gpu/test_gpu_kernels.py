@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from attention_cases import decoded_after_commit, make_case, snapshot_commit
-from verifier.attention import triton_kernels as tk
 from verifier.attention.torch_backend import TorchBackend
-from verifier.attention.triton_backend import TritonBackend
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.linear import Linear
 from verifier.model import RMSNorm
@@ -21,6 +19,13 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2
 MIXED = [("causal", 11, 13), ("causal", 230, 1), ("tree", 90, 9), ("causal", 5, 1), ("tree", 0, 6),
          ("causal", 0, 200)]
 CUDA = torch.device("cuda")
+
+
+def triton_backend():
+    """Imported when a test runs: without CUDA this file is only collected, and importing Triton's
+    kernels then would fix their mode before tests/test_triton_kernels.py turns the interpreter on."""
+    from verifier.attention.triton_backend import TritonBackend
+    return TritonBackend()
 
 
 def run(backend, batch, q, k, v, k_cache, v_cache):
@@ -35,7 +40,7 @@ def test_paged_tree_attention_matches_torch(dtype, h, kvh, d):
     batch, q, k, v, kc, vc = make_case(MIXED, h, kvh, d, 16, seed=h + d, device="cuda", dtype=dtype)
     f32 = lambda *ts: [t.float() for t in ts]  # noqa: E731
     ref, ref_k, ref_v = run(TorchBackend(), batch, *f32(q, k, v, kc, vc))
-    out, out_k, out_v = run(TritonBackend(), batch, q, k, v, kc, vc)
+    out, out_k, out_v = run(triton_backend(), batch, q, k, v, kc, vc)
     assert out.dtype == dtype
     assert torch.equal(out_k.float(), ref_k) and torch.equal(out_v.float(), ref_v)   # KV writes are copies
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
@@ -48,6 +53,7 @@ def test_commit_kv_matches_torch(dtype):
     k, v = (torch.randn(shape, generator=gen).to(CUDA, dtype) for _ in range(2))
     src, dst = [13, 6, 17, 9, 40], [9, 10, 11, 12, 13]
     want_k, want_v = snapshot_commit(k, src, dst), snapshot_commit(v, src, dst)
+    from verifier.attention import triton_kernels as tk
     tk.commit_kv(k, v, torch.tensor(src, device=CUDA), torch.tensor(dst, device=CUDA))
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
@@ -57,7 +63,7 @@ def test_tree_rows_and_prompt_chunks_have_the_bits_of_plain_decoding_in_bf16():
     were committed, and a prompt's rows do not depend on its chunking, bit for bit."""
     batch, q, k, v, kc, vc = make_case([("tree", 300, 12)], 9, 3, 64, 16, seed=3, device="cuda",
                                        dtype=torch.bfloat16)
-    one = lambda *case: run(TritonBackend(), *case)  # noqa: E731
+    one = lambda *case: run(triton_backend(), *case)  # noqa: E731
     tree = one(batch, q, k, v, kc, vc)[0]
     for node in range(12):
         assert torch.equal(decoded_after_commit(one, batch.seqs[0], node, q, k, v, kc, vc), tree[node]), node
