@@ -47,7 +47,8 @@ from verifier.logprobs import TokenLogprob, decided, row_logprob
 from verifier.parallel import open_target
 from verifier.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
 from verifier.sampling_params import SamplingParams
-from verifier.target import TargetModel
+from verifier.loader import resolve_model_dir
+from verifier.target import TargetModel, generation_eos_ids
 from verifier.tokenizer import prompt_ids
 
 if TYPE_CHECKING:
@@ -144,6 +145,9 @@ class LLMEngine:
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         self.max_model_len = min(config.max_model_len or min(mc.max_position, 8192), mc.max_position)
+        if mc.sliding_window:
+            log.info("sliding window of %d tokens: served up to %d tokens, where it equals full attention",
+                     mc.sliding_window, self.max_model_len)
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_bytes // self.target.kv_bytes_per_block(config.block_size))
         self.target.allocate_kv(num_blocks, config.block_size)
@@ -151,7 +155,7 @@ class LLMEngine:
                                                       config.enable_prefix_cache))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks)
-        self.eos_ids = frozenset(mc.eos_token_ids) | (
+        self.eos_ids = frozenset(mc.eos_token_ids) | set(generation_eos_ids(resolve_model_dir(config.model))) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
         # Compiles `SamplingParams.structured`; xgrammar loads on the first constrained request.

@@ -69,9 +69,11 @@ def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "ll
     import transformers
 
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[model_type]
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+               "phi3": transformers.Phi3Config}[model_type]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[model_type]
+                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "phi3": transformers.Phi3ForCausalLM}[model_type]
     kw = dict(vocab_size=49152 if tokenizer_dir else 256, hidden_size=64, intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -61,12 +61,14 @@ TINY_VARIANTS = {
     # q/k norms over 32-wide heads (4 x 32 = 128 query columns from a 64-wide residual)
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32),
     "mistral": dict(model_type="mistral", sliding_window=None),
+    "mistral-window": dict(model_type="mistral", sliding_window=40),    # 37 tokens: the window holds all
+    "phi3-fused": dict(model_type="phi3", pad_token_id=0),              # qkv_proj, gate_up_proj as stored
 }
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_tiny_random_models_match_hf(tmp_path, variant):
-    """Tiny random Llama/Qwen2/Qwen3/Mistral checkpoints, loaded through the HF-directory path, give
+    """Tiny random Llama/Qwen2/Qwen3/Mistral/Phi-3 checkpoints, loaded through the HF-directory path, give
     HF's logits at every position, with prefill and decode chunks over a shuffled paged cache."""
     kw = dict(TINY_VARIANTS[variant])
     d = jitter_norms(make_tiny_model(tmp_path, None, **kw))
@@ -123,11 +125,17 @@ def test_old_rope_scaling_form_is_read():
 
 
 def test_unsupported_families_and_sliding_windows_are_refused_by_name():
-    """Phi-3 (not served yet) and Qwen3 with sliding-window layers fail at load, naming what."""
+    """Gemma 3 (not served yet), Qwen3 with sliding-window layers and Phi-4-mini's partial rotary
+    embeddings fail at load, naming what; a whole-model window caps the positions served."""
     from verifier.config import ModelConfig
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
-    with pytest.raises(ValueError, match="'phi3'.*llama, mistral, qwen2, qwen3"):
-        ModelConfig.from_hf({**base, "model_type": "phi3"})
+    with pytest.raises(ValueError, match="'gemma3'.*llama, mistral, qwen2, qwen3, phi3"):
+        ModelConfig.from_hf({**base, "model_type": "gemma3"})
+    with pytest.raises(ValueError, match="partial rotary"):
+        ModelConfig.from_hf({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    window = ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 2047,
+                                  "max_position_embeddings": 4096})
+    assert (window.max_position, window.sliding_window) == (2047, 2047)
     with pytest.raises(ValueError, match="sliding-window"):
         ModelConfig.from_hf({**base, "model_type": "qwen3", "use_sliding_window": True})
     assert ModelConfig.from_hf({**base, "model_type": "qwen3", "use_sliding_window": False}).qk_norm

@@ -1,15 +1,16 @@
 """The target model's architecture, read from an HF `config.json` dictionary.
 
-One frozen dataclass covers the Llama family Tercel serves (Llama, Mistral, Qwen2, Qwen3):
-RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied
-LM head, optional q/k/v bias (Qwen2), per-head RMSNorm of q and k before RoPE (Qwen3).
+One frozen dataclass covers the Llama family Tercel serves (Llama, Mistral, Qwen2, Qwen3,
+Phi-3): RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied
+LM head, optional q/k/v bias (Qwen2), per-head RMSNorm of q and k before RoPE (Qwen3); Phi-3
+checkpoints store the fused qkv_proj and gate_up_proj this package's modules use.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False        # Qwen2 has bias on q/k/v projections
     qk_norm: bool = False               # Qwen3: RMSNorm over each head of q and k, before RoPE
+    sliding_window: int | None = None   # every layer's window; max_position is capped to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -85,9 +87,11 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        if d.get("use_sliding_window") and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"]):
-            raise ValueError(f"{model_type}: sliding-window attention layers are not supported "
-                             "(use_sliding_window is true in config.json)")
+        if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(f"{model_type}: partial rotary embeddings (partial_rotary_factor "
+                             f"{d['partial_rotary_factor']}) are not supported")
+        window = sliding_window(model_type, d)
+        max_position = int(d.get("max_position_embeddings", 4096))
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -98,14 +102,29 @@ class ModelConfig:
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position=int(d.get("max_position_embeddings", 4096)),
+            max_position=min(max_position, window) if window else max_position,
             rope=rope_from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=model_type == "qwen3",
+            sliding_window=window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
+
+
+def sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
+    """The window every layer attends within (Mistral's and Phi-3's `sliding_window`), or None.
+    Tercel has no windowed attention, so such a model is served up to that many positions,
+    where the window holds every earlier token and equals full attention. Qwen2/3 window the
+    layers `use_sliding_window` names: refused."""
+    if model_type in ("qwen2", "qwen3"):
+        if d.get("use_sliding_window") and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"]):
+            raise ValueError(f"{model_type}: sliding-window attention layers are not supported "
+                             "(use_sliding_window is true in config.json)")
+        return None
+    window = d.get("sliding_window")
+    return int(window) if window else None
 
 
 def rope_from_hf(d: dict[str, Any]) -> RopeConfig:

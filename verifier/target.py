@@ -42,6 +42,19 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise ValueError(f"malformed {path}: {e}") from e
 
 
+def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The eos ids of the checkpoint's generation_config.json: Llama 3 and Phi-3 list their
+    end-of-turn tokens there, not in config.json. () without the file."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed {path}: {e}") from e
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+
+
 def load_tokenizer(model_dir: Path) -> Tokenizer | NullTokenizer:
     if not (Path(model_dir) / "tokenizer.json").is_file():
         return NullTokenizer()

@@ -1,7 +1,7 @@
-"""Qwen3 (per-head RMSNorm of q and k before RoPE) on every CPU path: the quantized kernels
-close to the dense weights with decode rows bitwise the same alone and batched, T=0
-speculation equal to plain decoding, and a GGUF of architecture qwen3 read by its own names.
-The dense forward against HF transformers: tests/test_model_parity.py."""
+"""Qwen3 (per-head RMSNorm of q and k before RoPE) and Phi-3 (fused projections as stored) on
+every CPU path: the quantized kernels close to the dense weights with decode rows bitwise the
+same alone and batched, T=0 speculation equal to plain decoding, and a GGUF of architecture
+qwen3 read by its own names. The dense forward against HF transformers: test_model_parity.py."""
 from __future__ import annotations
 
 import random
@@ -20,9 +20,17 @@ from verifier.target import TargetModel
 BLOCK = 16
 
 
+FAMILIES = {"qwen3": dict(model_type="qwen3", head_dim=32), "phi3": dict(model_type="phi3", pad_token_id=0)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory):
+    return jitter_norms(make_tiny_model(tmp_path_factory.mktemp(request.param), None, **FAMILIES[request.param]))
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
-    return jitter_norms(make_tiny_model(tmp_path_factory.mktemp("qwen3"), None, model_type="qwen3", head_dim=32))
+    return jitter_norms(make_tiny_model(tmp_path_factory.mktemp("qwen3"), None, **FAMILIES["qwen3"]))
 
 
 def logits(target, ids, beside=None):
@@ -35,10 +43,10 @@ def logits(target, ids, beside=None):
 
 
 @pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("int4", 0.3)])
-def test_quantized_qwen3_is_close_to_dense_and_rows_do_not_depend_on_neighbours(qwen3_dir, mode, tol):
+def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family_dir, mode, tol):
     ids = list(range(10, 40))
-    want = logits(TargetModel(str(qwen3_dir), quantization="none"), ids)
-    target = TargetModel(str(qwen3_dir), quantization=mode)
+    want = logits(TargetModel(str(family_dir), quantization="none"), ids)
+    target = TargetModel(str(family_dir), quantization=mode)
     got = logits(target, ids)
     assert (got - want).norm() / want.norm() < tol
     target.allocate_kv(8, BLOCK)
@@ -50,13 +58,13 @@ def test_quantized_qwen3_is_close_to_dense_and_rows_do_not_depend_on_neighbours(
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_qwen3_greedy_speculation_gives_plain_decoding_tokens(qwen3_dir, quantization):
+def test_greedy_speculation_gives_plain_decoding_tokens(family_dir, quantization):
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(n)] * 2 for n in (5, 9, 13)]     # repeats to draft from
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(max_model_len=256, num_kv_blocks=64, quantization=quantization)
-    plain = [o.token_ids for o in LLM(str(qwen3_dir), **kw).generate(prompts, greedy)]
-    llm = LLM(str(qwen3_dir), drafter="suffix", adaptive=AdaptiveConfig(enabled=False), **kw)
+    plain = [o.token_ids for o in LLM(str(family_dir), **kw).generate(prompts, greedy)]
+    llm = LLM(str(family_dir), drafter="suffix", adaptive=AdaptiveConfig(enabled=False), **kw)
     outs = llm.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.stats.verify_steps for o in outs) > 0
@@ -96,3 +104,20 @@ def test_a_qwen3_gguf_loads_by_its_own_names(qwen3_dir, tmp_path):
     assert (cfg["model_type"], cfg["architectures"], cfg["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 32)
     back = gguf_tensors(reader, cfg)
     assert set(back) == set(tensors) and all(torch.equal(back[n], tensors[n]) for n in tensors)
+
+
+def test_generation_config_eos_ids_end_a_reply(qwen3_dir, tmp_path):
+    """An eos id listed only in generation_config.json (as Llama 3 and Phi-3 list end-of-turn
+    tokens) ends a reply where the model emits it."""
+    import json
+    import shutil
+    prompt = [[11, 12, 13, 14]]
+    free = LLM(str(qwen3_dir), max_model_len=128, num_kv_blocks=32).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    stop = free[4]
+    model = shutil.copytree(qwen3_dir, tmp_path / "with-generation-config")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    out = LLM(str(model), max_model_len=128, num_kv_blocks=32).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.token_ids[-1] == stop and len(out.token_ids) == free.index(stop) + 1
+    assert out.finish_reason == "stop"
