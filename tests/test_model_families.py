@@ -1,7 +1,7 @@
 """Qwen3 (per-head RMSNorm of q and k before RoPE) and Phi-3 (fused projections as stored) on
 every CPU path: the quantized kernels close to the dense weights with decode rows bitwise the
-same alone and batched, T=0 speculation equal to plain decoding, and a GGUF of architecture
-qwen3 read by its own names. The dense forward against HF transformers: test_model_parity.py."""
+same alone and batched, T=0 speculation equal to plain decoding, and GGUFs of both read by their
+own names. The dense forward against HF transformers: test_model_parity.py."""
 from __future__ import annotations
 
 import random
@@ -70,40 +70,89 @@ def test_greedy_speculation_gives_plain_decoding_tokens(family_dir, quantization
     assert sum(o.stats.verify_steps for o in outs) > 0
 
 
-def test_a_qwen3_gguf_loads_by_its_own_names(qwen3_dir, tmp_path):
-    """A GGUF of architecture qwen3 (written here with gguf-py, head size in attention.key_length,
-    q/k norms as attn_q_norm / attn_k_norm) gives back the checkpoint's config and tensors."""
+def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False):
+    """A GGUF of `arch` (written with gguf-py) holding HF-named `tensors` under their GGUF names, the
+    decoder's matrices as Q8_0 blocks if `q8_0`; `fields` are `{arch}.*` integers (floats where
+    given as floats)."""
     import gguf
-    from safetensors.torch import load_file
+    from gguf.quants import quantize
 
-    from verifier.gguf_convert import _LAYER_NAMES, _TOP_NAMES, gguf_config, gguf_tensors
-    tensors = load_file(str(qwen3_dir / "model.safetensors"))
-    path = tmp_path / "tiny-qwen3.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    for key, value in (("block_count", 2), ("context_length", 1024), ("embedding_length", 64),
-                       ("feed_forward_length", 128), ("attention.head_count", 4), ("attention.head_count_kv", 2),
-                       ("attention.key_length", 32)):
-        w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32("qwen3.rope.freq_base", 1e6)
+    from verifier.gguf_convert import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
+    layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(arch, {})}.items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     w.add_token_list([f"t{i}" for i in range(256)])
     for name, t in tensors.items():
         base, kind = name.rsplit(".", 1)
         if base.startswith("model.layers."):
             idx, part = base[len("model.layers."):].split(".", 1)
-            g = f"blk.{idx}.{next(k for k, v in _LAYER_NAMES.items() if v == part)}"
+            g = f"blk.{idx}.{layer[part]}"
         else:
             g = next(k for k, v in _TOP_NAMES.items() if v == base)
-        w.add_tensor(f"{g}.{kind}", t.numpy().astype(np.float32))
+        arr = t.numpy().astype(np.float32)
+        if q8_0 and g.startswith("blk.") and arr.ndim == 2:
+            w.add_tensor(f"{g}.{kind}", quantize(arr, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(f"{g}.{kind}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    reader = gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(str(path))
+
+
+TINY_FIELDS = {"block_count": 2, "context_length": 1024, "embedding_length": 64, "feed_forward_length": 128,
+               "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,
+               "rope.freq_base": 10000.0}
+
+
+def test_a_qwen3_gguf_loads_by_its_own_names(qwen3_dir, tmp_path):
+    """A GGUF of architecture qwen3 (head size in attention.key_length, q/k norms as attn_q_norm /
+    attn_k_norm) gives back the checkpoint's config and tensors."""
+    from safetensors.torch import load_file
+
+    from verifier.gguf_convert import gguf_config, gguf_tensors
+    tensors = load_file(str(qwen3_dir / "model.safetensors"))
+    reader = write_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3", tensors,
+                        {**TINY_FIELDS, "attention.key_length": 32, "rope.freq_base": 1e6})
     cfg = gguf_config(reader)
     assert (cfg["model_type"], cfg["architectures"], cfg["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 32)
     back = gguf_tensors(reader, cfg)
     assert set(back) == set(tensors) and all(torch.equal(back[n], tensors[n]) for n in tensors)
+
+
+def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
+    """A Phi-3 GGUF stores qkv and gate+up fused (attn_qkv, ffn_up), here as Q8_0 blocks: they load
+    by those names, the int8 path serves the file's blocks, and the logits stay close to HF's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from test_model_parity import hf_logits
+    from verifier.gguf_convert import gguf_config, gguf_tensors
+    from verifier.gguf_quant import INDEX_FILE, block_index, read_quantized
+    hf_dir = jitter_norms(make_tiny_model(tmp_path / "hf", None, **FAMILIES["phi3"]))
+    path = tmp_path / "tiny-phi3.gguf"
+    reader = write_gguf(path, "phi3", load_file(str(hf_dir / "model.safetensors")),
+                        {**TINY_FIELDS, "attention.sliding_window": 2047}, q8_0=True)
+    cfg = gguf_config(reader)
+    assert (cfg["model_type"], cfg["sliding_window"]) == ("phi3", 2047)
+    model = tmp_path / "converted"
+    model.mkdir()
+    save_file(gguf_tensors(reader, cfg), str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
+    blocks = read_quantized(json.loads((model / INDEX_FILE).read_text()), cfg)
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= set(blocks)
+    from verifier.quantize import _projection          # the file's fused blocks, not a requantized copy
+    fused = blocks["model.layers.0.self_attn.qkv_proj.weight"]
+    assert _projection(blocks, "model.layers.0.self_attn", "qkv_proj", torch.zeros(1), "int8") is fused
+    ids = list(range(10, 40))
+    want = hf_logits(hf_dir, ids)
+    got = logits(TargetModel(str(model), quantization="int8", load_tokenizer_files=False), ids)
+    assert (got - want).norm() / want.norm() < 0.05
 
 
 def test_generation_config_eos_ids_end_a_reply(qwen3_dir, tmp_path):

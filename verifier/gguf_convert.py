@@ -19,19 +19,22 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Phi-3 files store the fused projections (ffn_up holds gate and up, gate first, as HF does)
+_FUSED_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     base, kind = gguf_name.rsplit(".", 1)         # kind: weight | bias
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        if part not in _LAYER_NAMES:
+        names = {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(model_type, {})}
+        if part not in names:
             raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{idx}.{names[part]}.{kind}"
     if base not in _TOP_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     return f"{_TOP_NAMES[base]}.{kind}"
@@ -57,6 +60,8 @@ def gguf_config(reader) -> dict:
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
+    if any(n.startswith("rope_factors") for n in tensor_names):
+        raise ValueError(f"GGUF architecture {arch!r} with LongRoPE factors (rope_factors_*) is not supported")
     cfg = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": "llama" if arch == "mistral" else arch,
@@ -76,6 +81,8 @@ def gguf_config(reader) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if a("attention.sliding_window"):
+        cfg["sliding_window"] = int(a("attention.sliding_window"))
     scaling = a("rope.scaling.type")
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(a("rope.scaling.factor", 1.0)),
@@ -91,7 +98,7 @@ def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
     for t in reader.tensors:
         arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
         w = torch.from_numpy(arr).reshape([int(x) for x in reversed(t.shape)])
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg["model_type"])
         if unpermute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rope_rows(w, cfg["num_attention_heads"])
         elif unpermute and t.name.endswith(("attn_k.weight", "attn_k.bias")):

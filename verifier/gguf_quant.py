@@ -110,5 +110,5 @@ def read_quantized(index: dict, cfg: dict) -> dict[str, QuantWeight]:
             w = _unpermute(w, cfg["num_attention_heads"])
         elif unpermute and t["name"].endswith("attn_k.weight"):
             w = _unpermute(w, cfg["num_key_value_heads"])
-        out[hf_name(t["name"])] = w
+        out[hf_name(t["name"], cfg["model_type"])] = w
     return out

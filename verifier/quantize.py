@@ -99,6 +99,8 @@ def _hf_config(model_dir: Path) -> dict:
 
 
 def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode: str) -> QuantWeight:
+    if f"{prefix}.{name}.weight" in blocks:              # a file that stores it fused (Phi-3)
+        return _to_mode(blocks[f"{prefix}.{name}.weight"], mode)
     parts = [blocks.get(f"{prefix}.{p}.weight") for p in _FUSED.get(name, (name,))]
     if all(p is not None for p in parts):
         return concat_rows([_to_mode(p, mode) for p in parts])
