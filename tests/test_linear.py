@@ -1,5 +1,6 @@
-"""verifier.linear.Linear picks a CPU matmul path by row count; every path must agree with
-F.linear, follow weight updates, and leave autograd working."""
+"""verifier.linear.Linear picks a CPU matmul path by row count, from the count timed at load
+(verifier.linear_tuning); every path must agree with F.linear, follow weight updates, and leave
+autograd working."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,3 +45,41 @@ def test_gradients_flow_when_training():
     F.linear(x2, ref.weight, ref.bias).square().sum().backward()
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
     torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_choose_takes_onednn_from_the_first_count_where_it_wins_at_every_larger_one():
+    from verifier.linear_tuning import choose
+    mkl = {1: 10.0, 2: 11.0, 3: 14.0, 4: 18.0}
+    assert choose(mkl, {1: 12.0, 2: 13.0, 3: 12.0, 4: 12.0}) == 3          # MKL for thin inputs (an EPYC)
+    assert choose(mkl, {1: 7.0, 2: 7.5, 3: 8.0, 4: 9.0}) == 1              # oneDNN everywhere (a Xeon)
+    assert choose(mkl, {1: 9.0, 2: 12.0, 3: 13.0, 4: 17.0}) == 3           # a win at 1 row, then a loss
+    assert choose(mkl, {1: 11.0, 2: 12.0, 3: 15.0, 4: 19.0}) == 5          # MKL at every count timed
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN not built into this torch")
+def test_tune_sets_every_linear_and_caches_per_machine(tmp_path, monkeypatch):
+    from verifier import linear_tuning
+    net = torch.nn.Sequential(Linear(64, 128), Linear(128, 64, bias=False))
+    first = linear_tuning.tune(net, tmp_path)
+    assert sorted(first.mkl_ms) == sorted(first.onednn_ms) == list(linear_tuning.ROWS)
+    assert all(lin.onednn_from == first.onednn_from for lin in net)
+    assert len(list(tmp_path.glob("linear-*.json"))) == 1
+    monkeypatch.setattr(linear_tuning, "measure", lambda *a, **k: pytest.fail("timed again despite the cache"))
+    assert linear_tuning.tune(net, tmp_path) == first
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN not built into this torch")
+def test_the_tuned_count_decides_the_path(monkeypatch):
+    import verifier.linear as linear
+    calls = []
+    real = linear.onednn_linear
+    monkeypatch.setattr(linear, "onednn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    layer = Linear(32, 16)
+    x = torch.randn(1, 32)
+    with torch.no_grad():
+        layer.onednn_from = 2
+        layer(x)
+        layer.onednn_from = 1
+        got = layer(x)
+    assert calls == [1]
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))

@@ -1,16 +1,12 @@
-"""A Linear whose CPU matmul takes the fastest library path for each row count.
+"""A Linear whose CPU matmul takes the faster library path for each row count.
 
-Timing the matmuls of all 30 layers for one step (SmolLM2 shapes, fp32) at 1 to 64 rows,
-MKL's `W @ x.T` was the fastest at one and two rows, oneDNN with a packed weight from four
-rows up, and F.linear was slower than both at every count timed (figures:
-docs/performance.md, "Matmul paths and quantized kernels").
-
-So one and two rows (batch-1 decode) go through MKL as `W @ x.T`, one row padded to two
-because MKL's gemv path is the slow one, and three or more rows (batched decode, tree
-verification, prefill) go through oneDNN with the weight reordered once into its blocked
-layout. The reorder is a copy, made on first use and redone if the weight changes. On
-CUDA, F.linear in fixed tiles of rows (verifier/row_tiles.py: a row's bits must not depend on
-the row count); whenever autograd needs the product, plain F.linear.
+Thin inputs go through MKL as `W @ x.T` (one row padded to two, because MKL's gemv path is the
+slow one), the rest through oneDNN with the weight reordered once into its blocked layout (a copy,
+made on first use and redone if the weight changes). Where one path gives way to the other is
+timed at load on the model's own matmuls (`verifier.linear_tuning`): `onednn_from`, three rows
+until a target is tuned (the count first timed, on an AMD EPYC). On CUDA, F.linear in fixed tiles
+of rows (verifier/row_tiles.py: a row's bits must not depend on the row count); whenever autograd
+needs the product, plain F.linear.
 """
 from __future__ import annotations
 
@@ -34,6 +30,10 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y + bias if bias is not None else y
 
 
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -42,6 +42,8 @@ _ONEDNN = onednn_available()     # asked once: forward runs per layer per token
 
 
 class Linear(nn.Linear):
+    onednn = _ONEDNN
+    onednn_from = ONEDNN_MIN_ROWS       # rows from which oneDNN runs; set per model at load
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
 
@@ -52,9 +54,8 @@ class Linear(nn.Linear):
             return in_row_tiles(lambda rows: F.linear(rows, self.weight, self.bias), x)
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] >= ONEDNN_MIN_ROWS and x.dtype == torch.float32 and _ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed_weight(), self.bias,
-                                                      "none", [], "")
+        if x.shape[0] >= self.onednn_from and x.dtype == torch.float32 and self.onednn:
+            return onednn_linear(x, self._packed_weight(), self.bias)
         return cpu_linear(x, self.weight, self.bias)
 
     def _needs_autograd(self, x: torch.Tensor) -> bool:

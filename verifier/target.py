@@ -16,6 +16,7 @@ from verifier.cpu_loop import native_layers
 from verifier.config import ModelConfig
 from verifier.kernels import KernelPlan, KernelTimings, engine_rows
 from verifier.kv_cache import KVCache
+from verifier.linear_tuning import tune as tune_linear
 from verifier.loader import cache_root, resolve_model_dir
 from verifier.model import LlamaForCausalLM, uninitialized
 from verifier.quantize import auto_quantization, check_quantization, quantize_model, tune
@@ -114,6 +115,9 @@ class TargetModel:
                 {"model": str(self.model_dir), "quantization": quantization}, cache_root() / "kernels",
                 retime_kernels)
         self.net = net.eval()
+        # dense fp32 on the CPU: where MKL gives way to oneDNN, timed on this machine
+        self.linear_timings = tune_linear(net, cache_root() / "kernels", retime_kernels) \
+            if quantization == "none" and self.device.type == "cpu" else None
         self._cpu_layers = cpu_layers(net) if quantization != "none" else []
         self._cpu_heads = cpu_heads(net) if quantization != "none" else None
         self.attention_timings: AttentionTimings | None = None
