@@ -1,8 +1,8 @@
 """Triton attention backend: paged tree attention over the KV cache (the CUDA backend).
 
 plan(): the batch's plain ints become PagedAttnMeta once per forward (block tables padded
-to [B, max_blocks] int32, cu_seqlens of the new tokens, ctx_lens, the tree masks packed
-as int8 with per-sequence offsets, -1 for causal sequences, and the slot mapping).
+to [B, max_blocks] int32, ctx_lens, each new token's sequence and how many new tokens it sees,
+the tree rows' ancestor lists (-1 for causal rows), and the slot mapping).
 forward(), per layer: write_kv stores the new K/V, then paged_tree_attention reads
 prefix and new tokens back through the block table. No device sync per layer.
 
