@@ -226,6 +226,9 @@ def test_refuses_sizes_that_do_not_divide_the_model(tiny_dir):
         TensorShard(0, 4).check(replace(cfg, num_heads=8))
     with pytest.raises(ValueError, match="vocab_size"):
         TensorShard(0, 2).check(replace(cfg, vocab_size=255))
+    with pytest.raises(ValueError, match="phi3 checkpoints.*fused"):
+        TensorShard(0, 2).check(replace(cfg, model_type="phi3"))
+    TensorShard(0, 1).check(replace(cfg, model_type="phi3"))      # one rank loads them as stored
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model=str(tiny_dir), tensor_parallel_size=0)
     assert not any(p.name.startswith("tercel-tp") for p in multiprocessing.active_children())

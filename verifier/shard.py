@@ -21,6 +21,7 @@ from verifier.checks import positive_int
 from verifier.config import ModelConfig
 
 # HF weight-name part -> the dimension split across ranks (0: output rows, 1: input columns)
+FUSED_CHECKPOINTS = ("phi3",)    # model types whose files store qkv_proj and gate_up_proj fused
 _SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
               "o_proj": 1, "down_proj": 1, "embed_tokens": 0, "lm_head": 0}
 
@@ -44,7 +45,12 @@ class TensorShard:
             raise ValueError(f"rank must be an int in [0, {self.size}), got {self.rank!r}")
 
     def check(self, cfg: ModelConfig) -> None:
-        """ValueError unless every split dimension divides evenly by the number of ranks."""
+        """ValueError unless every split dimension divides evenly by the number of ranks, and the
+        checkpoint stores its projections apart (a Phi-3 file's fused qkv_proj and gate_up_proj
+        would need slicing per part, which `slice_of` does not do)."""
+        if self.size > 1 and cfg.model_type in FUSED_CHECKPOINTS:
+            raise ValueError(f"tensor parallelism does not split {cfg.model_type} checkpoints yet (their q/k/v and "
+                             f"gate/up projections are stored fused); use tensor_parallel_size=1")
         for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
                         ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
             if n % self.size:
