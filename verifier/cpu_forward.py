@@ -147,12 +147,9 @@ def _layers(c, layers: list[CpuLayer], heads: cpu_ops.Heads, plan: cpu_ops.Rows,
 def _qk_normed(c, layer: CpuLayer, qkv: torch.Tensor) -> torch.Tensor:
     """bf16 [T, (NH + 2 NKV) D] with each q and k head RMS-normed (fp32 statistics, row by row:
     a head's result depends on its own values only)."""
-    from verifier.model import head_norm
+    from verifier.model import norm_qk
     heads = qkv.view(qkv.shape[0], -1, c.head_dim)
-    heads[:, :c.num_heads] = head_norm(layer.q_norm, heads[:, :c.num_heads])
-    heads[:, c.num_heads:c.num_heads + c.num_kv_heads] = head_norm(layer.k_norm,
-                                                                   heads[:, c.num_heads:c.num_heads + c.num_kv_heads])
-    return qkv
+    return norm_qk(heads, layer.q_norm, layer.k_norm, c.num_heads, c.num_kv_heads).view(qkv.shape)
 
 
 def _own(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:

@@ -72,8 +72,14 @@ class RMSNorm(nn.Module):
 
 
 def head_norm(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:
-    """RMSNorm over each head of [T, N, D] (Qwen3's q_norm and k_norm), as [T * N, D] rows."""
+    """RMSNorm over each head of [T, N, D], as [T * N, D] rows."""
     return norm(heads.reshape(-1, heads.shape[-1])).view(heads.shape)
+
+
+def norm_qk(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, nh: int, nkv: int) -> torch.Tensor:
+    """[T, NH + 2 NKV, D] with each q and k head RMS-normed (Qwen3's q_norm and k_norm), v as it was."""
+    return torch.cat([head_norm(q_norm, qkv[:, :nh]), head_norm(k_norm, qkv[:, nh:nh + nkv]),
+                      qkv[:, nh + nkv:]], dim=1).to(qkv.dtype)
 
 
 def sharded(shard: TensorShard | None) -> TensorShard | None:
@@ -102,9 +108,7 @@ class Attention(nn.Module):
         c = self.cfg
         qkv = self.qkv_proj(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [T, H + 2 KVH, D]
         if self.q_norm is not None:
-            qkv = torch.cat([head_norm(self.q_norm, qkv[:, :c.num_heads]),
-                             head_norm(self.k_norm, qkv[:, c.num_heads:c.num_heads + c.num_kv_heads]),
-                             qkv[:, c.num_heads + c.num_kv_heads:]], dim=1)
+            qkv = norm_qk(qkv, self.q_norm, self.k_norm, c.num_heads, c.num_kv_heads)
         # q and k rotate together; the result takes the rotary tables' dtype
         qk = apply_rotary(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)            # [T, H + KVH, D]
         v = qkv[:, c.num_heads + c.num_kv_heads:].to(v_cache.dtype)                   # [T, KVH, D]
