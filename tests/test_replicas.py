@@ -84,9 +84,11 @@ def test_conversation_and_shared_system_prompt_stay_on_one_replica(cluster):
 
 def test_unrelated_requests_spread_across_both_replicas(cluster):
     """Requests that share no prefix go to the least loaded replica, ties to the one holding fewer
-    prefixes: a handful of unrelated ones reach both replicas."""
+    prefixes: a handful of unrelated ones reach both replicas. Each is long (about 16 chunks) so
+    that two outweigh the conversation the previous test left on one replica, however long its
+    replies came out (at 12 repeats each, all six once went to one replica)."""
     topics = ("volcanoes", "sonnets", "tax law", "orbital mechanics", "sourdough", "chess openings")
-    seen = [cluster.chat([{"role": "user", "content": f"Tell me about {t}. " * 12}]).headers[REPLICA] for t in topics]
+    seen = [cluster.chat([{"role": "user", "content": f"Tell me about {t}. " * 40}]).headers[REPLICA] for t in topics]
     assert len(set(seen)) == 2, seen
     assert cluster.replicas() == set(seen)
 
