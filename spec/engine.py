@@ -47,7 +47,6 @@ from verifier.logprobs import TokenLogprob, decided, row_logprob
 from verifier.parallel import open_target
 from verifier.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
 from verifier.sampling_params import SamplingParams
-from verifier.loader import resolve_model_dir
 from verifier.target import TargetModel, generation_eos_ids
 from verifier.tokenizer import prompt_ids
 
@@ -155,7 +154,7 @@ class LLMEngine:
                                                       config.enable_prefix_cache))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks)
-        self.eos_ids = frozenset(mc.eos_token_ids) | set(generation_eos_ids(resolve_model_dir(config.model))) | (
+        self.eos_ids = frozenset(mc.eos_token_ids) | set(generation_eos_ids(self.target.model_dir)) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
         # Compiles `SamplingParams.structured`; xgrammar loads on the first constrained request.

@@ -42,7 +42,6 @@ _ONEDNN = onednn_available()     # asked once: forward runs per layer per token
 
 
 class Linear(nn.Linear):
-    onednn = _ONEDNN
     onednn_from = ONEDNN_MIN_ROWS       # rows from which oneDNN runs; set per model at load
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
@@ -54,7 +53,7 @@ class Linear(nn.Linear):
             return in_row_tiles(lambda rows: F.linear(rows, self.weight, self.bias), x)
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] >= self.onednn_from and x.dtype == torch.float32 and self.onednn:
+        if x.shape[0] >= self.onednn_from and x.dtype == torch.float32 and _ONEDNN:
             return onednn_linear(x, self._packed_weight(), self.bias)
         return cpu_linear(x, self.weight, self.bias)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from verifier.linear import Linear, cpu_linear, onednn_linear
+from verifier.linear import Linear, cpu_linear, onednn_available, onednn_linear
 from verifier.machine import cached_measurement
 
 FORMAT = 1
@@ -68,7 +68,7 @@ def tune(net: torch.nn.Module, cache_dir: Path | None, refresh: bool = False) ->
     """Time (or read this machine's cached timings for) the dense fp32 Linears of `net` and set
     their `onednn_from`; None where oneDNN is not built in or the weights are not fp32 on the CPU."""
     linears = [m for m in net.modules() if isinstance(m, Linear)]
-    if not linears or not Linear.onednn or any(l.weight.device.type != "cpu" or l.weight.dtype != torch.float32
+    if not linears or not onednn_available() or any(l.weight.device.type != "cpu" or l.weight.dtype != torch.float32
                                                for l in linears):
         return None
     key = {"format": FORMAT, "rows": list(ROWS), "shapes": [list(l.weight.shape) for l in linears]}

@@ -44,7 +44,7 @@ class PagedAttnMeta:
     tok_seq: torch.Tensor        # [T] int32: the sequence of each new token
     n_new: torch.Tensor          # [T] int32: new tokens it sees (itself included)
     anc_offsets: torch.Tensor    # [T] int64: start of its list in `anc`; -1 = causal (tokens 0..i)
-    anc: torch.Tensor            # [sum of n_new over tree rows] int32 (one dummy 0 when none)
+    anc: torch.Tensor            # [sum of n_new over tree rows + 1] int32 (a dummy 0 last)
     slot_mapping: torch.Tensor   # [T] int64: physical slot of each new token
     block_size: int
     q_lens: list[int]            # host copy
@@ -79,7 +79,7 @@ def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[l
             offsets.append(used)
             used += n
         flat.append(m.nonzero()[:, 1].to(torch.int32))      # row-major: each row's keys in index order
-    anc = torch.cat(flat) if flat else torch.zeros(1, dtype=torch.int32)
+    anc = torch.cat([*flat, torch.zeros(1, dtype=torch.int32)])   # a dummy last: never empty
     i32 = dict(dtype=torch.int32, device=device)
     return PagedAttnMeta(
         block_tables=bt.to(device),
@@ -87,7 +87,7 @@ def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[l
         tok_seq=torch.tensor(tok_seq, **i32),
         n_new=torch.tensor(n_new, **i32),
         anc_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-        anc=(anc if anc.numel() else torch.zeros(1, dtype=torch.int32)).to(device),
+        anc=anc.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_size=block_size,
         q_lens=list(q_lens),
@@ -212,9 +212,8 @@ def _paged_tree_attn_kernel(
         else:
             a = tl.load(anc_ptr + anc_off + (key - ctx), mask=key_ok & (key >= ctx), other=0)
             pos = tl.where(key < ctx, key, ctx + a)     # logical position of the key in the sequence
-        visible = (r[:, None] >= 0) & key_ok[None, :]
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok,
-                                     visible, kv_head, qk_scale, stride_cb, stride_cs, stride_ch, d, d_ok,
+                                     key_ok[None, :], kv_head, qk_scale, stride_cb, stride_cs, stride_ch, d, d_ok,
                                      PAGE, DOT_PRECISION)
 
     # A row that sees nothing (only possible with an all-False mask row and ctx == 0) gives 0.
