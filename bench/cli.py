@@ -49,7 +49,7 @@ def add_bench_args(sub) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="speculate as `tercel serve` does: off while it does not pay, trees sized to the step")
     p.add_argument("--quantization", default="auto",
-                   help="target weights, comma-separated: auto, int4, int8, none (default auto; the first "
+                   help="target weights, comma-separated: auto, int4, int8, gguf, none (default auto; the first "
                         "listed is the plain baseline; quality: the modes compared with none)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="accept, grid, speed: shard Tercel's target over N devices (dense weights; "

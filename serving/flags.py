@@ -18,8 +18,9 @@ def drafter_name(arg: str | None) -> str | None:
 def add_quantization_arg(p) -> None:
     from spec.config import QUANTIZATION_CHOICES
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="CPU weights: int4 or int8 kernels, none (dense fp32), or auto (default: int4 for a "
-                        "Q4 GGUF such as the default model, int8 for Q8_0, none for HF checkpoints and CUDA)")
+                   help="CPU weights: int4 or int8 kernels, gguf (each GGUF tensor on its own blocks), none "
+                        "(dense fp32), or auto (default: int4 for a Q4 GGUF such as the default model, gguf for "
+                        "other quantized GGUFs such as Q4_K_M, none for HF checkpoints and CUDA)")
 
 
 def add_tensor_parallel_arg(p) -> None:

@@ -11,7 +11,7 @@ from verifier.grammar_limits import GrammarLimits
 from verifier.loader import DEFAULT_MODEL
 from verifier.shard import check_tp_quantization
 
-QUANTIZATION_CHOICES = ("auto", "int4", "int8", "none")
+QUANTIZATION_CHOICES = ("auto", "int4", "int8", "gguf", "none")
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,9 @@ class EngineConfig:
     thread_tuning: ThreadConfig = ThreadConfig()   # adaptive=False: always num_threads
     device: str | None = None             # None: cuda if available, else cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
-    # CPU weights: "int4" / "int8" kernels, "none" (dense, the checkpoint's dtype) or "auto":
-    # int4 for a Q4 GGUF (the file's own blocks), int8 for Q8_0, none otherwise and on CUDA
+    # CPU weights: "int4" / "int8" kernels, "gguf" (each GGUF tensor on its own blocks), "none"
+    # (dense, the checkpoint's dtype) or "auto": int4 for a Q4 GGUF, gguf for other quantized
+    # GGUFs (K-quants, Q5_0, Q8_0), none otherwise and on CUDA (verifier/quantize.py)
     quantization: str = "auto"
     # Ranks (devices) sharing every layer of the target (verifier/parallel.py): NCCL on CUDA,
     # gloo on CPU. Above 1 the target runs dense weights: quantization "auto" picks "none".

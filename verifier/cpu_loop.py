@@ -33,13 +33,14 @@ _ERR = 512                      # bytes for a C++ exception's message
 
 class LinearSpec(ctypes.Structure):
     """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): kind 4 (torch's
-    int4: packed weight, group, bf16 scale_zero), 16 (q4x16: the packed weight alone) or 8
-    (int8: q, bf16 scale), tensors as TensorImpl addresses, n the output features."""
+    int4: packed weight, group, bf16 scale_zero), 16 (q4x16: the packed weight alone), 32 (q8x16:
+    the packed weight, its bits as `group`) or 8 (int8: q, bf16 scale), tensors as TensorImpl
+    addresses, n the output features."""
     _fields_ = [("kind", _I), ("w", _I), ("s", _I), ("group", _I), ("n", _I)]
 
 
 _SIGNATURES = {
-    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P], _P),
+    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P], _P),
     "tercel_model_free": ([_P], None),
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
     "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
@@ -86,6 +87,9 @@ def _spec(lin: QuantLinear) -> LinearSpec:
     if lin.own == "q4x16":
         packed, n = lin.own_mm[1]
         return LinearSpec(16, packed._cdata, 0, 0, n)
+    if lin.own == "q8x16":
+        packed, bits, n = lin.own_mm[1]
+        return LinearSpec(32, packed._cdata, 0, bits, n)
     if lin.own == "int4":
         packed, group, scale_zero = lin.own_mm[1]
         return LinearSpec(4, packed._cdata, scale_zero._cdata, group, lin.out_features)
@@ -114,7 +118,7 @@ class NativeLayers:
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
                                            cfg.intermediate_size, ctypes.addressof(heads),
                                            *_kernels("add_rms_norm", "silu_mul", "attention", "prefetch_kv",
-                                                    "q4_matmul"))
+                                                    "q4_matmul", "q8_matmul"))
         self._free = weakref.finalize(self, lib.tercel_model_free, self._model)
         err = ctypes.create_string_buffer(_ERR)
         for i, l in enumerate(layers):

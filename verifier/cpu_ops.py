@@ -1,5 +1,5 @@
-"""The fused CPU kernels of `csrc/decode_ops.c` and Tercel's int4 matmul (`csrc/q4_matmul.c`),
-built on first use into one library and called through ctypes.
+"""The fused CPU kernels of `csrc/decode_ops.c` and Tercel's integer matmuls (`csrc/q4_matmul.c`
+for int4 weights, `csrc/q8_matmul.c` for 5-, 6- and 8-bit blocks), built on first use into one library and called through ctypes.
 
 The library is compiled for the machine it runs on (`cc -O3 -march=native`, or the ISA
 cap's of `verifier.machine`; under half a second) into the Tercel cache, keyed by the source,
@@ -28,8 +28,8 @@ from verifier.loader import cache_root
 
 log = logging.getLogger("tercel.cpu_ops")
 _CSRC = Path(__file__).parent / "csrc"
-DECODE_OPS, Q4_MATMUL = SOURCES = [_CSRC / "decode_ops.c", _CSRC / "q4_matmul.c"]
-HEADERS = [_CSRC / "bf16.h"]        # included by both: part of the library's cache key
+DECODE_OPS, Q4_MATMUL, Q8_MATMUL = SOURCES = [_CSRC / "decode_ops.c", _CSRC / "q4_matmul.c", _CSRC / "q8_matmul.c"]
+HEADERS = [_CSRC / "bf16.h", _CSRC / "act_quant.h"]   # included by the sources: part of the library's cache key
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -50,9 +50,11 @@ _SIGNATURES = {
     "q4_matmul": [_P, _I, _I, _P, _I, _P],
     "q4_matmul_ref": [_P, _I, _I, _P, _I, _P],
     "q4_isa": [],
+    "q8_matmul": [_P, _I, _I, _I, _P, _I, _P],
+    "q8_matmul_ref": [_P, _I, _I, _I, _P, _I, _P],
 }
 _RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
-            "q4_isa": _I}
+            "q4_isa": _I, "q8_matmul": _I, "q8_matmul_ref": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -270,4 +272,18 @@ def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = F
     fn = _library().q4_matmul_ref if reference else _library().q4_matmul
     if fn(packed.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr()):
         raise ValueError(f"q4_matmul takes K a multiple of 32 (got {k}), or ran out of memory")
+    return out
+
+
+def q8_matmul(packed: torch.Tensor, bits: int, n: int, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W of `bits` (5, 6 or 8) as
+    `verifier.qlinear.pack_q8` lays it out; `reference`: through the scalar code."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"q8_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    fn = _library().q8_matmul_ref if reference else _library().q8_matmul
+    if fn(packed.data_ptr(), bits, n, k, x.data_ptr(), m, out.data_ptr()):
+        raise ValueError(f"q8_matmul takes K a multiple of 32 (got {k}) and 5, 6 or 8 bits (got {bits}), "
+                         "or ran out of memory")
     return out

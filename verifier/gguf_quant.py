@@ -1,15 +1,21 @@
-"""Read a GGUF's Q4_0, Q4_1, Q4_K and Q8_0 blocks as they are, without a float round trip.
+"""Read a GGUF's Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 blocks as they are, without a float round trip.
 
 Block layouts (ggml, little-endian):
     Q4_0: d fp16, 16 bytes of nibbles            w = d * (q - 8)          32 weights
     Q4_1: d fp16, m fp16, 16 bytes of nibbles    w = d * q + m            32 weights
     Q8_0: d fp16, 32 int8                        w = d * q                32 weights
+    Q5_0: d fp16, 4 bytes of fifth bits, 16 bytes of nibbles
+                                                 w = d * (q - 16)         32 weights
     Q4_K: d fp16, dmin fp16, 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of
           nibbles; sub-block j (32 weights): w = (d * sc[j]) * q - dmin * mn[j]   256 weights
 Q4_0 / Q4_1 nibble byte j holds weight j (low half) and weight j + 16 (high half) of its
 block; Q4_K's 32-byte chunk c holds weights 64 c + l (low halves) and 64 c + 32 + l (high).
 A Q4_K sub-block is a Q4_1 block whose d and m are products (d * sc, -dmin * mn): it is
 served by the same int4 kernels, groups of 32.
+    Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d fp16; weight
+          group j of 16: w = (d * sc[j]) * (q - 32)                         256 weights
+Q5_0's bit j (of the 32-bit field) is weight j's fifth bit. Q5_0, Q6_K and Q8_0 become int8
+groups (q - 16, q - 32, q) with scales per 32, 16 and 32 weights: the q8x16 kernel's form.
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ from verifier.gguf_convert import hf_name, unpermute_rope_rows
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, int4_from_affine
 
 BLOCK = 32
-_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}    # weights, bytes
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_0": (32, 22),
+           "Q6_K": (256, 210)}    # weights, bytes
 
 
 def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
@@ -58,12 +65,39 @@ def _q4_k(blocks: np.ndarray) -> Int4Weight:
     return int4_from_affine(torch.from_numpy(q), d.reshape(n, -1), -m.reshape(n, -1))
 
 
+def _q5_0(blocks: np.ndarray) -> Int8Weight:
+    """[N, blocks, 22] Q5_0 bytes -> int8 groups of 32, q - 16."""
+    n = blocks.shape[0]
+    fifth = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")             # [N, nb, 1]
+    high = ((fifth >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4       # [N, nb, 32]
+    q = _nibbles(blocks, 6).view(n, -1, 32).to(torch.int16) + torch.from_numpy(high) - 16
+    return Int8Weight(q.reshape(n, -1).to(torch.int8), _f16(blocks, 0))
+
+
+def _q6_k(blocks: np.ndarray) -> Int8Weight:
+    """[N, super-blocks, 210] Q6_K bytes -> int8 groups of 16, q - 32. Each 128-weight half takes 64
+    bytes of nibbles (weights l and 64 + l from byte l's halves, 32 + l and 96 + l from byte 32 + l's)
+    and 32 bytes of bit pairs (byte l: weights l, 32 + l, 64 + l, 96 + l from low to high)."""
+    n, nsb = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(n, nsb, 2, 64).astype(np.int16)
+    qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32).astype(np.int16)
+    low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+    q = low | (((qh >> (2 * np.arange(4)).reshape(4, 1)) & 3) << 4)        # [N, nsb, 2, 4, 32]
+    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
+    scale = _f16(blocks, 208)[..., None] * sc                                # exact: 11 x 8 bits
+    return Int8Weight(torch.from_numpy((q - 32).astype(np.int8).reshape(n, -1)), scale.reshape(n, -1))
+
+
 def read_block_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> QuantWeight:
     """One quantized tensor (`data`: its raw bytes, [rows, row bytes]) as Tercel's form."""
     per, nbytes = _BLOCKS[kind]
     blocks = np.asarray(data, dtype=np.uint8).reshape(rows, cols // per, nbytes)
     if kind == "Q4_K":
         return _q4_k(blocks)
+    if kind == "Q5_0":
+        return _q5_0(blocks)
+    if kind == "Q6_K":
+        return _q6_k(blocks)
     if kind == "Q4_0":
         d = _f16(blocks, 0)
         return Int4Weight(_nibbles(blocks, 2), d, torch.zeros_like(d))

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from verifier.machine import cached_measurement
-from verifier.qlinear import QuantLinear
+from verifier.qlinear import OWN_PATHS, QuantLinear
 
 FORMAT = 6           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
@@ -96,7 +96,7 @@ class KernelTimings:
         timed = {p: c for p in owns if self.tiles.get(p) == [0] and (c := self.sampled_ms(p)) is not None}
         own = min(timed, key=timed.get, default=owns[0])
         costs = {(p, t): c for p, tiles in self.tiles.items() for t in tiles
-                 if (p == own or p not in owns) and (c := self.per_row_ms(p, t)) is not None}
+                 if (p == own or p not in OWN_PATHS) and (c := self.per_row_ms(p, t)) is not None}
         bulk, tile = min(costs, key=costs.get, default=(own, 0))
         return KernelPlan(bulk, tile, own)
 
@@ -108,6 +108,13 @@ class KernelTimings:
     def from_json(cls, d: dict) -> "KernelTimings":
         return cls(tuple(d["rows"]), {p: {int(m): t for m, t in v.items()} for p, v in d["ms"].items()},
                    d["tiles"])
+
+
+def choosable_owns(linears: list[QuantLinear]) -> tuple[str, ...]:
+    """The own kernels the plan chooses among: those of the linears that offer a choice (int4
+    weights: torch's or q4x16), else the first linear's. A model whose file mixes formats (a
+    Q4_K_M) has linears with one own kernel beside them (q8x16), which keep it."""
+    return next((lin.own_paths() for lin in linears if len(lin.own_paths()) > 1), linears[0].own_paths())
 
 
 @torch.inference_mode()
@@ -148,15 +155,18 @@ def engine_rows(prefill_chunk: int) -> tuple[int, ...]:
 
 def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int = 3,
                probe: list[QuantLinear] | None = None) -> KernelTimings:
-    """Time each path over all `linears` in order (cold weights, as in a forward), and probe
-    each path's row invariance on `probe` (default: the first four linears, one layer)."""
-    paths = linears[0].paths()
+    """Time each path over the `linears` that offer it, in order (cold weights, as in a forward),
+    and probe each path's row invariance on `probe` (default: the first four linears, one layer)
+    or, for a path none of those offers, on the first four that do."""
+    paths = list(dict.fromkeys(p for lin in linears for p in lin.paths()))
+    having = {p: [lin for lin in linears if p in lin.paths()] for p in paths}
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
     for m in rows:
         for p in paths:
-            ms[p][m] = None if _far_behind(ms, p) else _time_one(linears, p, m, repeats)
+            ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats)
     probe = probe or linears[:4]
-    return KernelTimings(rows, ms, {p: invariant_tiles(probe, p) for p in paths})
+    return KernelTimings(rows, ms, {p: invariant_tiles([lin for lin in probe if p in lin.paths()] or having[p][:4], p)
+                                    for p in paths})
 
 
 def _far_behind(ms: dict[str, dict[int, float | None]], path: str) -> bool:

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-CONVERSION_FORMAT = 3      # 3: the block index covers Q4_K and names the decoder's other weight kinds
+CONVERSION_FORMAT = 4      # 4: the block index covers Q5_0 and Q6_K
 
 
 def _smollm2_gguf() -> Path:

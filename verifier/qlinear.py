@@ -1,10 +1,13 @@
 """Modules over quantized weights: `QuantLinear` (CPU matmuls), `QuantEmbedding`, `RescoredHead`.
 
-A QuantLinear can run a matmul five ways ("paths"):
+A QuantLinear can run a matmul six ways ("paths"):
     int4   torch's `_weight_int4pack_mm_for_cpu` on the packed weight (bf16 activations)
     q4x16  Tercel's int4 kernel (csrc/q4_matmul.c): the same weights against activations
            quantized to 15-bit integers, whose extra rows cost a fraction of torch's
     int8   torch's `_weight_int8pack_mm`, one scale per output channel (bf16 activations)
+    q8x16  Tercel's kernel for int8 weights in groups of 16 or 32 (csrc/q8_matmul.c): GGUF's
+           Q5_0, Q6_K and Q8_0 blocks as stored, held in 5, 6 or 8 bits; the only kernel for
+           such weights (torch's int8 kernel would need them requantized per channel)
     bf16   oneDNN over a dense bf16 copy of the same weights, packed once
     fp32   oneDNN over a dense fp32 copy
 Its own kernels (int4 and q4x16, or int8) give each row the same bits whether the row is
@@ -46,7 +49,7 @@ def served_weights(w: QuantWeight) -> QuantWeight:
 class QuantLinear(nn.Module):
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, plan):
         super().__init__()
-        weight = weight if isinstance(weight, Int4Weight) else per_channel(weight)
+        weight = weight if isinstance(weight, Int4Weight) or q8_offered(weight) else per_channel(weight)
         self.out_features, self.in_features = weight.shape
         self.plan = plan                      # shared by the model's layers; not a submodule
         self.kind = "int4" if isinstance(weight, Int4Weight) else "int8"
@@ -54,7 +57,10 @@ class QuantLinear(nn.Module):
         # A plain attribute: a module's buffer lookup costs about a microsecond, and this runs 4
         # times per layer per step. CPU only.
         self._owns: dict[str, tuple] = {}
-        self._pack_int4(weight) if self.kind == "int4" else self._pack_int8(weight)
+        if self.kind == "int4":
+            self._pack_int4(weight)
+        elif weight.group == self.in_features:
+            self._pack_int8(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self._dense: dict[str, torch.Tensor] = {}
         # The weights as served (bf16 scales) in unpacked form, kept until the dense copies
@@ -63,7 +69,11 @@ class QuantLinear(nn.Module):
         if self.kind == "int4" and q4_offered(weight):
             self.register_buffer("q4", pack_q4(self._source))
             self._owns["q4x16"] = (_q4_mm, (self.q4, self.out_features))
-        self.use_own(self.kind)
+        if self.kind == "int8" and not self._owns:
+            self.bits = q8_bits(weight)
+            self.register_buffer("q8", pack_q8(self._source))
+            self._owns["q8x16"] = (_q8_mm, (self.q8, self.bits, self.out_features))
+        self.use_own(self.kind if self.kind in self._owns else next(iter(self._owns)))
 
     def _pack_int4(self, w: Int4Weight) -> None:
         pad = -w.shape[0] % _N_ALIGN
@@ -120,10 +130,11 @@ class QuantLinear(nn.Module):
         plan.tile rows (the last padded with zeros): a row then gets the same bits wherever
         it sits, so a prompt's KV does not depend on its chunking or its batch."""
         m, tile = x.shape[0], self.plan.tile
+        path = self.plan.bulk if self.plan.bulk in self.paths() else self.own    # another kind's own kernel
         if not tile:
-            return self.run(self.plan.bulk, x)
+            return self.run(path, x)
         x = F.pad(x, (0, 0, 0, -m % tile))
-        return torch.cat([self.run(self.plan.bulk, x[i:i + tile]) for i in range(0, m, tile)])[:m]
+        return torch.cat([self.run(path, x[i:i + tile]) for i in range(0, m, tile)])[:m]
 
     def run_own(self, x: torch.Tensor) -> torch.Tensor:
         """x bf16 [M, K], contiguous -> bf16 [M, N] on the row-invariant kernel the plan chose."""
@@ -159,7 +170,8 @@ class QuantLinear(nn.Module):
                 f"dense={list(self._dense)}")
 
 
-_BUFFERS = {"int4": ("packed", "scale_zero"), "q4x16": ("q4",), "int8": ("q", "scale")}
+_BUFFERS = {"int4": ("packed", "scale_zero"), "q4x16": ("q4",), "int8": ("q", "scale"), "q8x16": ("q8",)}
+OWN_PATHS = frozenset(_BUFFERS)     # the weights' own (row-invariant) kernels; the other paths are dense
 
 
 def _q4_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -188,6 +200,45 @@ def pack_q4(w: Int4Weight) -> torch.Tensor:
         t = t.repeat_interleave(per, 1).to(torch.bfloat16).view(tiles, Q4_TILE, blocks)
         return t.permute(0, 2, 1).contiguous().view(torch.uint8)
     return torch.cat([nibbles, per_block(scale), per_block(zero)], -1).contiguous()
+
+
+def _q8_mm(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    return cpu_ops.q8_matmul(packed, bits, n, x)
+
+
+def q8_offered(w: QuantWeight) -> bool:
+    """csrc/q8_matmul.c takes int8 weights with a scale per 16 or 32 (GGUF's blocks) and is
+    built for AVX2 or AVX-512 VNNI, as q4x16."""
+    return (isinstance(w, Int8Weight) and w.group in (16, 32) and w.shape[1] % Q4_BLOCK == 0
+            and cpu_ops.available() and cpu_ops.q4_isa() > 0)
+
+
+def q8_bits(w: Int8Weight) -> int:
+    """The fewest bits (5, 6 or 8) that hold every q of `w` (Q5_0: 5, Q6_K: 6, Q8_0: 8)."""
+    lo, hi = int(w.q.min()), int(w.q.max())
+    return next(b for b in (5, 6, 8) if -(1 << (b - 1)) <= lo and hi < 1 << (b - 1))
+
+
+def pack_q8(w: Int8Weight) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K / 32, 256 + 64 (bits - 4) + 64]: `w` (its scales in bf16) in the
+    layout csrc/q8_matmul.c describes, u = q + 2^(bits - 1). Per tile of 16 channels and block
+    of 32 weights: u's low nibbles as pack_q4 lays them out, one 64-byte plane per higher bit
+    (bit v of byte 4 c + e: the bit of the weight that nibble vector v holds there), then the
+    16 channels' scales of each half-block."""
+    bits, (n, k) = q8_bits(w), w.shape
+    pad = -n % Q4_TILE
+    u = F.pad(w.q.to(torch.int32) + (1 << (bits - 1)), (0, 0, 0, pad))     # padded channels: scale 0
+    scale = F.pad(w.scale, (0, 0, 0, pad))
+    tiles, blocks = (n + pad) // Q4_TILE, k // Q4_BLOCK
+    u = u.view(tiles, Q4_TILE, blocks, 2, 4, 4)                 # weight 16 h + 4 g + e of a block
+    nib = u & 15
+    nibbles = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
+    vector_bit = (1 << torch.arange(8, dtype=torch.int32)).view(2, 4, 1)      # vector v = 4 h + g
+    planes = [(((u >> p) & 1) * vector_bit).sum((3, 4)).permute(0, 2, 1, 3).reshape(tiles, blocks, 64)
+              for p in range(4, bits)]
+    halves = scale.repeat_interleave(w.group // 16, 1).to(torch.bfloat16).view(tiles, Q4_TILE, blocks, 2)
+    scales = halves.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, 64)
+    return torch.cat([nibbles, *planes, scales], -1).to(torch.uint8).contiguous()
 
 
 class QuantEmbedding(nn.Module):

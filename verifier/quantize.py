@@ -1,14 +1,18 @@
-"""Serve a loaded Llama on quantized CPU kernels: `quantization="int4" | "int8" | "none"`.
+"""Serve a loaded Llama on quantized CPU kernels: `quantization="int4" | "int8" | "gguf" | "none"`.
 
 What each weight becomes (the model file's own weights wherever a kernel can take them):
 
-| weight | int4 | int8 |
-|---|---|---|
-| projections, GGUF Q4_0 / Q4_1 / Q4_K | the file's blocks (group 32) | requantized per channel |
-| projections, GGUF Q8_0 | requantized, int4 groups of 32 | requantized per channel |
-| projections, dense (HF, F16/F32) | int4 groups of 32 | per channel |
-| embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same |
-| LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 per channel |
+| weight | int4 | int8 | gguf |
+|---|---|---|---|
+| projections, GGUF Q4_0 / Q4_1 / Q4_K | the file's blocks (group 32) | requantized per channel | the file's blocks |
+| projections, GGUF Q5_0 / Q6_K / Q8_0 | requantized, int4 groups of 32 | the file's blocks | the file's blocks |
+| projections, dense (HF, F16/F32; GGUF kinds read dense) | int4 groups of 32 | per channel | int8 groups of 32 |
+| embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same | the same |
+| LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 | scan: its file blocks |
+
+`gguf` serves each tensor in its own format, as llama.cpp does: a Q4_K_M file mixes Q4_K with
+Q6_K, Q5_0 and Q8_0, which the int4 kernels take and csrc/q8_matmul.c takes respectively. Parts
+of one fused projection stored in two formats share the more precise one (`_one_form`).
 
 The LM head is a `RescoredHead`: torch's kernels cannot take the default GGUF's Q8_0 head
 as it is (the int8 kernel has one scale per output channel, Q8_0 one per 32 weights), and
@@ -31,24 +35,25 @@ from torch import nn
 from verifier import cpu_ops
 from verifier.config import ModelConfig
 from verifier.gguf_quant import INDEX_FILE, read_quantized
-from verifier.kernels import KernelPlan, KernelTimings, load_or_time, time_paths
+from verifier.kernels import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
 from verifier.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
 from verifier.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, int4_group, quantize_int4,
                             quantize_int8)
 
 log = logging.getLogger("tercel.quantize")
-QUANTIZATIONS = ("int4", "int8", "none")
+QUANTIZATIONS = ("int4", "int8", "gguf", "none")
 INT4_NATIVE = frozenset({"Q4_0", "Q4_1", "Q4_K"})      # GGUF blocks the int4 kernels take as they are
+INT8_NATIVE = frozenset({"Q5_0", "Q6_K", "Q8_0"})      # ... and the q8x16 kernel
 EMBED_GROUP = 32
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def auto_quantization(model_dir: Path, device: torch.device) -> str:
     """The fastest setting that keeps the file's weights: int4 for a GGUF whose decoder is all
-    Q4_0 / Q4_1 / Q4_K blocks, int8 for one with Q8_0 blocks; dense checkpoints, CUDA, and
-    machines where the fused CPU kernels cannot be built (no C compiler) stay unquantized. A
-    decoder that mixes in other kinds (SmolLM2's Q4_K_M: Q5_0 and Q6_K where a row is not a
-    multiple of 256) is not put on int4, which would requantize those to 4 bits."""
+    Q4_0 / Q4_1 / Q4_K blocks, gguf (each tensor on its own blocks) for other quantized GGUFs
+    where the integer kernels are built (AVX2 or AVX-512 VNNI), else int8 for one with Q8_0
+    blocks; dense checkpoints, CUDA, and machines where the fused CPU kernels cannot be built
+    (no C compiler) stay unquantized."""
     index = Path(model_dir) / INDEX_FILE
     if device.type != "cpu" or not index.is_file() or not cpu_ops.available():
         return "none"
@@ -56,6 +61,11 @@ def auto_quantization(model_dir: Path, device: torch.device) -> str:
     kinds = {t["kind"] for t in meta["tensors"] if t["name"].startswith("blk.")}
     if kinds and kinds <= INT4_NATIVE and not meta.get("other_kinds"):
         return "int4"
+    if kinds and cpu_ops.q4_isa() > 0:
+        if meta.get("other_kinds"):
+            log.info("decoder weights stored as %s have no kernel of their own: dequantized, then served as "
+                     "int8 blocks of 32", ", ".join(meta["other_kinds"]))
+        return "gguf"
     return "int8" if "Q8_0" in kinds else "none"
 
 
@@ -103,11 +113,24 @@ def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode:
         return _to_mode(blocks[f"{prefix}.{name}.weight"], mode)
     parts = [blocks.get(f"{prefix}.{p}.weight") for p in _FUSED.get(name, (name,))]
     if all(p is not None for p in parts):
-        return concat_rows([_to_mode(p, mode) for p in parts])
+        return concat_rows(_one_form([_to_mode(p, mode) for p in parts]))
     return _to_mode(dense.detach(), mode)
 
 
+def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """Parts of one fused projection in one form: int4 parts beside int8 ones requantized to int8
+    groups of 32 (the finer grid), int8 scale groups split to the smallest group (exact)."""
+    if all(isinstance(p, Int4Weight) for p in parts) or all(isinstance(p, Int8Weight) and p.group == parts[0].group
+                                                             for p in parts):
+        return parts
+    parts = [quantize_int8(p.dequantize(), EMBED_GROUP) if isinstance(p, Int4Weight) else p for p in parts]
+    g = min(p.group for p in parts)
+    return [Int8Weight(p.q, p.scale.repeat_interleave(p.group // g, 1)) for p in parts]
+
+
 def _to_mode(w: QuantWeight | torch.Tensor, mode: str) -> QuantWeight:
+    if mode == "gguf":
+        return quantize_int8(w.detach(), EMBED_GROUP) if isinstance(w, torch.Tensor) else w
     if mode == "int4":
         if isinstance(w, Int4Weight):
             return w
@@ -126,9 +149,9 @@ def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
 def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:
     """Set the plan's own kernel for sampled rows (the head's scan too), keep the dense copies
     its bulk path needs, drop the rest and the sources."""
-    plan = timings.plan(decoder[0].own_paths())
+    plan = timings.plan(choosable_owns(decoder))
     for lin in [*decoder, head.scan]:
-        lin.use_own(plan.own if plan.own in lin.own_paths() else lin.kind)
+        lin.use_own(plan.own if plan.own in lin.own_paths() else lin.own)
         lin.drop_other_owns()
         for path in set(lin.paths()) - set(lin.own_paths()) - {plan.bulk}:
             lin.drop_dense(path)
@@ -149,8 +172,9 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
                 lin.add_dense(path)
         return time_paths(decoder, rows)
 
-    q4_source = hashlib.sha256(cpu_ops.Q4_MATMUL.read_bytes()).hexdigest()[:16]    # a new kernel is timed anew
-    timings = load_or_time(rows, {**model_key, "q4x16": q4_source}, cache_dir, measure, refresh)
+    sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
+               for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, *cpu_ops.HEADERS)}
+    timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh)
     plan = apply_plan(decoder, head, timings)
     log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,
              f" in tiles of {plan.tile} rows" if plan.tile else "")

@@ -5,8 +5,8 @@
  * matmuls and four fused kernels a layer), and driving them from Python cost about as much
  * as everything but the matmuls together (figures: docs/quantization.md). Here the same calls
  * run in the same order on the same data: the matmuls are the plan's own kernels (torch's
- * int4 / int8 through the dispatcher, so torch.profiler sees them, or q4_matmul.c's, in a
- * tercel::q4_matmul scope), the rest the fused C kernels of decode_ops.c, passed in as
+ * int4 / int8 through the dispatcher, so torch.profiler sees them, or q4_matmul.c's and
+ * q8_matmul.c's, in tercel::q4_matmul / tercel::q8_matmul scopes), the rest the fused C kernels of decode_ops.c, passed in as
  * function pointers. The result is bitwise that of the Python loop, which stays for
  * machines without a C++ compiler (tests compare the two).
  *
@@ -42,6 +42,7 @@ typedef void (*RmsNormRows)(const float *x, const int64_t *idx, const float *w, 
                             float *out);
 typedef void (*ScanTopk)(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out, int64_t *top);
 typedef int64_t (*Q4Matmul)(const void *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out);
+typedef int64_t (*Q8Matmul)(const void *w, int64_t bits, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out);
 typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows,
                             int64_t k, int64_t h, int64_t g, float *out, int64_t v);
 
@@ -73,10 +74,11 @@ bf16 *bits_mut(at::Tensor &t) { return static_cast<bf16 *>(t.data_ptr()); }
 
 struct Linear {
     int64_t kind = 0;       /* 4: torch's int4 (packed, group, scale_zero); 16: q4_matmul.c's (packed);
-                               8: int8 per channel (q, scale) */
+                               8: int8 per channel (q, scale); 32: q8_matmul.c's (packed, group = bits) */
     at::Tensor w, s;
     int64_t group = 0, n = 0;   /* n: output features (the int4 packings pad to a multiple of 16) */
     Q4Matmul q4 = nullptr;
+    Q8Matmul q8 = nullptr;
 
     at::Tensor run(const at::Tensor &x) const {      /* x bf16 [M, K] -> bf16 [M, n] */
         Clock clock(MATMUL);
@@ -85,6 +87,13 @@ struct Linear {
             at::Tensor y = at::empty({x.size(0), n}, x.options());
             if (q4(w.data_ptr(), n, x.size(1), bits(x), x.size(0), bits_mut(y)))
                 throw std::runtime_error("q4_matmul failed (K not a multiple of 32, or out of memory)");
+            return y;
+        }
+        if (kind == 32) {
+            RECORD_FUNCTION("tercel::q8_matmul", std::vector<c10::IValue>());
+            at::Tensor y = at::empty({x.size(0), n}, x.options());
+            if (q8(w.data_ptr(), group, n, x.size(1), bits(x), x.size(0), bits_mut(y)))
+                throw std::runtime_error("q8_matmul failed (K not a multiple of 32, or out of memory)");
             return y;
         }
         at::Tensor y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, w, group, s) : at::_weight_int8pack_mm(x, w, s);
@@ -120,6 +129,7 @@ struct Model {
     Attention attention;
     PrefetchKv prefetch_kv;
     Q4Matmul q4_matmul;
+    Q8Matmul q8_matmul;
     std::vector<Layer> layers;
     Head head;      /* head.rescore is null until tercel_model_set_head */
 };
@@ -138,24 +148,26 @@ extern "C" {
 
 /* A Linear's weights, as verifier/cpu_loop.py describes them. */
 typedef struct {
-    int64_t kind, w, s, group, n;   /* w, s: TensorImpl addresses (s 0 for kind 16) */
+    int64_t kind, w, s, group, n;   /* w, s: TensorImpl addresses (s 0 for kinds 16 and 32) */
 } LinearSpec;
 
 }  // extern "C"
 
 static Linear linear(const Model &m, const LinearSpec &spec) {
-    return Linear{spec.kind, tensor_at(spec.w), spec.kind == 16 ? at::Tensor() : tensor_at(spec.s), spec.group,
-                  spec.n, m.q4_matmul};
+    bool packed_only = spec.kind == 16 || spec.kind == 32;
+    return Linear{spec.kind, tensor_at(spec.w), packed_only ? at::Tensor() : tensor_at(spec.s), spec.group,
+                  spec.n, m.q4_matmul, m.q8_matmul};
 }
 
 extern "C" {
 
 void *tercel_model_new(int64_t num_layers, int64_t hidden, int64_t heads, int64_t head_dim, int64_t inter,
                        const void *head_table, void *add_rms_norm, void *silu_mul, void *attention,
-                       void *prefetch_kv, void *q4_matmul) {
+                       void *prefetch_kv, void *q4_matmul, void *q8_matmul) {
     auto *m = new Model{hidden, heads, head_dim, inter, head_table, reinterpret_cast<AddRmsNorm>(add_rms_norm),
                         reinterpret_cast<SiluMul>(silu_mul), reinterpret_cast<Attention>(attention),
-                        reinterpret_cast<PrefetchKv>(prefetch_kv), reinterpret_cast<Q4Matmul>(q4_matmul), {}};
+                        reinterpret_cast<PrefetchKv>(prefetch_kv), reinterpret_cast<Q4Matmul>(q4_matmul),
+                        reinterpret_cast<Q8Matmul>(q8_matmul), {}};
     m->layers.resize(num_layers);
     return m;
 }

@@ -19,8 +19,8 @@
  * so that one 32-bit lane of a vector is one channel and vpdpbusd against four activation
  * bytes broadcast to every lane adds four products into each of 16 channels.
  *
- * Activations: each row of x (bf16 [M, K]) is quantized per 32 values before the tiles run,
- * X = round(x / d) with d = max |x| / 32512, stored as two int8 digits X = 256 hi + lo
+ * Activations (act_quant.h): each row of x (bf16 [M, K]) is quantized per 32 values before the
+ * tiles run, X = round(x / d) with d = max |x| / 32512, stored as two int8 digits X = 256 hi + lo
  * (lo in -128..127). For a channel and a block, with A = 256 (sum of q * hi) + (sum of q * lo)
  * (an exact integer, below 2^24 in magnitude after the - 8 S) and S = sum of X:
  *   y += scale * (float(A - 8 S) * d) + zero * (d * S)          (two fmas, in block order)
@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "act_quant.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4_AVX512 1
 #include <immintrin.h>
@@ -47,58 +47,10 @@
 #endif
 
 #define Q4_TILE 16
-#define Q4_BLOCK 32
+#define Q4_BLOCK ACT_BLOCK
 #define Q4_BLOCK_BYTES 320
 #define Q4_ROWS 8          /* rows multiplied per pass over a tile's weights (registers) */
 #define Q4_AHEAD 8         /* blocks prefetched ahead (see prefetch_block) */
-#define Q4_XMAX 32512.0f   /* the largest |X|: 256 * 127, so that hi fits an int8 */
-
-/* One call's activations, quantized: q int8 [M, K / 32, 64] (per block the 32 hi digits, then
- * the 32 lo ones); per row and block: d, 8 S and d * S. */
-typedef struct {
-    int8_t *q;
-    float *d, *ds;
-    int32_t *s8;
-    int64_t k, nb;
-} Act;
-
-/* Row by row, block by block: plain loops the compiler vectorizes; no reduction depends on
- * the order of its terms (a maximum, an integer sum). X = round(x / d), d = max |x| / 32512,
- * is split into two int8 digits, X = 256 hi + lo with lo in -128..127. */
-static void quantize_rows(const bf16 *x, int64_t m, int64_t k, Act *a) {
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < a->nb; b++) {
-            const bf16 *xb = x + r * k + b * Q4_BLOCK;
-            float v[Q4_BLOCK], amax = 0.0f;
-            for (int i = 0; i < Q4_BLOCK; i++) {
-                v[i] = bf16_to_f32(xb[i]);
-                float u = fabsf(v[i]);
-                amax = u > amax ? u : amax;
-            }
-            float d = amax / Q4_XMAX, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *qb = a->q + (r * a->nb + b) * 2 * Q4_BLOCK;
-            int32_t s = 0;
-            for (int i = 0; i < Q4_BLOCK; i++) {
-                float t = nearbyintf(v[i] * id);
-                int32_t big = (int32_t)(t > Q4_XMAX ? Q4_XMAX : t < -Q4_XMAX ? -Q4_XMAX : t);
-                int32_t hi = (big + 128) >> 8;
-                qb[i] = (int8_t)hi, qb[Q4_BLOCK + i] = (int8_t)(big - 256 * hi);
-                s += big;
-            }
-            int64_t j = r * a->nb + b;
-            a->d[j] = d, a->s8[j] = 8 * s, a->ds[j] = d * (float)s;
-        }
-}
-
-static int act_new(Act *a, const bf16 *x, int64_t m, int64_t k) {
-    a->k = k, a->nb = k / Q4_BLOCK;
-    int64_t n = m * a->nb;
-    char *buf = malloc((size_t)(2 * m * k + 12 * n + 64));
-    if (!buf) return 1;
-    a->d = (float *)buf, a->ds = a->d + n, a->s8 = (int32_t *)(a->ds + n), a->q = (int8_t *)(a->s8 + n);
-    quantize_rows(x, m, k, a);
-    return 0;
-}
 
 /* The block Q4_AHEAD blocks on: the weight stream bounds a one-row call, and the hardware
  * prefetchers alone left it at 0.7-0.8 of the speed with it (4 to 16 blocks ahead measured
@@ -106,10 +58,6 @@ static int act_new(Act *a, const bf16 *x, int64_t m, int64_t k) {
  * same thread takes next under the static schedule. */
 static inline void prefetch_block(const uint8_t *w) {
     for (int l = 0; l < Q4_BLOCK_BYTES; l += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_BLOCK_BYTES + l, 0, 3);
-}
-
-static void store_row(const float *y, int64_t valid, bf16 *out) {
-    for (int64_t i = 0; i < valid; i++) out[i] = f32_to_bf16(y[i]);
 }
 
 /* The scalar reference: channel by channel, the operations every path performs. */
@@ -279,7 +227,7 @@ static int64_t run(TileFn tile, const uint8_t *w, int64_t n, int64_t k, const bf
             for (int64_t i = 0; i < rows; i++) store_row(y + i * Q4_TILE, valid, out + (r0 + i) * n + t * Q4_TILE);
         }
     }
-    free(a.d);
+    act_free(&a);
     return 0;
 }
 

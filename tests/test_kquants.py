@@ -1,0 +1,194 @@
+"""GGUF files that mix block formats, as llama.cpp's K-quant files do (Q4_K_M: Q4_K beside Q6_K, Q5_0
+and Q8_0), served with `quantization="gguf"`: each tensor on the kernel for its own blocks (int4 for
+Q4_x, q8x16 for Q5_0 / Q6_K / Q8_0), the weights as stored, rows bitwise independent of their batch,
+and T=0 speculation equal to plain decoding. The Q6_K blocks are written here by the format's
+definition (gguf-py has no Q6_K quantizer) and checked against gguf-py's dequantizer."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
+from verifier import cpu_ops
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.target import TargetModel
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
+                                reason="the integer kernels are built for AVX2 or AVX-512 VNNI")
+BLOCK = 16
+# Q4_K_M's choices, per GGUF tensor (Q4_1 stands for Q4_K: gguf-py cannot write Q4_K).
+KINDS = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q4_1", "ffn_down": "Q6_K"}
+
+
+def q6_k_bytes(w: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K a multiple of 256) -> Q6_K blocks [N, K / 256 * 210]: per 16 weights an int8
+    scale of d (fp16, per 256), q in 0..63 with w ~ d * sc * (q - 32)."""
+    n, k = w.shape
+    g = w.reshape(n, k // 256, 16, 16)
+    group = np.abs(g).max(-1) / 31                                   # [N, nsb, 16]
+    d = (group.max(-1) / 127).astype(np.float16)
+    d32 = np.where(d > 0, d.astype(np.float32), 1)
+    sc = np.clip(np.round(group / d32[..., None]), -128, 127).astype(np.int8)
+    step = d32[..., None] * np.where(sc != 0, sc, 1)
+    q = (np.clip(np.round(g / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
+    ql = np.concatenate([q[:, :, :, 0] | (q[:, :, :, 2] << 4), q[:, :, :, 1] | (q[:, :, :, 3] << 4)], -1)
+    qh = sum((q[:, :, :, j] >> 4) << (2 * j) for j in range(4)).astype(np.uint8)
+    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8),
+                             d[..., None].view(np.uint8).reshape(n, -1, 2)], -1)
+    return blocks.reshape(n, -1)
+
+
+def test_q5_0_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from verifier.gguf_quant import read_block_tensor
+    w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
+    for kind, data in (("Q5_0", quantize(w, gguf.GGMLQuantizationType.Q5_0)), ("Q6_K", q6_k_bytes(w))):
+        want = dequantize(data, getattr(gguf.GGMLQuantizationType, kind))
+        assert np.abs(want - w).max() < 0.1 * np.abs(w).max()           # the encoder above is Q6_K's
+        assert np.array_equal(read_block_tensor(kind, data, 8, 512).dequantize().numpy(), want), kind
+
+
+def _write(path, tensors: dict):
+    import gguf
+    from gguf.quants import quantize
+
+    from verifier.gguf_convert import _LAYER_NAMES, _TOP_NAMES
+    layer = {hf: g for g, hf in _LAYER_NAMES.items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    fields = {"block_count": 2, "context_length": 1024, "embedding_length": 256, "feed_forward_length": 256,
+              "attention.head_count": 4, "attention.head_count_kv": 2}
+    for key, value in fields.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_token_list([f"t{i}" for i in range(256)])
+    for name, t in tensors.items():
+        base, suffix = name.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            idx, part = base[len("model.layers."):].split(".", 1)
+            g = f"blk.{idx}.{layer[part]}"
+        else:
+            g = next(k for k, v in _TOP_NAMES.items() if v == base)
+        arr, kind = t.numpy().astype(np.float32), KINDS.get(g.split(".")[-1])
+        if kind is None or arr.ndim != 2:
+            w.add_tensor(f"{g}.{suffix}", arr)
+            continue
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        data = q6_k_bytes(arr) if kind == "Q6_K" else quantize(arr, qtype)
+        w.add_tensor(f"{g}.{suffix}", data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """The GGUF converted as the loader converts one (its token list is no tokenizer: ids only)."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from verifier.gguf_convert import gguf_config, gguf_tensors
+    from verifier.gguf_quant import INDEX_FILE, block_index
+    root = tmp_path_factory.mktemp("kquants")
+    hf = make_tiny_model(root / "hf", None, hidden_size=256, intermediate_size=256)
+    path = root / "tiny-mixed.gguf"
+    _write(path, load_file(str(hf / "model.safetensors")))
+    reader = gguf.GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    model = root / "converted"
+    model.mkdir()
+    save_file(gguf_tensors(reader, cfg), str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
+    return model
+
+
+def _logits(target, ids, beside=None):
+    target.allocate_kv(8, BLOCK)
+    seqs = [SeqInput(ids, 0, [0, 1], logits_indices=list(range(len(ids))))]
+    if beside:
+        seqs.append(SeqInput(beside, 0, [2, 3], logits_indices=[len(beside) - 1]))
+    return target.forward(ForwardBatch(seqs)).logits[:len(ids)]
+
+
+def test_each_tensor_runs_on_the_kernel_for_its_own_blocks(mixed_gguf):
+    target = TargetModel(str(mixed_gguf), quantization="auto", load_tokenizer_files=False)
+    assert target.quantization == "gguf"
+    layer = target.net.model.layers[0]
+    qkv, down, gate_up = layer.self_attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj
+    assert (qkv.own, qkv.bits) == ("q8x16", 8)          # Q5_0 q and k beside a Q8_0 v: 8 bits
+    assert (down.own, down.bits) == ("q8x16", 6)        # Q6_K
+    assert layer.self_attn.o_proj.bits == 5             # Q5_0
+    assert gate_up.own in ("int4", "q4x16")             # Q4_1 on the int4 kernels
+    # the served weights are the file's: x = I gives them back, up to the bf16 rounding of the scales
+    dense = TargetModel(str(mixed_gguf), quantization="none", load_tokenizer_files=False)
+    file_w = dense.net.model.layers[0].mlp.down_proj.weight
+    served = down.run(down.own, torch.eye(down.in_features)).float().t()
+    assert (served - file_w).abs().max() <= 0.01 * file_w.abs().max()
+
+
+def test_logits_stay_close_to_the_files_own_weights_and_rows_do_not_depend_on_neighbours(mixed_gguf):
+    ids = list(range(10, 40))
+    want = _logits(TargetModel(str(mixed_gguf), quantization="none", load_tokenizer_files=False), ids)
+    target = TargetModel(str(mixed_gguf), quantization="gguf", load_tokenizer_files=False)
+    got = _logits(target, ids)
+    assert (got - want).norm() / want.norm() < 0.05     # bf16 activations and KV, as the int8 path
+    target.allocate_kv(8, BLOCK)
+    target.forward(ForwardBatch([SeqInput(ids, 0, [0, 1], logits_indices=[])]))
+    target.forward(ForwardBatch([SeqInput(ids[:9], 0, [2, 3], logits_indices=[])]))
+    alone = target.forward(ForwardBatch([SeqInput([7], len(ids), [0, 1])])).logits[0]
+    batched = target.forward(ForwardBatch([SeqInput([9, 4, 2], 9, [2, 3]), SeqInput([7], len(ids), [0, 1])]))
+    assert torch.equal(batched.logits[-1], alone)
+
+
+def test_greedy_speculation_gives_plain_decoding_tokens(mixed_gguf):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(n)] * 2 for n in (5, 9, 13)]       # repeats to draft from
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(max_model_len=256, num_kv_blocks=64, quantization="gguf")
+    plain = [o.token_ids for o in LLM(str(mixed_gguf), **kw).generate(prompts, greedy)]
+    llm = LLM(str(mixed_gguf), drafter="suffix", adaptive=AdaptiveConfig(enabled=False), **kw)
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.stats.verify_steps for o in outs) > 0
+
+
+def test_one_fused_projection_in_two_formats_takes_the_finer_one():
+    from verifier.quant import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+    from verifier.quantize import _one_form
+    w = torch.randn(32, 64) * 0.1
+    q4, q8_32, q8_16 = quantize_int4(w, 32), quantize_int8(w, 32), quantize_int8(w, 16)
+    parts = _one_form([q4, q8_32, q8_16])
+    assert all(isinstance(p, Int8Weight) and p.group == 16 for p in parts)
+    assert torch.equal(parts[1].dequantize(), q8_32.dequantize())       # regrouping is exact
+    assert (parts[0].dequantize() - q4.dequantize()).abs().max() <= q4.dequantize().abs().max() / 200
+    assert _one_form([q4, q4]) == [q4, q4] and isinstance(_one_form([q4])[0], Int4Weight)
+
+
+def test_the_native_loop_is_bitwise_the_python_loop(mixed_gguf):
+    """The q8x16 kernel called from the C++ loop (kind 32) gives what the Python loop's call gives:
+    a decode row and a 20-token prompt in one forward, the logits and the KV written."""
+    from test_cpu_loop import _assert_same
+    target = TargetModel(str(mixed_gguf), quantization="gguf", load_tokenizer_files=False)
+    target.allocate_kv(16, BLOCK)
+    target.forward(ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3])]))
+    native, results = target._cpu_native, []
+    assert native is not None, "the native loop did not build on this machine"
+    for loop in (native, None):
+        target._cpu_native = loop
+        out = target.forward(ForwardBatch([SeqInput([7], 40, [0, 1, 2, 3]), SeqInput(list(range(200, 220)), 0, [8, 9])],
+                                          capture_layers=(1,)))
+        results.append((out.logits.clone(), {k: v.clone() for k, v in out.hidden.items()},
+                        target.kv.k.clone(), target.kv.v.clone()))
+    target._cpu_native = native
+    _assert_same(results)

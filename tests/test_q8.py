@@ -1,0 +1,140 @@
+"""Tercel's kernel for 5-, 6- and 8-bit weight blocks (csrc/q8_matmul.c, path "q8x16"): the vector
+code is bitwise its scalar reference (this machine's build and the AVX2 one), a row's output does
+not depend on the other rows of the call, and the result is x @ W.T on the weights as served."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from verifier import cpu_ops
+from verifier.qlinear import QuantLinear, pack_q8, q8_bits, q8_offered, served_weights
+from verifier.quant import Int8Weight, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
+                                reason="q8x16 is built for AVX2 or AVX-512 VNNI")
+
+FORMATS = [(5, 32), (6, 16), (8, 32)]       # Q5_0, Q6_K, Q8_0: bits and scale group
+
+
+def _weights(n: int, k: int, bits: int, group: int, seed: int = 0) -> Int8Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), generator=g, dtype=torch.int8)
+    q[0, :2] = torch.tensor([-(1 << (bits - 1)), (1 << (bits - 1)) - 1])      # both ends of the range
+    return served_weights(Int8Weight(q, torch.rand(n, k // group, generator=g) * 0.01))
+
+
+def _activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    """bf16 rows of mixed scale, with an all-zero block and an outlier (as after a norm)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]
+    x[0, :32] = 0
+    x[-1, 5] = 40.0
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 576), (200, 1536)])
+def test_vector_path_is_bitwise_the_scalar_reference(bits, group, n, k):
+    w = _weights(n, k, bits, group)
+    assert q8_bits(w) == bits
+    packed, x = pack_q8(w), _activations(17, k)        # two full passes of 8 rows and one of 1
+    assert torch.equal(cpu_ops.q8_matmul(packed, bits, n, x), cpu_ops.q8_matmul(packed, bits, n, x, reference=True))
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+def test_a_row_is_the_same_alone_and_among_others(bits, group):
+    w = _weights(96, 576, bits, group)
+    packed, x = pack_q8(w), _activations(17, 576)
+    full = cpu_ops.q8_matmul(packed, bits, 96, x)
+    for i in range(17):
+        assert torch.equal(cpu_ops.q8_matmul(packed, bits, 96, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
+    for m in (2, 5, 8, 9, 16):
+        assert torch.equal(cpu_ops.q8_matmul(packed, bits, 96, x[17 - m:].contiguous()), full[17 - m:]), f"{m} rows"
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+def test_result_is_the_served_weights_product(bits, group):
+    """Against x @ W.T in float64 on the dequantized weights: within bf16 output rounding. A
+    layout the kernel reads differently from `pack_q8` (a plane, a half's scale or a channel
+    swapped) is far off."""
+    n, k = 200, 576
+    w = _weights(n, k, bits, group)
+    x = _activations(6, k)
+    want = x.double() @ w.dequantize().double().t()
+    got = cpu_ops.q8_matmul(pack_q8(w), bits, n, x).double()
+    assert got.shape == (6, n)
+    rel = (got - want).abs() / want.abs().clamp_min(1e-3 * want.abs().max())
+    assert rel.median() < 2 ** -9 and rel.max() < 0.05
+    assert ((got - want).norm() / want.norm()) < 3e-3
+
+
+def test_padded_channels_and_bad_arguments():
+    w = _weights(40, 64, 6, 16)
+    packed = pack_q8(w)
+    assert packed.shape == (3, 2, 256 + 2 * 64 + 64)        # 40 channels -> 3 tiles of 16
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_ops.q8_matmul(packed, 6, 40, torch.zeros(1, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="5, 6 or 8 bits"):
+        cpu_ops.q8_matmul(packed, 7, 40, torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
+def test_quant_linear_serves_blocks_on_q8x16_and_channels_on_torch_int8():
+    blocks = quantize_int8(torch.randn(64, 128) * 0.1, 32)
+    assert q8_offered(blocks)
+    lin = QuantLinear(blocks, None, None)
+    assert lin.own_paths() == ("q8x16",) and lin.own == "q8x16" and lin.bits == 8
+    x = torch.randn(3, 128)
+    assert torch.equal(lin.run_own(x.to(torch.bfloat16)), lin.run("q8x16", x))
+    channels = QuantLinear(quantize_int8(torch.randn(64, 128) * 0.1), None, None)
+    assert channels.own_paths() == ("int8",)
+
+
+def _avx2_q8_matmul():
+    """q8_matmul from the same source built without AVX-512 (the AVX2 path)."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    path = cpu_ops.compile_library([cpu_ops.Q8_MATMUL, cpu_ops.Q4_MATMUL], [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"],
+                                   ("CC", "cc", "gcc"), salt="avx2", headers=cpu_ops.HEADERS)
+    lib = ctypes.CDLL(str(path))
+    lib.q4_isa.restype = lib.q8_matmul.restype = ctypes.c_int64
+    lib.q8_matmul.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    assert lib.q4_isa() == 256
+
+    def run(packed: torch.Tensor, bits: int, n: int, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        assert lib.q8_matmul(packed.data_ptr(), bits, n, x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr()) == 0
+        return out
+    return run
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+def test_the_avx2_build_gives_the_same_bits(bits, group):
+    run = _avx2_q8_matmul()
+    w = _weights(72, 1536, bits, group)
+    x = _activations(11, 1536)
+    assert torch.equal(run(pack_q8(w), bits, 72, x), cpu_ops.q8_matmul(pack_q8(w), bits, 72, x))
+
+
+@pytest.mark.parametrize("bits,group", FORMATS)
+def test_the_avx2_sums_hold_at_the_extremes(bits, group):
+    """The AVX2 path adds vpmaddubsw results in 16 bits before widening (pairs of them for 5 and 6
+    bits, four of each nibble for 8): with every weight at the top or bottom of its range and the
+    activation digits at their extremes (hi = +-127, lo = -128) the sums come closest to
+    overflowing, and must still equal the scalar reference's."""
+    run = _avx2_q8_matmul()
+    n, k = 32, 64
+    q = torch.full((n, k), (1 << (bits - 1)) - 1, dtype=torch.int8)
+    q[16:] = -(1 << (bits - 1))
+    scale = torch.full((n, k // group), 0.01)
+    w = served_weights(Int8Weight(q, scale))
+    x = torch.empty(4, k)
+    x[0] = 1.0                                       # X = 32512 everywhere: hi digits 127
+    x[1] = -1.0                                      # hi digits -127
+    x[2] = -128 / 32512                              # lo digits -128 under one maximum
+    x[2, ::32] = 1.0
+    x[3] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # alternating signs
+    x = x.to(torch.bfloat16)
+    packed = pack_q8(w)
+    assert torch.equal(run(packed, bits, n, x), cpu_ops.q8_matmul(packed, bits, n, x, reference=True))

@@ -1,0 +1,72 @@
+/* Activations quantized to integers for the integer matmuls (q4_matmul.c, q8_matmul.c): each row
+ * of x (bf16 [M, K]) per 32 values, X = round(x / d) with d = max |x| / 32512, held as two int8
+ * digits X = 256 hi + lo (lo in -128..127, hi in -127..127). verifier/cpu_ops.py keys the
+ * compiled library on this file too. */
+#ifndef TERCEL_ACT_QUANT_H
+#define TERCEL_ACT_QUANT_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define ACT_BLOCK 32
+#define ACT_XMAX 32512.0f   /* the largest |X|: 256 * 127, so that hi fits an int8 */
+
+/* One call's activations: q int8 [M, K / 32, 64] (per block the 32 hi digits, then the 32 lo
+ * ones); per row and block: d, 8 S and d * S (S = sum of X), and S over each half (16 values). */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int32_t *s8, *sh;
+    int64_t k, nb;
+} Act;
+
+/* Row by row, block by block: plain loops the compiler vectorizes; no reduction depends on
+ * the order of its terms (a maximum, an integer sum). */
+static void act_quantize_rows(const bf16 *x, int64_t m, int64_t k, Act *a) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < a->nb; b++) {
+            const bf16 *xb = x + r * k + b * ACT_BLOCK;
+            float v[ACT_BLOCK], amax = 0.0f;
+            for (int i = 0; i < ACT_BLOCK; i++) {
+                v[i] = bf16_to_f32(xb[i]);
+                float u = fabsf(v[i]);
+                amax = u > amax ? u : amax;
+            }
+            float d = amax / ACT_XMAX, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *qb = a->q + (r * a->nb + b) * 2 * ACT_BLOCK;
+            int32_t s[2] = {0, 0};
+            for (int i = 0; i < ACT_BLOCK; i++) {
+                float t = nearbyintf(v[i] * id);
+                int32_t big = (int32_t)(t > ACT_XMAX ? ACT_XMAX : t < -ACT_XMAX ? -ACT_XMAX : t);
+                int32_t hi = (big + 128) >> 8;
+                qb[i] = (int8_t)hi, qb[ACT_BLOCK + i] = (int8_t)(big - 256 * hi);
+                s[i >= ACT_BLOCK / 2] += big;
+            }
+            int64_t j = r * a->nb + b;
+            a->d[j] = d, a->s8[j] = 8 * (s[0] + s[1]), a->ds[j] = d * (float)(s[0] + s[1]);
+            a->sh[2 * j] = s[0], a->sh[2 * j + 1] = s[1];
+        }
+}
+
+/* 0, or 1 when out of memory; act_free releases it. */
+static int act_new(Act *a, const bf16 *x, int64_t m, int64_t k) {
+    a->k = k, a->nb = k / ACT_BLOCK;
+    int64_t n = m * a->nb;
+    char *buf = malloc((size_t)(2 * m * k + 20 * n + 64));
+    if (!buf) return 1;
+    a->d = (float *)buf, a->ds = a->d + n, a->s8 = (int32_t *)(a->ds + n), a->sh = a->s8 + n;
+    a->q = (int8_t *)(a->sh + 2 * n);
+    act_quantize_rows(x, m, k, a);
+    return 0;
+}
+
+static void act_free(Act *a) { free(a->d); }
+
+static inline void store_row(const float *y, int64_t valid, bf16 *out) {
+    for (int64_t i = 0; i < valid; i++) out[i] = f32_to_bf16(y[i]);
+}
+
+#endif

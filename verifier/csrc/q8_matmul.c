@@ -1,0 +1,280 @@
+/* Tercel's matmul for GGUF's 5-, 6- and 8-bit blocks (Q5_0, Q6_K, Q8_0) as they are stored:
+ * the int4 kernel's scheme (q4_matmul.c) with wider weights, for the sampled rows.
+ *
+ * Why: a Q4_K_M file mixes Q4_K with Q6_K (and Q5_0 / Q8_0 where a row is not a multiple of
+ * 256); requantizing those to 4 bits, or to int8 per channel, loses the file's accuracy, and
+ * dequantizing them to fp32 makes the model several times slower than its int4 neighbours.
+ *
+ * Weights, packed at load by verifier/qlinear.py:pack_q8 (w = q * scale per 16 weights of a
+ * row, q in -2^(bits-1) .. 2^(bits-1) - 1, bits 5, 6 or 8), held as u = q + 2^(bits-1):
+ * tiles of Q8_TILE = 16 output channels, a tile's K / 32 blocks in order, each
+ * 256 + 64 (bits - 4) + 64 bytes:
+ *   bytes 0..255     u's low four bits, as q4_matmul.c's nibbles: byte 64 g + 4 c + e holds
+ *                    channel c's weight 4 g + e (low nibble) and 16 + 4 g + e (high nibble)
+ *   then per bit p of u's bits 4 .. bits-1, 64 bytes: bit v of byte 4 c + e is bit p of the
+ *                    weight the nibble vector v holds in that byte (v = g for low nibbles,
+ *                    4 + g for high ones)
+ *   then 64 bytes    the 16 channels' scales for weights 0..15, then for 16..31, bf16
+ * Per channel, block and half h, with A = 256 (sum of u * hi) + (sum of u * lo) over the half
+ * (an exact integer) and S its activations' sum (act_quant.h):
+ *   y += scale_h * (float(A - 2^(bits-1) S) * d)          (one fma per half, half 0 first)
+ *
+ * Exactness: as q4_matmul.c. Every output is computed by one thread, over the blocks in order,
+ * with the same integer sums and the same float operations in the scalar reference, the AVX2
+ * and the AVX-512 paths, so a row's output is bitwise the same alone or among others
+ * (tests/test_q8.py).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "act_quant.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define Q8_TILE 16
+#define Q8_ROWS 8          /* rows multiplied per pass over a tile's weights (registers) */
+#define Q8_AHEAD 8         /* blocks prefetched ahead, as q4_matmul.c */
+#define Q8_BLOCK_BYTES(planes) (256 + 64 * (planes) + 64)
+
+typedef struct {
+    int64_t planes, bytes;      /* bits - 4, bytes per block */
+    int32_t off;                /* 2^(bits-1) */
+} Weights;
+
+static inline void prefetch_q8(const Weights *wt, const uint8_t *w) {
+    for (int64_t l = 0; l < wt->bytes; l += 64) __builtin_prefetch(w + Q8_AHEAD * wt->bytes + l, 0, 3);
+}
+
+/* u of channel c, weight i (0..31) of the block at w. */
+static inline int32_t weight_u(const uint8_t *w, int64_t planes, int c, int i) {
+    int h = i >= 16, g = (i % 16) / 4, e = i % 4, v = 4 * h + g, byte = 4 * c + e;
+    int32_t u = (w[64 * g + byte] >> (4 * h)) & 15;
+    for (int p = 0; p < planes; p++) u |= ((w[256 + 64 * p + byte] >> v) & 1) << (4 + p);
+    return u;
+}
+
+/* The scalar reference: channel by channel, the operations every path performs. */
+static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t rows, const uint8_t *w, float *y) {
+    for (int64_t i = 0; i < rows * Q8_TILE; i++) y[i] = 0.0f;
+    for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
+        const bf16 *sc = (const bf16 *)(w + 256 + 64 * wt->planes);
+        for (int64_t i = 0; i < rows; i++) {
+            int64_t j = (r0 + i) * a->nb + b;
+            const int8_t *xq = a->q + j * 2 * ACT_BLOCK;
+            for (int c = 0; c < Q8_TILE; c++) {
+                float *yc = y + i * Q8_TILE + c;
+                for (int h = 0; h < 2; h++) {
+                    int32_t hi = 0, lo = 0;
+                    for (int l = 16 * h; l < 16 * h + 16; l++) {
+                        int32_t u = weight_u(w, wt->planes, c, l);
+                        hi += u * xq[l], lo += u * xq[ACT_BLOCK + l];
+                    }
+                    float f = (float)(hi * 256 + lo - wt->off * a->sh[2 * j + h]) * a->d[j];
+                    *yc = fmaf(bf16_to_f32(sc[Q8_TILE * h + c]), f, *yc);
+                }
+            }
+        }
+    }
+}
+
+#if Q8_AVX512
+static inline __m512 q8_bf16x16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+}
+
+static inline __m512i q8_dot(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* Bit `to` of every byte of u[v] |= bit v of the same byte of `plane` (shifts in 16-bit lanes:
+ * the bit kept never crosses into the neighbouring byte). */
+static inline __m512i plane_bits(__m512i plane, int v, int to) {
+    __m512i t = to >= v ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(to - v))
+                        : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(v - to));
+    return _mm512_and_si512(t, _mm512_set1_epi8((char)(1 << to)));
+}
+
+static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, const Act *a, int64_t r0,
+                                                            const int rows, const uint8_t *w, float *y) {
+    __m512 acc[Q8_ROWS];
+    for (int i = 0; i < Q8_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i off = _mm512_set1_epi32(wt->off);
+    for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
+        __m512i u[8];
+        prefetch_q8(wt, w);
+        for (int g = 0; g < 4; g++) {
+            __m512i p = _mm512_loadu_si512(w + 64 * g);
+            u[g] = _mm512_and_si512(p, low);
+            u[4 + g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        }
+        for (int p = 0; p < wt->planes; p++) {
+            __m512i plane = _mm512_loadu_si512(w + 256 + 64 * p);
+            for (int v = 0; v < 8; v++) u[v] = _mm512_or_si512(u[v], plane_bits(plane, v, 4 + p));
+        }
+        const uint8_t *sw = w + 256 + 64 * wt->planes;
+        __m512 sc0 = q8_bf16x16(sw), sc1 = q8_bf16x16(sw + 32);
+        #pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) {
+            int64_t j = (r0 + i) * a->nb + b;
+            const int8_t *xq = a->q + j * 2 * ACT_BLOCK;
+            __m512i s0 = _mm512_setzero_si512(), s1 = s0, t0 = s0, t1 = s0;
+            for (int g = 0; g < 4; g++) {
+                s0 = q8_dot(s0, u[g], xq + 4 * g);
+                s1 = q8_dot(s1, u[4 + g], xq + 16 + 4 * g);
+                t0 = q8_dot(t0, u[g], xq + ACT_BLOCK + 4 * g);
+                t1 = q8_dot(t1, u[4 + g], xq + ACT_BLOCK + 16 + 4 * g);
+            }
+            __m512 d = _mm512_set1_ps(a->d[j]);
+            s0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s0, 8), t0),
+                                  _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j])));
+            s1 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s1, 8), t1),
+                                  _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j + 1])));
+            acc[i] = _mm512_fmadd_ps(sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(s0), d), acc[i]);
+            acc[i] = _mm512_fmadd_ps(sc1, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), d), acc[i]);
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) _mm512_storeu_ps(y + i * Q8_TILE, acc[i]);
+}
+
+static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t rows, const uint8_t *w, float *y) {
+    switch (rows) {          /* one copy per row count, so each keeps its accumulators in registers */
+    case 1: q8_tile_n(wt, a, r0, 1, w, y); break;
+    case 2: q8_tile_n(wt, a, r0, 2, w, y); break;
+    case 3: q8_tile_n(wt, a, r0, 3, w, y); break;
+    case 4: q8_tile_n(wt, a, r0, 4, w, y); break;
+    case 5: q8_tile_n(wt, a, r0, 5, w, y); break;
+    case 6: q8_tile_n(wt, a, r0, 6, w, y); break;
+    case 7: q8_tile_n(wt, a, r0, 7, w, y); break;
+    default: q8_tile_n(wt, a, r0, 8, w, y); break;
+    }
+}
+
+#elif Q8_AVX2
+static inline __m256 q8_bf16x8(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+}
+
+static inline __m256i q8_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static inline __m256i plane_bits(__m256i plane, int v, int to) {
+    __m256i t = to >= v ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(to - v))
+                        : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(v - to));
+    return _mm256_and_si256(t, _mm256_set1_epi8((char)(1 << to)));
+}
+
+/* Sum of u * x over one half (4 vectors of u, x the half's 16 digits) into 32-bit lanes.
+ * vpmaddubsw saturates at 16 bits: a pair of products of u < 64 stays below 2 * 63 * 128 =
+ * 16128, so two pairs add up exactly in 16 bits before vpmaddwd widens them. */
+static inline __m256i half_dot(const __m256i u[4], const int8_t *x) {
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], q8_bcast4(x)), _mm256_maddubs_epi16(u[1], q8_bcast4(x + 4)));
+    __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], q8_bcast4(x + 8)), _mm256_maddubs_epi16(u[3], q8_bcast4(x + 12)));
+    return _mm256_add_epi32(_mm256_madd_epi16(p, one), _mm256_madd_epi16(q, one));
+}
+
+/* The same for 4-bit parts (u < 16): four pairs add up exactly in 16 bits (4 * 3840). */
+static inline __m256i half_dot4(const __m256i u[4], const int8_t *x) {
+    __m256i s = _mm256_maddubs_epi16(u[0], q8_bcast4(x));
+    for (int g = 1; g < 4; g++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[g], q8_bcast4(x + 4 * g)));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+/* Sum of u * x over a half: u whole where it is below 64 (5 and 6 bits), else as its low and
+ * high nibbles (8 bits), whose pairs would overflow 16 bits whole. */
+static inline __m256i half_sum(const __m256i nib[4], const __m256i top[4], int split, const int8_t *x) {
+    if (!split) return half_dot(nib, x);
+    return _mm256_add_epi32(half_dot4(nib, x), _mm256_slli_epi32(half_dot4(top, x), 4));
+}
+
+static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t rows, const uint8_t *w, float *y) {
+    __m256 acc[Q8_ROWS][2];
+    for (int i = 0; i < Q8_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int split = wt->planes > 2, base = split ? 0 : 4;
+    for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
+        prefetch_q8(wt, w);
+        const uint8_t *sw = w + 256 + 64 * wt->planes;
+        for (int c = 0; c < 2; c++) {            /* channels 8 c .. 8 c + 7 */
+            __m256i nib[8], top[8];
+            for (int g = 0; g < 4; g++) {
+                __m256i p = _mm256_loadu_si256((const void *)(w + 64 * g + 32 * c));
+                nib[g] = _mm256_and_si256(p, low);
+                nib[4 + g] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+                top[g] = top[4 + g] = _mm256_setzero_si256();
+            }
+            __m256i *dst = split ? top : nib;
+            for (int p = 0; p < wt->planes; p++) {
+                __m256i plane = _mm256_loadu_si256((const void *)(w + 256 + 64 * p + 32 * c));
+                for (int v = 0; v < 8; v++) dst[v] = _mm256_or_si256(dst[v], plane_bits(plane, v, base + p));
+            }
+            __m256 sc0 = q8_bf16x8(sw + 16 * c), sc1 = q8_bf16x8(sw + 32 + 16 * c);
+            for (int i = 0; i < Q8_ROWS; i++) {
+                if (i == rows) break;
+                int64_t j = (r0 + i) * a->nb + b;
+                const int8_t *xq = a->q + j * 2 * ACT_BLOCK;
+                __m256i s0 = half_sum(nib, top, split, xq), s1 = half_sum(nib + 4, top + 4, split, xq + 16);
+                __m256i t0 = half_sum(nib, top, split, xq + ACT_BLOCK);
+                __m256i t1 = half_sum(nib + 4, top + 4, split, xq + ACT_BLOCK + 16);
+                __m256 d = _mm256_set1_ps(a->d[j]);
+                s0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s0, 8), t0),
+                                      _mm256_set1_epi32(wt->off * a->sh[2 * j]));
+                s1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s1, 8), t1),
+                                      _mm256_set1_epi32(wt->off * a->sh[2 * j + 1]));
+                acc[i][c] = _mm256_fmadd_ps(sc0, _mm256_mul_ps(_mm256_cvtepi32_ps(s0), d), acc[i][c]);
+                acc[i][c] = _mm256_fmadd_ps(sc1, _mm256_mul_ps(_mm256_cvtepi32_ps(s1), d), acc[i][c]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        _mm256_storeu_ps(y + i * Q8_TILE, acc[i][0]);
+        _mm256_storeu_ps(y + i * Q8_TILE + 8, acc[i][1]);
+    }
+}
+#else
+#define q8_tile_fast q8_tile_ref
+#endif
+
+typedef void (*Q8TileFn)(const Weights *, const Act *, int64_t, int64_t, const uint8_t *, float *);
+
+static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t n, int64_t k, const bf16 *x,
+                      int64_t m, bf16 *out) {
+    Act a;
+    if (k % ACT_BLOCK || (bits != 5 && bits != 6 && bits != 8) || act_new(&a, x, m, k)) return 1;
+    Weights wt = {bits - 4, Q8_BLOCK_BYTES(bits - 4), 1 << (bits - 1)};
+    int64_t tiles = (n + Q8_TILE - 1) / Q8_TILE, bytes = a.nb * wt.bytes;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        float y[Q8_ROWS * Q8_TILE];
+        int64_t valid = n - t * Q8_TILE < Q8_TILE ? n - t * Q8_TILE : Q8_TILE;
+        for (int64_t r0 = 0; r0 < m; r0 += Q8_ROWS) {
+            int64_t rows = m - r0 < Q8_ROWS ? m - r0 : Q8_ROWS;
+            tile(&wt, &a, r0, rows, w + t * bytes, y);
+            for (int64_t i = 0; i < rows; i++) store_row(y + i * Q8_TILE, valid, out + (r0 + i) * n + t * Q8_TILE);
+        }
+    }
+    act_free(&a);
+    return 0;
+}
+
+/* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above with `bits` 5, 6 or 8
+ * (ceil(N / 16) tiles, K a multiple of 32). Returns 0, or 1 (a bad K or bits, or no memory). */
+int64_t q8_matmul(const uint8_t *w, int64_t bits, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
+    return q8_run(q8_tile_fast, w, bits, n, k, x, m, out);
+}
+
+/* The same through the scalar reference (tests compare the two bit for bit). */
+int64_t q8_matmul_ref(const uint8_t *w, int64_t bits, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
+    return q8_run(q8_tile_ref, w, bits, n, k, x, m, out);
+}
