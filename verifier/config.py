@@ -3,14 +3,15 @@
 One frozen dataclass covers the Llama family Tercel serves (Llama, Mistral, Qwen2, Qwen3,
 Phi-3): RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied
 LM head, optional q/k/v bias (Qwen2), per-head RMSNorm of q and k before RoPE (Qwen3); Phi-3
-checkpoints store the fused qkv_proj and gate_up_proj this package's modules use.
+checkpoints store the fused qkv_proj and gate_up_proj this package's modules use. Mixtral and
+Qwen3-MoE replace the MLP with top-k routed SwiGLU experts (`MoeConfig`, `verifier/moe.py`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ModelConfig:
     sliding_window: int | None = None   # every layer's window; max_position is capped to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: "MoeConfig | None" = None      # Mixtral, Qwen3-MoE: routed experts in place of the MLP
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -106,10 +108,11 @@ class ModelConfig:
             rope=rope_from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            moe=moe_from_hf(model_type, d),
         )
 
 
@@ -118,7 +121,7 @@ def sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
     Tercel has no windowed attention, so such a model is served up to that many positions,
     where the window holds every earlier token and equals full attention. Qwen2/3 window the
     layers `use_sliding_window` names: refused."""
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if d.get("use_sliding_window") and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"]):
             raise ValueError(f"{model_type}: sliding-window attention layers are not supported "
                              "(use_sliding_window is true in config.json)")
@@ -147,3 +150,45 @@ def rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         beta_slow=float(merged.get("beta_slow", 1.0)),
         attention_factor=None if attn_factor is None else float(attn_factor),
     )
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Sparse layers: a router picks `top_k` of `num_experts` SwiGLU experts per token."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int              # each expert's width (Qwen3-MoE's moe_intermediate_size)
+    norm_topk_prob: bool = True         # the top-k probabilities rescaled to sum to 1 (Mixtral always)
+    # Qwen3-MoE rounds the routing weights to the router logits' dtype before scaling; Mixtral keeps fp32
+    weights_in_logits_dtype: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers with a plain MLP of the model's intermediate_size
+
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must lie in 1..{self.num_experts} (the experts)")
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+def moe_from_hf(model_type: str, d: dict[str, Any]) -> MoeConfig | None:
+    """The experts of a Mixtral or Qwen3-MoE config.json (None for the dense families); shared
+    experts (Qwen2-MoE, DeepSeek) are refused by name."""
+    if d.get("shared_expert_intermediate_size") or d.get("n_shared_experts"):
+        raise ValueError(f"{model_type}: shared experts (shared_expert_intermediate_size, n_shared_experts) "
+                         "are not supported")
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return None
+    # HF's defaults where a key is missing: Mixtral 8 experts, top-2; Qwen3-MoE 128, top-8
+    default = (8, 2) if model_type == "mixtral" else (128, 8)
+    experts = int(d.get("num_local_experts", d.get("num_experts", default[0])))
+    top_k = int(d.get("num_experts_per_tok", default[1]))
+    if model_type == "mixtral":
+        return MoeConfig(experts, top_k, int(d["intermediate_size"]))
+    if experts == 0:                # every layer dense: a Qwen3
+        return None
+    step = int(d.get("decoder_sparse_step", 1))    # as HF: layer i is sparse when (i + 1) % step == 0
+    only = set(d.get("mlp_only_layers") or [])
+    dense = tuple(i for i in range(int(d["num_hidden_layers"])) if i in only or (i + 1) % step)
+    return MoeConfig(experts, top_k, int(d.get("moe_intermediate_size", d["intermediate_size"])),
+                     bool(d.get("norm_topk_prob", False)), True, dense)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Mixtral and Qwen3-MoE with the
+experts of `verifier/moe.py` in place of the MLP) over the paged KV cache.
 
 Module names follow the HF checkpoint names so the loader is a short mapping; the only
 difference is the fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` =
@@ -25,6 +26,7 @@ from verifier.attention.base import AttentionBackend
 from verifier.config import ModelConfig
 from verifier.kv_cache import KVCache
 from verifier.linear import Linear
+from verifier.moe import SparseMoeBlock
 from verifier.parallel_layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from verifier.rope import RotaryEmbedding, apply_rotary
 from verifier.row_tiles import in_row_tiles
@@ -129,12 +131,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None):
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        sparse = cfg.moe is not None and cfg.moe.sparse(index)        # not under TP: TensorShard.check
+        self.mlp = SparseMoeBlock(cfg) if sparse else MLP(cfg, shard)
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend, meta)
@@ -149,7 +152,7 @@ class LlamaModel(nn.Module):
         local = cfg if shard is None else shard.local_config(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard is None else \
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(local, shard) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, shard, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -47,10 +47,14 @@ class TensorShard:
     def check(self, cfg: ModelConfig) -> None:
         """ValueError unless every split dimension divides evenly by the number of ranks, and the
         checkpoint stores its projections apart (a Phi-3 file's fused qkv_proj and gate_up_proj
-        would need slicing per part, which `slice_of` does not do)."""
+        would need slicing per part, which `slice_of` does not do), and has no experts (Mixtral,
+        Qwen3-MoE: `slice_of` splits no expert or router)."""
         if self.size > 1 and cfg.model_type in FUSED_CHECKPOINTS:
             raise ValueError(f"tensor parallelism does not split {cfg.model_type} checkpoints yet (their q/k/v and "
                              f"gate/up projections are stored fused); use tensor_parallel_size=1")
+        if self.size > 1 and cfg.moe is not None:
+            raise ValueError(f"tensor parallelism does not split {cfg.model_type} checkpoints yet (mixture-of-experts "
+                             f"layers: {cfg.moe.num_experts} routed experts); use tensor_parallel_size=1")
         for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
                         ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
             if n % self.size:

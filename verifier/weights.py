@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from verifier.model import LlamaForCausalLM
+from verifier.moe import param_name, split_experts
 from verifier.shard import TensorShard
 
 # HF projection name -> (our fused module, shard index within it)
@@ -16,9 +17,10 @@ PACKED = {
 }
 
 
-def _shard_bounds(model: LlamaForCausalLM, fused: str, shard: int) -> tuple[int, int]:
+def _shard_bounds(model: LlamaForCausalLM, fused: str, shard: int, rows: int) -> tuple[int, int]:
+    """`rows`: the fused weight's; gate and up take half each (an expert's width differs from the MLP's)."""
     c = model.cfg
-    sizes = [c.q_size, c.kv_size, c.kv_size] if fused == "qkv_proj" else [c.intermediate_size] * 2
+    sizes = [c.q_size, c.kv_size, c.kv_size] if fused == "qkv_proj" else [rows // 2] * 2
     start = sum(sizes[:shard])
     return start, start + sizes[shard]
 
@@ -43,7 +45,8 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: Path, shard: TensorShar
             for name in st.keys():
                 if "rotary_emb" in name or (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
                     continue
-                _copy_one(model, params, name, _read(st, name, shard), filled)
+                for part, tensor in split_experts(name, _read(st, name, shard)):
+                    _copy_one(model, params, param_name(part, model.cfg.model_type), tensor, filled)
     missing = sorted(set(params) - filled - ({"lm_head.weight"} if model.cfg.tie_word_embeddings else set()))
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {', '.join(missing[:5])}"
@@ -73,7 +76,7 @@ def _copy_one(model, params, name: str, tensor: torch.Tensor, filled: set[str]) 
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     dst = params[target].data
     if shard is not None:
-        lo, hi = _shard_bounds(model, target.split(".")[-2], shard)
+        lo, hi = _shard_bounds(model, target.split(".")[-2], shard, dst.shape[0])
         dst = dst[lo:hi]
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
