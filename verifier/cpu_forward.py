@@ -15,6 +15,7 @@ fixed tiles for the rest of a prompt (`own=False`, see `verifier.kernels`). One 
     h   = rms_norm(x += o_proj(o))
     y   = down_proj(silu(gate) * up)          from gate_up_proj(h), bf16 [T, 2 I]
 
+A mixture-of-experts layer computes y with `verifier.moe.cpu_moe` instead, on the same matmuls.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.cpu_loop import NativeLayers
 from verifier.kv_cache import KVCache
+from verifier.moe import SparseMoeBlock, cpu_moe
 from verifier.qlinear import QuantLinear
 
 
@@ -71,10 +73,11 @@ class CpuLayer:
     post_eps: float
     qkv: QuantLinear
     o: QuantLinear
-    gate_up: QuantLinear
-    down: QuantLinear
+    gate_up: QuantLinear | None             # None in a mixture-of-experts layer
+    down: QuantLinear | None
     q_norm: torch.nn.Module | None = None   # Qwen3's per-head norms of q and k, else None
     k_norm: torch.nn.Module | None = None
+    moe: SparseMoeBlock | None = None       # Mixtral's and Qwen3-MoE's experts, in place of the MLP
 
 
 def cpu_heads(net) -> cpu_ops.Heads:
@@ -85,7 +88,8 @@ def cpu_heads(net) -> cpu_ops.Heads:
 def cpu_layers(net) -> list[CpuLayer]:
     return [CpuLayer(l.input_layernorm.weight, l.input_layernorm.eps, l.post_attention_layernorm.weight,
                      l.post_attention_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj,
-                     l.mlp.gate_up_proj, l.mlp.down_proj, l.self_attn.q_norm, l.self_attn.k_norm)
+                     getattr(l.mlp, "gate_up_proj", None), getattr(l.mlp, "down_proj", None),
+                     l.self_attn.q_norm, l.self_attn.k_norm, l.mlp if isinstance(l.mlp, SparseMoeBlock) else None)
             for l in net.model.layers]
 
 
@@ -138,10 +142,17 @@ def _layers(c, layers: list[CpuLayer], heads: cpu_ops.Heads, plan: cpu_ops.Rows,
             qkv = _qk_normed(c, layer, mm(layer.qkv, h))
             cpu_ops.attention(heads, plan, qkv, None, q, k_cache, v_cache, o)
         cpu_ops.add_rms_norm(x, mm(layer.o, o), layer.post_norm, layer.post_eps, h)
-        cpu_ops.silu_mul(mm(layer.gate_up, h), a)
-        y = mm(layer.down, a)
+        y = _mlp(layer, h, a, mm)
     cpu_ops.add_rms_norm(x, y, layers[-1].post_norm, 0.0, None)   # the last residual add (out None: no norm)
     return taps
+
+
+def _mlp(layer: CpuLayer, h: torch.Tensor, a: torch.Tensor, mm) -> torch.Tensor:
+    """bf16 [T, H]: the layer's MLP, or its experts, over h (`a`: the MLP's buffer for silu(gate) * up)."""
+    if layer.moe is not None:
+        return cpu_moe(layer.moe, h, mm)
+    cpu_ops.silu_mul(mm(layer.gate_up, h), a)
+    return mm(layer.down, a)
 
 
 def _qk_normed(c, layer: CpuLayer, qkv: torch.Tensor) -> torch.Tensor:

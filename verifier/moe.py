@@ -125,10 +125,6 @@ def split_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tens
     return [(f"{base}.{e}.{proj}.weight", tensor[e]) for e in range(tensor.shape[0])]
 
 
-def expert_prefix(model_type: str, layer: int, expert: int) -> str:
-    """Where expert `expert` of layer `layer` lies in an HF checkpoint of `model_type`."""
-    return f"model.layers.{layer}.{CHECKPOINT_NAMES[model_type][0]}.experts.{expert}"
-
-
-def router_name(model_type: str, layer: int) -> str:
-    return f"model.layers.{layer}.{CHECKPOINT_NAMES[model_type][0]}.gate.weight"
+def block_prefix(model_type: str, layer: int) -> str:
+    """Where layer `layer`'s router (`.gate`) and experts (`.experts.{e}`) lie in an HF checkpoint."""
+    return f"model.layers.{layer}.{CHECKPOINT_NAMES[model_type][0]}"

@@ -9,10 +9,13 @@ What each weight becomes (the model file's own weights wherever a kernel can tak
 | projections, dense (HF, F16/F32; GGUF kinds read dense) | int4 groups of 32 | per channel | int8 groups of 32 |
 | embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same | the same |
 | LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 | scan: its file blocks |
+| MoE router (Mixtral, Qwen3-MoE) | int8, its own kernel for every row | the same | the same |
 
 `gguf` serves each tensor in its own format, as llama.cpp does: a Q4_K_M file mixes Q4_K with
 Q6_K, Q5_0 and Q8_0, which the int4 kernels take and csrc/q8_matmul.c takes respectively. Parts
 of one fused projection stored in two formats share the more precise one (`_one_form`).
+
+Each expert's projections are decoder projections like the dense MLP's (`verifier/moe.py`).
 
 The LM head is a `RescoredHead`: torch's kernels cannot take the default GGUF's Q8_0 head
 as it is (the int8 kernel has one scale per output channel, Q8_0 one per 32 weights), and
@@ -36,6 +39,7 @@ from verifier import cpu_ops
 from verifier.config import ModelConfig
 from verifier.gguf_quant import INDEX_FILE, read_quantized
 from verifier.kernels import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
+from verifier.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
 from verifier.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
 from verifier.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, int4_group, quantize_int4,
                             quantize_int8)
@@ -89,13 +93,16 @@ def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path)
     blocks = read_quantized(json.loads(index.read_text()), _hf_config(model_dir)) if index.is_file() else {}
     decoder = []
     for i, layer in enumerate(net.model.layers):
+        moe = isinstance(layer.mlp, SparseMoeBlock)
         for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
-                            ("mlp", "gate_up_proj"), ("mlp", "down_proj")):
+                            *(() if moe else (("mlp", "gate_up_proj"), ("mlp", "down_proj")))):
             parent = getattr(layer, block)
             dense = getattr(parent, name)
             weight = _projection(blocks, f"model.layers.{i}.{block}", name, dense.weight, mode)
             setattr(parent, name, QuantLinear(weight, dense.bias, None))
             decoder.append(getattr(parent, name))
+        if moe:
+            decoder += _quantize_experts(layer.mlp, blocks, cfg.model_type, i, mode)
     embed = _table(blocks.get("model.embed_tokens.weight"), net.model.embed_tokens.weight)
     head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
     net.model.embed_tokens = QuantEmbedding(embed)
@@ -104,14 +111,33 @@ def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path)
     return decoder
 
 
+def _quantize_experts(moe: SparseMoeBlock, blocks: dict, model_type: str, layer: int, mode: str) -> list[QuantLinear]:
+    """Each expert's projections in `mode` (the file's blocks where they fit), returned for the
+    plan; the router as int8 per channel: its own kernel serves every row alike, so a token's
+    routing never depends on the rows beside it, and int8 keeps near-ties as the file has them."""
+    prefix = block_prefix(model_type, layer)
+    moe.gate = QuantLinear(_projection(blocks, prefix, "gate", moe.gate.weight, "int8"), None, None)
+    moe.gate.release_source()
+    gate, up, down = CHECKPOINT_NAMES[model_type][1]
+    out = []
+    for e, expert in enumerate(moe.experts):
+        for name, parts in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+            weight = _projection(blocks, f"{prefix}.experts.{e}", name, getattr(expert, name).weight, mode, parts)
+            setattr(expert, name, QuantLinear(weight, None, None))
+            out.append(getattr(expert, name))
+    return out
+
+
 def _hf_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode: str) -> QuantWeight:
+def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode: str,
+                parts: tuple[str, ...] | None = None) -> QuantWeight:
+    """`parts`: the file's names of the pieces fused into `name` (default: HF's, `_FUSED`)."""
     if f"{prefix}.{name}.weight" in blocks:              # a file that stores it fused (Phi-3)
         return _to_mode(blocks[f"{prefix}.{name}.weight"], mode)
-    parts = [blocks.get(f"{prefix}.{p}.weight") for p in _FUSED.get(name, (name,))]
+    parts = [blocks.get(f"{prefix}.{p}.weight") for p in parts or _FUSED.get(name, (name,))]
     if all(p is not None for p in parts):
         return concat_rows(_one_form([_to_mode(p, mode) for p in parts]))
     return _to_mode(dense.detach(), mode)
