@@ -3,7 +3,9 @@
 Quantized tensors are dequantized to fp32 (the `quantization="none"` weights); an index of
 their blocks in the file is written beside them for the quantized paths (`gguf_quant`). llama.cpp stores the Llama q/k projections
 with rows permuted for its interleaved RoPE; we undo that so the weights match the HF
-half-split convention our forward uses.
+half-split convention our forward uses. Mixture-of-experts files (Mixtral as llama with
+`llama.expert_count`, Qwen3-MoE as qwen3moe) hold each layer's experts in 3-D tensors
+(`ffn_*_exps`: [experts, rows, cols]), written back as one HF tensor per expert.
 """
 from __future__ import annotations
 
@@ -21,9 +23,19 @@ _LAYER_NAMES = {
 }
 # Phi-3 files store the fused projections (ffn_up holds gate and up, gate first, as HF does)
 _FUSED_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
-# GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama)
+# The router and the experts ({} is the expert's index), by the HF checkpoint's own names
+_MOE_LAYER_NAMES = {
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
+                "ffn_up_exps": "block_sparse_moe.experts.{}.w3", "ffn_down_exps": "block_sparse_moe.experts.{}.w2"},
+    "qwen3_moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+                  "ffn_up_exps": "mlp.experts.{}.up_proj", "ffn_down_exps": "mlp.experts.{}.down_proj"},
+}
+# GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama; a
+# llama GGUF with experts is a Mixtral)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe"}       # GGUF architecture -> HF model_type
+ROPE_PERMUTED = ("llama", "mixtral")      # model types whose q/k rows llama.cpp stores in its RoPE order
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -31,13 +43,19 @@ def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     base, kind = gguf_name.rsplit(".", 1)         # kind: weight | bias
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        names = {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(model_type, {})}
+        names = {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(model_type, {}), **_MOE_LAYER_NAMES.get(model_type, {})}
         if part not in names:
             raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
         return f"model.layers.{idx}.{names[part]}.{kind}"
     if base not in _TOP_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     return f"{_TOP_NAMES[base]}.{kind}"
+
+
+def hf_names(gguf_name: str, model_type: str, experts: int) -> list[str]:
+    """The HF name of each slice of a tensor: one per expert for `ffn_*_exps`, else one."""
+    name = hf_name(gguf_name, model_type)
+    return [name.format(e) for e in range(experts)] if "{}" in name else [name]
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -62,12 +80,13 @@ def gguf_config(reader) -> dict:
     tensor_names = {t.name for t in reader.tensors}
     if any(n.startswith("rope_factors") for n in tensor_names):
         raise ValueError(f"GGUF architecture {arch!r} with LongRoPE factors (rope_factors_*) is not supported")
+    experts = int(a("expert_count", 0))
     cfg = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": "llama" if arch == "mistral" else arch,
+        "architectures": ["MixtralForCausalLM" if experts else GGUF_ARCHITECTURES[arch]],
+        "model_type": "mixtral" if arch == "llama" and experts else _MODEL_TYPES.get(arch, arch),
         "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
-        "intermediate_size": int(a("feed_forward_length")),
+        "intermediate_size": int(a("feed_forward_length", a("expert_feed_forward_length"))),
         "num_hidden_layers": int(a("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(a("attention.head_count_kv", heads)),
@@ -81,6 +100,8 @@ def gguf_config(reader) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if experts:
+        cfg.update(_moe_fields(cfg["model_type"], a, experts, tensor_names))
     if a("attention.sliding_window"):
         cfg["sliding_window"] = int(a("attention.sliding_window"))
     scaling = a("rope.scaling.type")
@@ -91,19 +112,42 @@ def gguf_config(reader) -> dict:
     return cfg
 
 
+def _moe_fields(model_type: str, a, experts: int, tensor_names: set[str]) -> dict:
+    """config.json's expert keys. llama.cpp renormalises Qwen3-MoE's top-k weights unless the
+    file says otherwise; a layer without a router (ffn_gate_inp) is a dense one."""
+    if int(a("expert_shared_count", 0)):
+        raise ValueError(f"GGUF {model_type} with shared experts (expert_shared_count) is not supported")
+    if int(a("expert_gating_func", 1)) != 1 or float(a("expert_weights_scale", 1.0)) != 1.0:
+        raise ValueError(f"GGUF {model_type}: only softmax routing with unscaled weights is supported "
+                         "(expert_gating_func, expert_weights_scale)")
+    if a("expert_used_count") is None:
+        raise ValueError(f"GGUF {model_type} with experts lacks expert_used_count")
+    fields = {"num_experts_per_tok": int(a("expert_used_count"))}
+    if model_type == "mixtral":
+        return {**fields, "num_local_experts": experts}
+    layers = int(a("block_count"))
+    return {**fields, "num_experts": experts, "moe_intermediate_size": int(a("expert_feed_forward_length")),
+            "norm_topk_prob": bool(a("expert_weights_norm", True)),
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
+
+
 def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
-    unpermute = cfg["model_type"] == "llama"
+    unpermute = cfg["model_type"] in ROPE_PERMUTED
     out = {}
     for t in reader.tensors:
         arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
         w = torch.from_numpy(arr).reshape([int(x) for x in reversed(t.shape)])
-        name = hf_name(t.name, cfg["model_type"])
         if unpermute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rope_rows(w, cfg["num_attention_heads"])
         elif unpermute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
-        out[name] = w.contiguous()
+        names = hf_names(t.name, cfg["model_type"], w.shape[0] if w.dim() == 3 else 0)
+        parts = w.unbind(0) if w.dim() == 3 else (w,)
+        if len(names) != len(parts):
+            raise ValueError(f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}: one slice per expert "
+                             "only for ffn_*_exps")
+        out.update({name: part.contiguous() for name, part in zip(names, parts)})
     return out
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verifier.gguf_convert import hf_name, unpermute_rope_rows
+from verifier.gguf_convert import ROPE_PERMUTED, hf_names, unpermute_rope_rows
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, int4_from_affine
 
 BLOCK = 32
@@ -123,26 +123,31 @@ def block_index(reader, gguf_path: Path) -> dict:
     converted checkpoint so that later loads map the blocks without parsing the file's
     metadata again (the tokenizer fields alone take GGUFReader seconds; figures:
     docs/performance.md, "Load and import times")."""
+    # "experts": the slices of a 3-D ffn_*_exps tensor (0: a matrix)
     tensors = [{"name": t.name, "kind": t.tensor_type.name, "rows": int(t.shape[1]), "cols": int(t.shape[0]),
+                "experts": int(t.shape[2]) if len(t.shape) == 3 else 0,
                 "offset": int(t.data_offset), "nbytes": int(t.n_bytes)}
                for t in reader.tensors if t.tensor_type.name in _BLOCKS]
     # the decoder's matrices stored otherwise (Q5_0, Q6_K, F16, ...): dense here, requantized by a quantized path
     others = sorted({t.tensor_type.name for t in reader.tensors
-                     if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type.name not in _BLOCKS})
+                     if t.name.startswith("blk.") and len(t.shape) >= 2 and t.tensor_type.name not in _BLOCKS})
     return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors, "other_kinds": others}
 
 
 def read_quantized(index: dict, cfg: dict) -> dict[str, QuantWeight]:
-    """HF name -> weight for every Q4_0 / Q4_1 / Q4_K / Q8_0 tensor of the indexed file (others
-    come dense from the converted safetensors)."""
-    unpermute = cfg["model_type"] == "llama"
+    """HF name -> weight for every Q4_0 / Q4_1 / Q4_K / Q8_0 tensor of the indexed file, one per
+    expert for an ffn_*_exps tensor (others come dense from the converted safetensors)."""
+    unpermute = cfg["model_type"] in ROPE_PERMUTED
     out = {}
     for t in index["tensors"]:
         data = np.memmap(index["gguf"], dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["nbytes"],))
-        w = read_block_tensor(t["kind"], data, t["rows"], t["cols"])
-        if unpermute and t["name"].endswith("attn_q.weight"):
-            w = _unpermute(w, cfg["num_attention_heads"])
-        elif unpermute and t["name"].endswith("attn_k.weight"):
-            w = _unpermute(w, cfg["num_key_value_heads"])
-        out[hf_name(t["name"], cfg["model_type"])] = w
+        experts = t.get("experts", 0)
+        slices = data.reshape(experts, -1) if experts else [data]       # an expert's rows lie together
+        for name, part in zip(hf_names(t["name"], cfg["model_type"], experts), slices):
+            w = read_block_tensor(t["kind"], part, t["rows"], t["cols"])
+            if unpermute and t["name"].endswith("attn_q.weight"):
+                w = _unpermute(w, cfg["num_attention_heads"])
+            elif unpermute and t["name"].endswith("attn_k.weight"):
+                w = _unpermute(w, cfg["num_key_value_heads"])
+            out[name] = w
     return out
