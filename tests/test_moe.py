@@ -110,6 +110,25 @@ def test_routing_is_hfs(family, norm, dtype):
         assert got_e[row, -1] == (logits_[row].float() == last).nonzero().min()
 
 
+def test_a_rows_expert_sum_does_not_depend_on_the_other_rows():
+    """`moe.mix` adds a row's three experts in its own rank order: each row's fp32 result alone
+    equals its result among rows that reach the same experts in other orders. (The quantized
+    path rounds the sum to bf16, which hides a one-ulp change of order most of the time, so the
+    rule is checked here, before the rounding.)"""
+    gen = torch.Generator().manual_seed(0)
+    rows, k, experts, hidden = 16, 3, 8, 64
+    x = torch.randn(rows, hidden, generator=gen)
+    scales = torch.randn(experts, hidden, generator=gen)
+
+    def run(e, picked):                  # row-wise, as the experts' kernels are
+        return torch.tanh(picked * scales[e])
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=gen)
+    batched = moe.mix(x, weights, chosen, run)
+    for r in range(rows):
+        assert torch.equal(moe.mix(x[r:r + 1], weights[r:r + 1], chosen[r:r + 1], run)[0], batched[r])
+
+
 def test_moe_configs():
     """Both families' expert keys (Qwen3-MoE hub files say num_experts, transformers 5 writes
     num_local_experts), dense layers, and Qwen3-MoE's unused sliding_window."""
