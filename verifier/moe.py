@@ -67,7 +67,10 @@ def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Ten
     top, experts = probs.sort(dim=-1, descending=True, stable=True)
     top, experts = top[:, :moe.top_k], experts[:, :moe.top_k].contiguous()
     if moe.norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
+        total = top[:, 0].clone()
+        for j in range(1, moe.top_k):       # by rank, not a reduction whose order may follow the shape
+            total += top[:, j]
+        top = top / total[:, None]
     return (top.to(logits.dtype) if moe.weights_in_logits_dtype else top), experts
 
 
