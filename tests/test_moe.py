@@ -23,6 +23,7 @@ from test_model_parity import hf_logits, jitter_norms, own_logits_chunked
 from verifier import moe
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.config import ModelConfig
+from verifier.quantize import timed_linears
 from verifier.shard import TensorShard
 from verifier.target import TargetModel, load_config
 
@@ -189,6 +190,8 @@ def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family
     want = logits(TargetModel(str(family_dir), quantization="none", load_tokenizer_files=False), ids)
     target = TargetModel(str(family_dir), quantization=mode, load_tokenizer_files=False)
     assert target._cpu_native is None               # the experts run in the Python layer loop
+    top_k = target.config.moe.top_k                 # load times the experts one token reaches, not all
+    assert len(timed_linears(target.net)) == target.config.num_layers * (2 + 2 * top_k)
     got = logits(target, ids)
     assert (got - want).norm() / want.norm() < tol
     target.allocate_kv(8, BLOCK)

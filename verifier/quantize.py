@@ -188,15 +188,28 @@ def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTi
     return plan
 
 
+def timed_linears(net: nn.Module) -> list[QuantLinear]:
+    """The decoder's QuantLinears one token runs through, in forward order: a MoE layer's first
+    top_k experts stand for the k a token reaches (all have the same shapes), not all of them."""
+    out = []
+    for layer in net.model.layers:
+        mlp = layer.mlp
+        mlps = mlp.experts[:mlp.moe.top_k] if isinstance(mlp, SparseMoeBlock) else [mlp]
+        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        out += [lin for m in mlps for lin in (m.gate_up_proj, m.down_proj)]
+    return out
+
+
 def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
-         cache_dir: Path | None, refresh: bool = False) -> tuple[KernelPlan, KernelTimings]:
-    """Time every path (or read the timings this machine cached), then keep what the
-    fastest choice per row count needs."""
+         cache_dir: Path | None, refresh: bool = False,
+         timed: list[QuantLinear] | None = None) -> tuple[KernelPlan, KernelTimings]:
+    """Time every path over `timed` (default: the whole decoder) or read the timings this
+    machine cached, then keep what the fastest choice per row count needs in all of `decoder`."""
     def measure() -> KernelTimings:
-        for lin in decoder:
+        for lin in timed or decoder:
             for path in DENSE_PATHS:
                 lin.add_dense(path)
-        return time_paths(decoder, rows)
+        return time_paths(timed or decoder, rows)
 
     sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
                for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, *cpu_ops.HEADERS)}

@@ -19,7 +19,7 @@ from verifier.kv_cache import KVCache
 from verifier.linear_tuning import tune as tune_linear
 from verifier.loader import cache_root, resolve_model_dir
 from verifier.model import LlamaForCausalLM, uninitialized
-from verifier.quantize import auto_quantization, check_quantization, quantize_model, tune
+from verifier.quantize import auto_quantization, check_quantization, quantize_model, timed_linears, tune
 from verifier.shard import TensorShard, check_tp_quantization
 from verifier.tokenizer import NullTokenizer, Tokenizer
 from verifier.weights import load_safetensors, load_tensor
@@ -113,7 +113,7 @@ class TargetModel:
             self.kernel_plan, self.kernel_timings = tune(
                 decoder, net.lm_head, kernel_rows or engine_rows(512),
                 {"model": str(self.model_dir), "quantization": quantization}, cache_root() / "kernels",
-                retime_kernels)
+                retime_kernels, timed_linears(net))
         self.net = net.eval()
         # dense fp32 on the CPU: where MKL gives way to oneDNN, timed on this machine
         self.linear_timings = tune_linear(net, cache_root() / "kernels", retime_kernels) \
