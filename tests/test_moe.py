@@ -181,11 +181,12 @@ def record_routes(monkeypatch) -> list[torch.Tensor]:
     return routes
 
 
-@pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("int4", 0.3)])
+@pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("gguf", 0.05), ("int4", 0.3)])
 def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family_dir, mode, tol, monkeypatch):
-    """The int8/int4 experts stay close to the dense model (int4 moves a tiny random model's logits
-    by about a quarter, dense families too), and a decode row has the same bits alone and after
-    three rows that route to experts it does not use, in every sparse layer."""
+    """The int8, gguf (int8 groups of 32) and int4 experts stay close to the dense model (int4
+    moves a tiny random model's logits by about a quarter, dense families too), and a decode row
+    has the same bits alone and after three rows that route to experts it does not use, in every
+    sparse layer."""
     ids = list(range(10, 40))
     want = logits(TargetModel(str(family_dir), quantization="none", load_tokenizer_files=False), ids)
     target = TargetModel(str(family_dir), quantization=mode, load_tokenizer_files=False)
@@ -304,9 +305,11 @@ def test_a_mixtral_gguf_is_a_llama_file_with_experts(tmp_path):
     assert (got - hf_logits(hf_dir, ids)).abs().max() < 1e-4
 
 
-def test_a_qwen3moe_gguf_serves_its_q8_0_expert_blocks(tmp_path):
+@pytest.mark.parametrize("mode", ["int8", "gguf"])
+def test_a_qwen3moe_gguf_serves_its_q8_0_expert_blocks(tmp_path, mode):
     """A qwen3moe GGUF with Q8_0 expert stacks: each expert's slice of the blocks is read as that
-    expert's weight, the int8 path serves them, and the logits stay close to HF's."""
+    expert's weight, the int8 path (per channel) and the gguf path (the blocks as stored) serve
+    them, and the logits stay close to HF's."""
     from safetensors.torch import load_file
 
     from verifier.gguf_quant import INDEX_FILE, read_quantized
@@ -325,6 +328,10 @@ def test_a_qwen3moe_gguf_serves_its_q8_0_expert_blocks(tmp_path):
         name = f"model.layers.1.mlp.experts.{e}.down_proj.weight"
         assert (blocks[name].dequantize() - hf[name]).abs().max() < 2e-3        # Q8_0: scale / 2 per weight
     ids = list(range(10, 40))
-    got = logits(TargetModel(str(model), quantization="int8", load_tokenizer_files=False), ids)
+    target = TargetModel(str(model), quantization=mode, load_tokenizer_files=False)
+    if mode == "gguf":
+        gate_up = target.net.model.layers[1].mlp.experts[7].gate_up_proj     # (down_proj's rows are one block)
+        assert (gate_up.own, gate_up.bits) == ("q8x16", 8)
+    got = logits(target, ids)
     want = hf_logits(hf_dir, ids)
     assert (got - want).norm() / want.norm() < 0.05
