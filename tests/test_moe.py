@@ -211,7 +211,7 @@ def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family
         assert set(shared[:-1].flatten().tolist()) - set(own[0].tolist())
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "gguf"])
 def test_greedy_speculation_gives_plain_decoding_tokens(family_dir, quantization):
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(n)] * 2 for n in (5, 9, 13)]     # repeats to draft from
