@@ -46,7 +46,17 @@ def make_gemma(out, model_type: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.08)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    return jitter_norms(out)
+    return jitter_gemma_norms(out)
+
+
+def jitter_gemma_norms(model_dir):
+    """`jitter_norms` shifted to Gemma's x * (1 + w): w in [-0.5, 0.5] instead of HF's zeros."""
+    from safetensors.torch import load_file, save_file
+    jitter_norms(model_dir)
+    path = model_dir / "model.safetensors"
+    tensors = {n: t - 1 if t.dim() == 1 and "norm" in n else t for n, t in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return model_dir
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -67,3 +77,43 @@ def test_dense_forward_matches_hf(gemma_dir):
     diff = (ours - ref).abs().max().item()
     assert diff < 1e-4, diff
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def logits(target, ids, beside=None):
+    """Logits of every position of ids, alone or in one forward beside another sequence."""
+    target.allocate_kv(8, BLOCK)
+    seqs = [SeqInput(ids, 0, [0, 1, 2], logits_indices=list(range(len(ids))))]
+    if beside:
+        seqs.append(SeqInput(beside, 0, [3, 4], logits_indices=[len(beside) - 1]))
+    return target.forward(ForwardBatch(seqs)).logits[:len(ids)]
+
+
+# int4 groups of 32 over four layers: a four-layer Llama of these shapes is 0.25 away too
+@pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("int4", 0.35)])
+def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(gemma_dir, mode, tol):
+    """int8 / int4 kernels within `tol` (relative norm) of the dense weights over a 37-token
+    prompt; a decode row after it has the same bits alone and beside a 3-token chunk."""
+    want = logits(TargetModel(str(gemma_dir), quantization="none"), PROMPT)
+    target = TargetModel(str(gemma_dir), quantization=mode)
+    got = logits(target, PROMPT)
+    assert (got - want).norm() / want.norm() < tol
+    target.allocate_kv(8, BLOCK)
+    target.forward(ForwardBatch([SeqInput(PROMPT, 0, [0, 1, 2], logits_indices=[])]))
+    target.forward(ForwardBatch([SeqInput(PROMPT[:9], 0, [3, 4], logits_indices=[])]))
+    alone = target.forward(ForwardBatch([SeqInput([7], len(PROMPT), [0, 1, 2])])).logits[0]
+    batched = target.forward(ForwardBatch([SeqInput([9, 4, 2], 9, [3, 4]), SeqInput([7], len(PROMPT), [0, 1, 2])]))
+    assert torch.equal(batched.logits[-1], alone)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_greedy_speculation_gives_plain_decoding_tokens(gemma_dir, quantization):
+    """T=0 suffix speculation (every step drafts) gives plain decoding's tokens, past the window."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(n)] * 2 for n in (5, 9, 13)]     # repeats to draft from
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(max_model_len=256, num_kv_blocks=64, quantization=quantization)
+    plain = [o.token_ids for o in LLM(str(gemma_dir), **kw).generate(prompts, greedy)]
+    llm = LLM(str(gemma_dir), drafter="suffix", adaptive=AdaptiveConfig(enabled=False), **kw)
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.stats.verify_steps for o in outs) > 0
