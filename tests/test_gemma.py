@@ -117,3 +117,73 @@ def test_greedy_speculation_gives_plain_decoding_tokens(gemma_dir, quantization)
     outs = llm.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.stats.verify_steps for o in outs) > 0
+
+
+def write_gemma_gguf(path, arch: str, model_dir, fields: dict):
+    """A GGUF of `arch` as llama.cpp's converter writes a Gemma: the HF tensors under their GGUF
+    names, every norm weight with 1 added, q/k as they are, no output.weight (tied)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from verifier.gguf_convert import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
+    layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES["gemma2"]}.items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    w.add_token_list([f"t{i}" for i in range(256)])
+    w.add_eos_token_id(2)
+    w.add_uint32("tokenizer.ggml.eot_token_id", 106)
+    for name, t in load_file(str(model_dir / "model.safetensors")).items():
+        base, kind = name.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            idx, part = base[len("model.layers."):].split(".", 1)
+            g = f"blk.{idx}.{layer[part]}"
+        else:
+            g = next(k for k, v in _TOP_NAMES.items() if v == base)
+        w.add_tensor(f"{g}.{kind}", (t + 1 if name.endswith("norm.weight") else t).numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_fields(model_type: str) -> dict:
+    shapes = {"block_count": 4, "context_length": 1024, "embedding_length": 64, "feed_forward_length": 128,
+              "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 32,
+              "attention.value_length": 32, "attention.layer_norm_rms_epsilon": 1e-5,
+              "attention.sliding_window": WINDOW}
+    if model_type == "gemma2":   # gemma2's pattern is fixed (alternating), as HF's default
+        return {**shapes, "rope.freq_base": 10000.0, **{k: float(v) for k, v in VARIANTS["gemma2"].items()
+                                                         if k.endswith("softcapping")}}
+    return {**shapes, "rope.freq_base": 1e6, "attention.sliding_window_pattern": 2}
+
+
+@pytest.mark.parametrize("model_type", list(VARIANTS))
+def test_a_gemma_gguf_reads_back_to_hf_logits(tmp_path, model_type):
+    """A gemma2 / gemma3 GGUF (llama.cpp's names, norms stored as 1 + w, query_pre_attn_scalar
+    inferred as llama.cpp does: the head size) converts to a checkpoint with HF's logits, its
+    end-of-turn id among the eos ids."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from verifier.gguf_convert import gguf_config, gguf_tensors
+    # the file can only say what llama.cpp reads: scale by head size, Gemma 3's layers alternating here
+    hf_dir = make_gemma(tmp_path / "hf", model_type, query_pre_attn_scalar=32,
+                        **({} if model_type == "gemma2" else {"layer_types": None, "sliding_window_pattern": 2,
+                                                              "rope_parameters": None}))
+    arch = "gemma2" if model_type == "gemma2" else "gemma3"
+    reader = write_gemma_gguf(tmp_path / f"tiny-{arch}.gguf", arch, hf_dir, gguf_fields(model_type))
+    cfg = gguf_config(reader)
+    assert (cfg["model_type"], cfg["eos_token_id"]) == (model_type, [2, 106])
+    model = tmp_path / "converted"
+    model.mkdir()
+    save_file(gguf_tensors(reader, cfg), str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps(cfg))
+    target = TargetModel(str(model), device="cpu", load_tokenizer_files=False)
+    assert target.config.gemma.sliding == (True, False, True, False)
+    ours = own_logits_chunked(target, PROMPT, [30, 7])
+    ref = hf_logits(hf_dir, PROMPT)
+    assert (ours - ref).abs().max().item() < 1e-4

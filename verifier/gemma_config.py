@@ -99,3 +99,23 @@ def _ropes(model_type: str, d: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
         return full, rope_from_hf({**base, "rope_parameters": params.get(SLIDING) or {"rope_theta": 1e4}})
     full = rope_from_hf({**d, "rope_theta": d.get("rope_theta", 1e6)})
     return full, RopeConfig(theta=float(d.get("rope_local_base_freq", 1e4)))
+
+
+def gguf_fields(arch: str, a, cfg: dict) -> dict[str, Any]:
+    """config.json keys of a gemma2 / gemma3 GGUF, as llama.cpp reads its file: `a(key)` reads
+    `{arch}.{key}`; `cfg` holds the shapes already read. The file has no query_pre_attn_scalar:
+    llama.cpp scales by hidden / heads for the 27B models (46 layers for Gemma 2, 62 for Gemma 3)
+    and by the head size otherwise. Gemma 3's sliding layers use a fixed RoPE base of 10,000."""
+    big = cfg["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+    out = {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+           "hidden_activation": "gelu_pytorch_tanh",
+           "final_logit_softcapping": a("final_logit_softcapping"),
+           "attn_logit_softcapping": a("attn_logit_softcapping")}
+    pattern = a("attention.sliding_window_pattern")
+    if isinstance(pattern, list):                     # one flag per layer, where the file has them
+        out["layer_types"] = [SLIDING if p else FULL for p in pattern]
+    elif pattern:
+        out["sliding_window_pattern"] = int(pattern)
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
