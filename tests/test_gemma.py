@@ -187,3 +187,60 @@ def test_a_gemma_gguf_reads_back_to_hf_logits(tmp_path, model_type):
     ours = own_logits_chunked(target, PROMPT, [30, 7])
     ref = hf_logits(hf_dir, PROMPT)
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_config_reads_hf_defaults_and_old_forms():
+    """Which layers slide and each RoPE table, from transformers>=5 configs and from the older
+    files (no layer_types; Gemma 3's rope_theta, rope_scaling, rope_local_base_freq), equal
+    transformers' own reading; the context is not capped at the window."""
+    import transformers
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from verifier.config import ModelConfig
+    from verifier.rope import inv_freq_and_scale
+    old2 = dict(model_type="gemma2", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=5,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=4096,
+                max_position_embeddings=8192)
+    hf2 = transformers.Gemma2Config(**{k: v for k, v in old2.items() if k != "model_type"})
+    for d in (old2, hf2.to_dict()):
+        cfg = ModelConfig.from_hf(d)
+        assert cfg.gemma.sliding == tuple(t == "sliding_attention" for t in hf2.layer_types) == (1, 0, 1, 0, 1)
+        assert (cfg.max_position, cfg.sliding_window, cfg.gemma.window) == (8192, None, 4096)
+    old3 = dict(old2, model_type="gemma3_text", num_hidden_layers=13, rope_theta=1e6, rope_local_base_freq=1e4,
+                rope_scaling={"rope_type": "linear", "factor": 8.0})
+    hf3 = transformers.Gemma3TextConfig(**{k: v for k, v in old3.items() if k != "model_type"})
+    rotary = Gemma3RotaryEmbedding(hf3)
+    for d in (old3, hf3.to_dict()):
+        cfg = ModelConfig.from_hf(d)
+        assert cfg.gemma.sliding == tuple(t == "sliding_attention" for t in hf3.layer_types)
+        assert cfg.gemma.sliding.count(False) == 2 and cfg.qk_norm
+        for rope, layer_type in ((cfg.rope, "full_attention"), (cfg.gemma.local_rope, "sliding_attention")):
+            freq, scale = inv_freq_and_scale(rope, cfg.head_dim)
+            assert torch.allclose(freq, getattr(rotary, f"{layer_type}_inv_freq"), rtol=1e-6), layer_type
+            assert scale == getattr(rotary, f"{layer_type}_attention_scaling")
+
+
+BASE = dict(model_type="gemma2", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=2,
+            num_attention_heads=2, head_dim=32)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(model_type="gemma3", text_config={}, vision_config={}), "multimodal"),
+    (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(layer_types=["sliding_attention"]), "layer_types"),
+    (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+])
+def test_unsupported_gemma_configs_are_refused_by_name(change, match):
+    from verifier.config import ModelConfig
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**BASE, **change})
+
+
+def test_tensor_parallelism_refuses_gemma_by_name():
+    from verifier.config import ModelConfig
+    from verifier.gemma import GemmaForCausalLM
+    from verifier.shard import TensorShard
+    with torch.device("meta"), pytest.raises(ValueError, match="tensor parallelism does not split gemma2"):
+        GemmaForCausalLM(ModelConfig.from_hf(BASE), TensorShard(0, 2))

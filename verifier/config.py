@@ -88,6 +88,9 @@ class ModelConfig:
         if model_type == "gemma3" and "text_config" in d:
             raise ValueError("gemma3: multimodal Gemma 3 checkpoints (Gemma3ForConditionalGeneration, a "
                              "text_config beside a vision_config) are not supported; serve a gemma3_text one")
+        if model_type in GEMMA_TYPES:          # transformers' Gemma defaults for keys the file leaves out
+            from verifier.gemma_config import HF_DEFAULTS
+            d = {**HF_DEFAULTS[model_type], **d}
         if model_type == "qwen2":
             bias = True
         else:
@@ -103,7 +106,7 @@ class ModelConfig:
         max_position = int(d.get("max_position_embeddings", 4096))
         gemma, rope = None, None
         if model_type in GEMMA_TYPES:
-            from verifier.gemma_config import gemma_from_hf
+            from verifier.gemma_config import gemma_from_hf     # not at the top: it imports this module
             gemma, rope = gemma_from_hf(model_type, d, int(need("num_hidden_layers")))
         return cls(
             model_type=model_type,

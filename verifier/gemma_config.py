@@ -17,6 +17,12 @@ from verifier.config import RopeConfig, rope_from_hf
 SLIDING, FULL = "sliding_attention", "full_attention"
 # HF's default layer_types: layer i slides unless (i + 1) is a multiple of the pattern
 DEFAULT_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+# transformers' Gemma2Config / Gemma3TextConfig defaults, for keys a config.json leaves out
+_SHARED_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=4096,
+                        query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=1)
+HF_DEFAULTS = {"gemma2": dict(_SHARED_DEFAULTS, max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0),
+               "gemma3_text": dict(_SHARED_DEFAULTS, max_position_embeddings=131072)}
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,8 @@ class GemmaConfig:
 
 
 def gemma_from_hf(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[GemmaConfig, RopeConfig]:
-    """(the Gemma fields, the full-attention layers' RoPE) of a gemma2 / gemma3_text config;
-    ValueError naming what Tercel does not serve."""
+    """(the Gemma fields, the full-attention layers' RoPE) of a gemma2 / gemma3_text config
+    (`HF_DEFAULTS` already merged in); ValueError naming what Tercel does not serve."""
     activation = d.get("hidden_activation") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"{model_type}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
@@ -60,7 +66,7 @@ def gemma_from_hf(model_type: str, d: dict[str, Any], num_layers: int) -> tuple[
     rope, local = _ropes(model_type, d)
     window = d.get("sliding_window")
     cfg = GemmaConfig(
-        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),
         window=int(window) if window else None,
         sliding=_sliding_layers(model_type, d, num_layers) if window else (False,) * num_layers,
         local_rope=local,
