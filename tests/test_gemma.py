@@ -244,3 +244,31 @@ def test_tensor_parallelism_refuses_gemma_by_name():
     from verifier.shard import TensorShard
     with torch.device("meta"), pytest.raises(ValueError, match="tensor parallelism does not split gemma2"):
         GemmaForCausalLM(ModelConfig.from_hf(BASE), TensorShard(0, 2))
+
+
+def test_geglu_and_soft_cap_kernels_match_torch_and_keep_bits_per_element():
+    """The C kernels of the quantized path: gelu_tanh(gate) * up and cap * tanh(x / cap) against
+    torch, -inf kept masked, and an element's bits the same wherever it sits (tail or not)."""
+    import torch.nn.functional as F
+
+    from verifier import cpu_ops
+    gen = torch.Generator().manual_seed(0)
+    gu = (torch.randn(3, 2 * 64, generator=gen) * 3).to(torch.bfloat16)
+    out = torch.empty(3, 64, dtype=torch.bfloat16)
+    cpu_ops.gelu_tanh_mul(gu, out)
+    gate, up = gu.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), F.gelu(gate, approximate="tanh") * up, atol=2e-2, rtol=1e-2)
+    x = torch.randn(37, generator=gen) * 20
+    x[5] = float("-inf")
+    capped = x.clone()
+    cpu_ops.soft_cap(capped, 30.0)
+    assert capped[5] == float("-inf")
+    finite = torch.arange(37) != 5
+    torch.testing.assert_close(capped[finite], torch.tanh(x[finite] / 30.0) * 30.0, atol=1e-5, rtol=1e-5)
+    shifted = torch.cat([torch.zeros(3), x])                     # the same values, 3 lanes further on
+    cpu_ops.soft_cap(shifted, 30.0)
+    assert torch.equal(shifted[3:], capped)
+    for i in range(34, 37):                                      # the tail's elements, each alone
+        alone = x[i:i + 1].clone()
+        cpu_ops.soft_cap(alone, 30.0)
+        assert torch.equal(alone, capped[i:i + 1])
