@@ -100,9 +100,10 @@ def _single(g: _Group, seq: SeqInput, block_size: int, device) -> _Group:
             physical = torch.empty_like(mask).view(*mask.shape[:3], nblk, block_size)
             physical[:, :, :, order] = mask.view(*mask.shape[:3], nblk, block_size)
             mask = physical.view_as(mask)
-        else:   # in order: read exactly the sequence's keys; a lone query often sees them all
+        else:   # in order: read exactly the sequence's keys; a lone query sees them all (unless windowed)
             kv_len = seq.kv_len
-            mask = None if mask[..., :kv_len].all() else mask[..., :kv_len].contiguous()
+            alone = seq.num_new == 1 and bool(mask[..., :kv_len].all())
+            mask = None if alone else mask[..., :kv_len].contiguous()
     return _Group(g.q_rows, g.kv_blocks.to(device), None if mask is None else mask.to(device), g.valid,
                   first, kv_len)
 
