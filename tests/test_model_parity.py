@@ -125,7 +125,7 @@ def test_old_rope_scaling_form_is_read():
 
 
 def test_unsupported_families_and_sliding_windows_are_refused_by_name():
-    """Gemma 3 (not served yet), Qwen3 with sliding-window layers and Phi-4-mini's partial rotary
+    """A model type not served (a bare gemma3), Qwen3 with sliding-window layers and Phi-4-mini's partial rotary
     embeddings fail at load, naming what; a whole-model window caps the positions served."""
     from verifier.config import ModelConfig
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)

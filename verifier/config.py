@@ -5,13 +5,19 @@ Phi-3): RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or
 LM head, optional q/k/v bias (Qwen2), per-head RMSNorm of q and k before RoPE (Qwen3); Phi-3
 checkpoints store the fused qkv_proj and gate_up_proj this package's modules use. Mixtral and
 Qwen3-MoE replace the MLP with top-k routed SwiGLU experts (`MoeConfig`, `verifier/moe.py`).
+Gemma 2 and Gemma 3 (text) add what `verifier/gemma_config.py` reads into `ModelConfig.gemma`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+if TYPE_CHECKING:
+    from verifier.gemma_config import GemmaConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
+                         "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,12 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     attention_bias: bool = False        # Qwen2 has bias on q/k/v projections
-    qk_norm: bool = False               # Qwen3: RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool = False               # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
     sliding_window: int | None = None   # every layer's window; max_position is capped to it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: "MoeConfig | None" = None      # Mixtral, Qwen3-MoE: routed experts in place of the MLP
+    gemma: GemmaConfig | None = None    # Gemma 2/3: norms, GeGLU, windows per layer, soft-capping
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -81,6 +88,12 @@ class ModelConfig:
                 raise ValueError(f"config.json lacks required key {key!r}")
             return d[key]
         model_type = d.get("model_type", "llama")
+        if model_type == "gemma3" and "text_config" in d:
+            raise ValueError("gemma3: multimodal Gemma 3 checkpoints (Gemma3ForConditionalGeneration, a "
+                             "text_config beside a vision_config) are not supported; serve a gemma3_text one")
+        if model_type in GEMMA_TYPES:          # transformers' Gemma defaults for keys the file leaves out
+            from verifier.gemma_config import HF_DEFAULTS
+            d = {**HF_DEFAULTS[model_type], **d}
         if model_type == "qwen2":
             bias = True
         else:
@@ -94,6 +107,10 @@ class ModelConfig:
                              f"{d['partial_rotary_factor']}) are not supported")
         window = sliding_window(model_type, d)
         max_position = int(d.get("max_position_embeddings", 4096))
+        gemma, rope = None, None
+        if model_type in GEMMA_TYPES:
+            from verifier.gemma_config import gemma_from_hf     # not at the top: it imports this module
+            gemma, rope = gemma_from_hf(model_type, d, int(need("num_hidden_layers")))
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -105,14 +122,15 @@ class ModelConfig:
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position=min(max_position, window) if window else max_position,
-            rope=rope_from_hf(d),
+            rope=rope or rope_from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             moe=moe_from_hf(model_type, d),
+            gemma=gemma,
         )
 
 
@@ -120,7 +138,9 @@ def sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
     """The window every layer attends within (Mistral's and Phi-3's `sliding_window`), or None.
     Tercel has no windowed attention, so such a model is served up to that many positions,
     where the window holds every earlier token and equals full attention. Qwen2/3 window the
-    layers `use_sliding_window` names: refused."""
+    layers `use_sliding_window` names: refused. Gemma's windows are per layer (`ModelConfig.gemma`)."""
+    if model_type in GEMMA_TYPES:
+        return None
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if d.get("use_sliding_window") and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"]):
             raise ValueError(f"{model_type}: sliding-window attention layers are not supported "

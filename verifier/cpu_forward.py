@@ -27,6 +27,7 @@ import torch
 from verifier import cpu_ops
 from verifier.batch import SeqInput
 from verifier.cpu_loop import NativeLayers
+from verifier.gemma_cpu import gemma_cpu_layers, gemma_forward_rows, gemma_heads
 from verifier.kv_cache import KVCache
 from verifier.moe import SparseMoeBlock, cpu_moe
 from verifier.qlinear import QuantLinear
@@ -82,10 +83,14 @@ class CpuLayer:
 
 def cpu_heads(net) -> cpu_ops.Heads:
     c = net.cfg
+    if c.gemma is not None:             # Gemma's loop: verifier/gemma_cpu.py
+        return gemma_heads(net)
     return cpu_ops.heads(c.num_heads, c.num_kv_heads, c.head_dim, net.scale, net.rotary.cos, net.rotary.sin_signed)
 
 
 def cpu_layers(net) -> list[CpuLayer]:
+    if net.cfg.gemma is not None:
+        return gemma_cpu_layers(net)
     return [CpuLayer(l.input_layernorm.weight, l.input_layernorm.eps, l.post_attention_layernorm.weight,
                      l.post_attention_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj,
                      getattr(l.mlp, "gate_up_proj", None), getattr(l.mlp, "down_proj", None),
@@ -105,6 +110,9 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
     C++ call: the same kernels in the same order. `logits_tokens` (per logits row, int64 ids or
     None): rows whose logits are needed at those tokens only (exact, the rest -inf)."""
     c = net.cfg
+    if c.gemma is not None:
+        return gemma_forward_rows(net, heads, layers, ids, plan, kv, logits_rows, capture_layers, own, native,
+                                  logits_tokens)
     x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
     logits = None
     if own and native is not None:

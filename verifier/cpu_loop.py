@@ -203,7 +203,10 @@ def step_clock(on: bool) -> dict[str, float]:
 def native_layers(cfg, heads: cpu_ops.Heads, layers, norm=None, head=None) -> NativeLayers | None:
     """The C++ loop over `layers` (and `norm` and `head`, see NativeLayers), or None: no
     compiler, a failed build, a layer with a bias outside qkv (which the Python loop adds;
-    no Llama-family checkpoint has one), q/k norms (Qwen3) or experts (Mixtral, Qwen3-MoE)."""
+    no Llama-family checkpoint has one), q/k norms (Qwen3), experts (Mixtral, Qwen3-MoE) or Gemma
+    (`verifier.gemma_cpu`)."""
+    if cfg.gemma is not None:          # its extra norms, GeGLU, windows and caps
+        return None
     if any(l.moe is not None for l in layers):          # the experts run in the Python loop
         return None
     if any(lin.bias is not None for l in layers for lin in (l.o, l.gate_up, l.down)):

@@ -36,6 +36,8 @@ _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "rms_norm_rows": [_P, _P, _P, _F, _I, _I, _P],
     "silu_mul": [_P, _I, _I, _P],
+    "gelu_tanh_mul": [_P, _I, _I, _P],
+    "soft_cap_f32": [_P, _I, _F],
     "scan_topk": [_P, _I, _I, _I, _P, _P],
     "embed_int8": [_P, _I, _P, _P, _I, _I, _P],
     "rescore_int8": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _I],
@@ -115,9 +117,10 @@ class Heads(ctypes.Structure):
     longest key list x query heads) from which attention runs on all threads; the kernels read
     it at each call (`verifier.attention_tuning` sets it from a measurement). `prefetch_bytes`:
     how much of a layer's KV `prefetch_kv` requests ahead of its attention (a quarter of L2: the
-    qkv weights stream through the rest meanwhile; 0 where the system does not say)."""
+    qkv weights stream through the rest meanwhile; 0 where the system does not say). `softcap`:
+    scores soft-capped at it where > 0 (Gemma 2)."""
     _fields_ = [("nh", _I), ("nkv", _I), ("d", _I), ("scale", _F), ("cos", _P), ("sin", _P),
-                ("parallel_from", _I), ("prefetch_bytes", _I)]
+                ("parallel_from", _I), ("prefetch_bytes", _I), ("softcap", _F)]
 
 
 class Rows(ctypes.Structure):
@@ -130,8 +133,10 @@ class Rows(ctypes.Structure):
                 ("start", _P), ("keys", _P), ("unit_first", _P), ("unit_width", _P)]
 
 
-def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor) -> Heads:
-    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM, cache_bytes(2) // 4)
+def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor,
+          softcap: float = 0.0) -> Heads:
+    hd = Heads(nh, nkv, d, scale, cos.data_ptr(), sin_signed.data_ptr(), PARALLEL_FROM, cache_bytes(2) // 4,
+               softcap)
     hd.keep = (cos, sin_signed)
     return hd
 
@@ -170,6 +175,17 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
     """out bf16 [T, I] = silu(gate) * up for gu bf16 [T, 2I] = [gate | up]."""
     rows, inter = out.shape
     _library().silu_mul(gu.data_ptr(), rows, inter, out.data_ptr())
+
+
+def gelu_tanh_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
+    """out bf16 [T, I] = gelu_tanh(gate) * up for gu bf16 [T, 2I] = [gate | up] (Gemma's GeGLU)."""
+    rows, inter = out.shape
+    _library().gelu_tanh_mul(gu.data_ptr(), rows, inter, out.data_ptr())
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> None:
+    """x fp32 (contiguous) = cap * tanh(x / cap) in place, element by element; -inf stays -inf."""
+    _library().soft_cap_f32(x.data_ptr(), x.numel(), cap)
 
 
 def scan_topk(scan: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

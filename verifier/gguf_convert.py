@@ -5,7 +5,9 @@ their blocks in the file is written beside them for the quantized paths (`gguf_q
 with rows permuted for its interleaved RoPE; we undo that so the weights match the HF
 half-split convention our forward uses. Mixture-of-experts files (Mixtral as llama with
 `llama.expert_count`, Qwen3-MoE as qwen3moe) hold each layer's experts in 3-D tensors
-(`ffn_*_exps`: [experts, rows, cols]), written back as one HF tensor per expert.
+(`ffn_*_exps`: [experts, rows, cols]), written back as one HF tensor per expert. Gemma files keep
+q/k as HF has them, but store every norm weight with 1 added (llama.cpp's norm is x * w, Gemma's
+x * (1 + w)): we subtract it.
 """
 from __future__ import annotations
 
@@ -15,14 +17,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verifier.config import GEMMA_TYPES
+from verifier.gemma_config import gguf_fields
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
-# Phi-3 files store the fused projections (ffn_up holds gate and up, gate first, as HF does)
-_FUSED_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Names a family spells its own way: Phi-3 files store the fused projections (ffn_up holds gate
+# and up, gate first, as HF does); Gemma has four norms a layer, its ffn_norm the pre-MLP one.
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_FUSED_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                      "gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS}
 # The router and the experts ({} is the expert's index), by the HF checkpoint's own names
 _MOE_LAYER_NAMES = {
     "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
@@ -33,8 +42,9 @@ _MOE_LAYER_NAMES = {
 # GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama; a
 # llama GGUF with experts is a Mixtral)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
-_MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe"}       # GGUF architecture -> HF model_type
+                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}   # GGUF architecture -> model_type
 ROPE_PERMUTED = ("llama", "mixtral")      # model types whose q/k rows llama.cpp stores in its RoPE order
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -62,6 +72,13 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     # llama.cpp: w.reshape(n_heads, 2, d/2, ...).swapaxes(1, 2); this is the inverse.
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def eos_ids(reader) -> int | list[int] | None:
+    """The end-of-sequence id, with the end-of-turn one where the file names it (Gemma's
+    <end_of_turn>, which its chat template closes each turn with)."""
+    eos, eot = _field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")
+    return eos if eot is None or eot == eos else [i for i in (eos, eot) if i is not None]
 
 
 def _field(reader, key, default=None):
@@ -97,13 +114,15 @@ def gguf_config(reader) -> dict:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": eos_ids(reader),
         "torch_dtype": "float32",
     }
     if experts:
         cfg.update(_moe_fields(cfg["model_type"], a, experts, tensor_names))
     if a("attention.sliding_window"):
         cfg["sliding_window"] = int(a("attention.sliding_window"))
+    if cfg["model_type"] in GEMMA_TYPES:
+        cfg.update(gguf_fields(arch, a, cfg))
     scaling = a("rope.scaling.type")
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(a("rope.scaling.factor", 1.0)),
@@ -134,6 +153,7 @@ def _moe_fields(model_type: str, a, experts: int, tensor_names: set[str]) -> dic
 def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
     unpermute = cfg["model_type"] in ROPE_PERMUTED
+    gemma = cfg["model_type"] in GEMMA_TYPES
     out = {}
     for t in reader.tensors:
         arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
@@ -142,6 +162,8 @@ def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
             w = unpermute_rope_rows(w, cfg["num_attention_heads"])
         elif unpermute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
+        elif gemma and t.name.endswith("norm.weight"):
+            w = w - 1.0                                 # back to HF's x * (1 + w)
         names = hf_names(t.name, cfg["model_type"], w.shape[0] if w.dim() == 3 else 0)
         parts = w.unbind(0) if w.dim() == 3 else (w,)
         if len(names) != len(parts):

@@ -105,6 +105,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window: int | None = None      # Gemma's sliding layers (verifier/gemma.py)
+        self.softcap: float | None = None   # Gemma 2's score soft-capping
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend, meta):
         c = self.cfg
@@ -115,7 +117,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)            # [T, H + KVH, D]
         v = qkv[:, c.num_heads + c.num_kv_heads:].to(v_cache.dtype)                   # [T, KVH, D]
         o = backend.forward(qk[:, :c.num_heads], qk[:, c.num_heads:], v, k_cache, v_cache, meta,
-                            self.scale)                                                # [T, H, D]
+                            self.scale, self.window, self.softcap)                     # [T, H, D]
         return self.o_proj(o.view(-1, c.q_size))
 
 

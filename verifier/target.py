@@ -14,6 +14,7 @@ from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
 from verifier.cpu_loop import native_layers
 from verifier.config import ModelConfig
+from verifier.gemma import GemmaForCausalLM, planned_window
 from verifier.kernels import KernelPlan, KernelTimings, engine_rows
 from verifier.kv_cache import KVCache
 from verifier.linear_tuning import tune as tune_linear
@@ -100,7 +101,7 @@ class TargetModel:
         self.kv_dtype = torch.bfloat16 if quantization != "none" else self.dtype
         self.tokenizer = load_tokenizer(self.model_dir) if load_tokenizer_files else None
         with torch.device("meta"), uninitialized():
-            net = LlamaForCausalLM(self.config, self.shard)
+            net = (GemmaForCausalLM if self.config.gemma else LlamaForCausalLM)(self.config, self.shard)
         net = net.to_empty(device=self.device).to(self.dtype)
         if self.config.tie_word_embeddings:
             net.lm_head.weight = net.model.embed_tokens.weight
@@ -150,6 +151,8 @@ class TargetModel:
         """The whole token embedding (ids -> [T, hidden]) for a drafter that borrows it (EAGLE-3).
         Under TP the target's own is one rank's slice that all-reduces, which a drafter running on
         rank 0 alone cannot call: rank 0 then loads the whole table once, on first use."""
+        if self.config.gemma is not None:
+            return self.net.input_embedding()          # scaled by sqrt(hidden), as HF's module is
         if self.shard.size == 1:
             return self.net.model.embed_tokens
         if self._full_embedding is None:
@@ -183,7 +186,7 @@ class TargetModel:
     def _forward_modules(self, batch: ForwardBatch) -> ForwardOutput:
         ids, positions, rows, offsets = _flatten(batch)
         dev = self.device
-        meta = self.backend.plan(batch, self.kv.block_size, dev)
+        meta = self.backend.plan(batch, self.kv.block_size, dev, planned_window(self.config))
         logits, taps = self.net(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                 torch.tensor(rows, dtype=torch.long, device=dev), self.kv, self.backend, meta,
                                 batch.capture_layers)

@@ -12,6 +12,10 @@ permuted into physical order (attention does not depend on key order; RoPE is al
 in K). The block manager hands out runs, so this is the usual batch-1 case. At long
 contexts the gathers were a sizeable share of a decode step.
 
+A sliding-window layer (Gemma's, `window`) attends under a second set of masks that
+`plan(..., window)` builds beside the first: the same keys, those at positions <= p - window
+hidden. Soft-capped scores (Gemma 2) go through two matmuls, as SDPA cannot cap them.
+
 Figures and commands: docs/performance.md, "Attention gathers".
 """
 from __future__ import annotations
@@ -57,14 +61,24 @@ class _Group:
 class TorchAttnMeta:
     slot_mapping: torch.Tensor     # [T] physical slot of each new token
     groups: list[_Group]
+    window_groups: list[_Group] | None = None   # the same under plan's sliding window
 
 
-def new_token_mask(seq: SeqInput) -> torch.Tensor:
-    """[q, kv_len] bool: the whole cached prefix, then the new-token mask (causal by default)."""
+def new_token_mask(seq: SeqInput, window: int | None = None) -> torch.Tensor:
+    """[q, kv_len] bool: the whole cached prefix, then the new-token mask (causal by default);
+    with a window, only keys at positions > the query's position - window (HF's sliding window)."""
     q = seq.num_new
     prefix = torch.ones(q, seq.ctx_len, dtype=torch.bool)
     new = seq.mask if seq.mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
-    return torch.cat([prefix, new.to(torch.bool).cpu()], dim=1)
+    mask = torch.cat([prefix, new.to(torch.bool).cpu()], dim=1)
+    return mask if window is None else mask & in_window(seq, window)
+
+
+def in_window(seq: SeqInput, window: int) -> torch.Tensor:
+    """[q, kv_len] bool: key positions (the prefix's are its slots) > query position - window."""
+    pos = torch.tensor(seq.positions if seq.positions is not None else range(seq.ctx_len, seq.kv_len))
+    keys = torch.cat([torch.arange(seq.ctx_len), pos])
+    return keys[None, :] > pos[:, None] - window
 
 
 def contiguous_range_start(blocks: list[int]) -> int | None:
@@ -86,9 +100,10 @@ def _single(g: _Group, seq: SeqInput, block_size: int, device) -> _Group:
             physical = torch.empty_like(mask).view(*mask.shape[:3], nblk, block_size)
             physical[:, :, :, order] = mask.view(*mask.shape[:3], nblk, block_size)
             mask = physical.view_as(mask)
-        else:   # in order: read exactly the sequence's keys; a lone query sees them all
+        else:   # in order: read exactly the sequence's keys; a lone query sees them all (unless windowed)
             kv_len = seq.kv_len
-            mask = None if seq.num_new == 1 else mask[..., :kv_len].contiguous()
+            alone = seq.num_new == 1 and bool(mask[..., :kv_len].all())
+            mask = None if alone else mask[..., :kv_len].contiguous()
     return _Group(g.q_rows, g.kv_blocks.to(device), None if mask is None else mask.to(device), g.valid,
                   first, kv_len)
 
@@ -97,32 +112,40 @@ def _single(g: _Group, seq: SeqInput, block_size: int, device) -> _Group:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def plan(self, batch: ForwardBatch, block_size: int, device: torch.device) -> TorchAttnMeta:
+    def plan(self, batch: ForwardBatch, block_size: int, device: torch.device,
+             window: int | None = None) -> TorchAttnMeta:
         starts, slots, t = [], [], 0
         for seq in batch.seqs:
             starts.append(t)
             slots += slots_for(seq.block_table, seq.ctx_len, seq.kv_len, block_size)
             t += seq.num_new
+        groups = self._groups(batch, starts, block_size, device, None)
+        return TorchAttnMeta(torch.tensor(slots, dtype=torch.long, device=device), groups,
+                             None if window is None else self._groups(batch, starts, block_size, device, window))
+
+    def _groups(self, batch: ForwardBatch, starts: list[int], block_size: int, device,
+                window: int | None) -> list[_Group]:
         solo = [i for i, s in enumerate(batch.seqs) if s.num_new > SOLO_QUERY_LEN]
         padded = [i for i, s in enumerate(batch.seqs) if s.num_new <= SOLO_QUERY_LEN]
         if len(padded) == 1:                 # nothing to pad against: attend alone
             solo, padded = solo + padded, []
-        groups = [self._solo_group(batch.seqs[i], starts[i], block_size, device) for i in solo]
+        groups = [self._solo_group(batch.seqs[i], starts[i], block_size, device, window) for i in solo]
         if padded:
             groups.append(self._padded_group([batch.seqs[i] for i in padded],
-                                             [starts[i] for i in padded], block_size, device))
-        return TorchAttnMeta(torch.tensor(slots, dtype=torch.long, device=device), groups)
+                                             [starts[i] for i in padded], block_size, device, window))
+        return groups
 
     @staticmethod
-    def _solo_group(seq: SeqInput, start: int, block_size: int, device) -> _Group:
+    def _solo_group(seq: SeqInput, start: int, block_size: int, device, window: int | None = None) -> _Group:
         nblk = _cdiv(seq.kv_len, block_size)
         kv = torch.tensor(seq.block_table[:nblk], device=device)
         mask = torch.zeros(1, 1, seq.num_new, nblk * block_size, dtype=torch.bool)
-        mask[0, 0, :, :seq.kv_len] = new_token_mask(seq)
+        mask[0, 0, :, :seq.kv_len] = new_token_mask(seq, window)
         return _single(_Group(slice(start, start + seq.num_new), kv[None], mask, None), seq, block_size, device)
 
     @staticmethod
-    def _padded_group(seqs: list[SeqInput], starts: list[int], block_size: int, device) -> _Group:
+    def _padded_group(seqs: list[SeqInput], starts: list[int], block_size: int, device,
+                      window: int | None = None) -> _Group:
         b, qmax = len(seqs), max(s.num_new for s in seqs)
         nblk = max(_cdiv(s.kv_len, block_size) for s in seqs)
         q_rows = torch.zeros(b, qmax, dtype=torch.long)
@@ -140,24 +163,27 @@ class TorchBackend(AttentionBackend):
             used = _cdiv(n, block_size)
             kv[i, :used] = torch.tensor(seq.block_table[:used])
             mask[i, 0, :q, :] = False
-            mask[i, 0, :q, :n] = new_token_mask(seq)
+            mask[i, 0, :q, :n] = new_token_mask(seq, window)
             valid += range(i * qmax, i * qmax + q)
         if isinstance(q_rows, slice):
             return _Group(q_rows, kv.to(device), mask.to(device), None)
         return _Group(q_rows.to(device), kv.to(device), mask.to(device),
                       torch.tensor(valid, dtype=torch.long, device=device))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttnMeta, scale: float,
+                window: int | None = None, softcap: float | None = None):
         kvh, d = k_cache.shape[-2:]
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if window is not None and meta.window_groups is None:
+            raise ValueError(f"a layer attends within a window of {window}, but plan() was given none")
         out = torch.empty_like(q)
-        for g in meta.groups:
-            self._attend_group(q, k_cache, v_cache, g, out, scale)
+        for g in meta.groups if window is None else meta.window_groups:
+            self._attend_group(q, k_cache, v_cache, g, out, scale, softcap)
         return out
 
     @staticmethod
-    def _attend_group(q, k_cache, v_cache, g: _Group, out, scale):
+    def _attend_group(q, k_cache, v_cache, g: _Group, out, scale, softcap: float | None = None):
         h, d = q.shape[-2:]
         b, kvh = g.kv_blocks.shape[0], k_cache.shape[-2]
         if isinstance(g.q_rows, slice):
@@ -177,7 +203,9 @@ class TorchBackend(AttentionBackend):
             blocks = g.kv_blocks.view(-1)
             kg = torch.index_select(k_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
             vg = torch.index_select(v_cache, 0, blocks).view(b, -1, kvh, d).transpose(1, 2)
-        if b == 1 and qg.shape[1] in MATMUL_QUERY_LENS:
+        if softcap is not None:
+            o = _capped_attention(qg, kg, vg, g.mask, scale, softcap)
+        elif b == 1 and qg.shape[1] in MATMUL_QUERY_LENS:
             o = _matmul_attention(qg[0], kg[0], vg[0], g.mask[0, 0], scale)[None]
         else:
             o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
@@ -202,3 +230,19 @@ def _matmul_attention(q, k, v, mask, scale):
     o = torch.matmul(s.view(kvh, g * nq, -1).softmax(-1), v)             # [KVH, G*Q, D]
     return o.view(h, nq, d).transpose(0, 1)
 
+
+
+def _capped_attention(q, k, v, mask, scale, cap):
+    """q [B, Q, H, D], k/v [B, KVH, N, D], mask [B, 1, Q, N] bool or None -> [B, Q, H, D], with
+    scores soft-capped before the mask as HF's Gemma 2 does: cap * tanh(scores * scale / cap)."""
+    b, nq, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    qg = q.permute(0, 2, 1, 3).reshape(b, kvh, g * nq, d)                # head = kv * g + j
+    s = torch.matmul(qg, k.transpose(-1, -2)) * scale                    # [B, KVH, G*Q, N]
+    s = torch.tanh(s / cap) * cap
+    if mask is not None:
+        s = s.view(b, kvh, g, nq, -1).masked_fill(~mask.view(b, 1, 1, nq, -1), float("-inf"))
+    p = s.view(b, kvh, g * nq, -1).softmax(-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(p, v)                                               # [B, KVH, G*Q, D]
+    return o.view(b, h, nq, d).transpose(1, 2)

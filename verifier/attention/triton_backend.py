@@ -22,17 +22,19 @@ from verifier.batch import ForwardBatch
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def plan(self, batch: ForwardBatch, block_size: int, device: torch.device) -> tk.PagedAttnMeta:
+    def plan(self, batch: ForwardBatch, block_size: int, device: torch.device,
+             window: int | None = None) -> tk.PagedAttnMeta:
         seqs = batch.seqs
         return tk.pack_paged_meta(
             q_lens=[s.num_new for s in seqs], ctx_lens=[s.ctx_len for s in seqs],
             block_tables=[s.block_table for s in seqs], masks=[s.mask for s in seqs],
             block_size=block_size, device=device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: tk.PagedAttnMeta, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: tk.PagedAttnMeta, scale: float,
+                window: int | None = None, softcap: float | None = None):
         if q.device.type != "cuda" and not tk.INTERPRETED:
             raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set "
                                "before triton is imported (tests); use the torch backend on CPU")
         # k/v come out of a fused qkv projection: strided views, which both kernels accept.
         tk.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return tk.paged_tree_attention(q, k_cache, v_cache, meta, scale)   # [T, H, D]
+        return tk.paged_tree_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)

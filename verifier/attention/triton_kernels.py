@@ -150,11 +150,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ----------------------------------------------------------------------------- attention
 
 @triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): exact limits +-1 where e^2x overflows or vanishes
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok, visible,
                  kv_head, qk_scale, stride_cb, stride_cs, stride_ch, d, d_ok,
-                 PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, CAP_LOG2: tl.constexpr):
     """One online-softmax step of a [BLOCK_M] query tile over BLOCK_N keys at logical
-    positions `pos` (gathered through the block table); `visible` is [BLOCK_M, BLOCK_N]."""
+    positions `pos` (gathered through the block table); `visible` is [BLOCK_M, BLOCK_N].
+    CAP_LOG2 > 0: scores soft-capped at that (the cap in log2 units), as Gemma 2's are."""
     blk = tl.load(bt_row + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
     kv_off = blk * stride_cb + (pos % PAGE) * stride_cs + kv_head * stride_ch       # [BLOCK_N]
     k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
@@ -162,6 +169,8 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
                 mask=key_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale                  # [BLOCK_M, BLOCK_N], log2 units
+    if CAP_LOG2 > 0:
+        qk = _tanh(qk / CAP_LOG2) * CAP_LOG2
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
@@ -179,12 +188,16 @@ def _paged_tree_attn_kernel(
         block_tables_ptr, ctx_lens_ptr, tok_seq_ptr, n_new_ptr, anc_offsets_ptr, anc_ptr, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        WINDOW: tl.constexpr, CAP_LOG2: tl.constexpr):
     # grid = (new tokens, KVH): one token's GROUP query heads sharing kv head `kv_head` (rows
     # past GROUP are padding). Its keys are numbered k = 0 .. ctx + n_new - 1: the cached
     # prefix, then the new tokens it sees in index order, so a tree node at depth d walks the
     # same keys, in the same BLOCK_N tiles from key 0, as the token decoded alone after its
     # ancestors were committed: the same bits (docs/design.md, exactness on CUDA).
+    # WINDOW > 0 (a sliding layer): key k sits at position k (the prefix, then the ancestors in
+    # depth order), so the row sees keys >= total - WINDOW; the tiles wholly below are skipped,
+    # which leaves m, l and acc as masking them would.
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     s = tl.load(tok_seq_ptr + t)
@@ -204,7 +217,10 @@ def _paged_tree_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for k0 in range(0, total, BLOCK_N):
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(total - WINDOW, 0)
+    for k0 in range(lo // BLOCK_N * BLOCK_N, total, BLOCK_N):
         key = k0 + tl.arange(0, BLOCK_N)
         key_ok = key < total
         if anc_off < 0:
@@ -213,8 +229,8 @@ def _paged_tree_attn_kernel(
             a = tl.load(anc_ptr + anc_off + (key - ctx), mask=key_ok & (key >= ctx), other=0)
             pos = tl.where(key < ctx, key, ctx + a)     # logical position of the key in the sequence
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, pos, key_ok,
-                                     key_ok[None, :], kv_head, qk_scale, stride_cb, stride_cs, stride_ch, d, d_ok,
-                                     PAGE, DOT_PRECISION)
+                                     (key_ok & (key >= lo))[None, :], kv_head, qk_scale, stride_cb, stride_cs,
+                                     stride_ch, d, d_ok, PAGE, DOT_PRECISION, CAP_LOG2)
 
     # A row that sees nothing (only possible with an all-False mask row and ctx == 0) gives 0.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -224,10 +240,12 @@ def _paged_tree_attn_kernel(
 
 
 def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: PagedAttnMeta, scale: float, block_n: int = 64) -> torch.Tensor:
+                         meta: PagedAttnMeta, scale: float, block_n: int = 64, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D] new-token queries (sequence order, D contiguous); caches: [num_blocks, bs,
     KVH, D] already holding the new tokens' K/V. Returns out [T, H, D] (q's dtype, contiguous).
-    The tile sizes depend on the model alone (never on the batch), so a row's bits do not."""
+    The tile sizes depend on the model alone (never on the batch), so a row's bits do not.
+    `window`: each row sees its last `window` keys only; `softcap`: scores capped (Gemma)."""
     _check_cache(k_cache, v_cache, 4)
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -248,7 +266,8 @@ def paged_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP=group,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, PAGE=meta.block_size,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WINDOW=window or 0, CAP_LOG2=softcap * LOG2E if softcap else 0.0)
     return out
 
 

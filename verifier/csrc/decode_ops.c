@@ -140,6 +140,14 @@ static inline v8f exp_neg8(v8f x) {
     return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
+/* tanh on 8 lanes: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|); +-1 where e underflows */
+static inline v8f tanh8(v8f x) {
+    const v8f one = {1, 1, 1, 1, 1, 1, 1, 1};
+    v8i sign = (v8i)x & (v8i)(one * -0.0f);
+    v8f e = exp_neg8((v8f)((v8i)(x + x) | (v8i)(one * -0.0f)));     /* exp(-2|x|) */
+    return (v8f)((v8i)((one - e) / (one + e)) | sign);
+}
+
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef int8_t v8c __attribute__((vector_size(8), aligned(1)));
@@ -281,6 +289,35 @@ void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
             v8f num = (v8f)(((v8i)e & neg) | ((v8i)one & ~neg));             /* a < 0 ? e : 1 */
             store_bf16x8(out + t * inter + i, a * (num / (one + e)) * load_bf16x8(u + i));
         }
+    }
+}
+
+/* out[t, i] = bf16(gelu_tanh(g) * u) for gu[t] = [g (inter) | u (inter)], gelu_tanh(g) =
+ * g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Gemma's GeGLU); inter % 8 == 0 */
+void gelu_tanh_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const bf16 *g = gu + t * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 8) {
+            v8f a = load_bf16x8(g + i);
+            v8f inner = (a + a * a * a * 0.044715f) * 0.7978845608028654f;
+            store_bf16x8(out + t * inter + i, a * 0.5f * (1.0f + tanh8(inner)) * load_bf16x8(u + i));
+        }
+    }
+}
+
+/* x = cap * tanh(x / cap) over n floats in place (Gemma's final logits), -inf kept (a masked
+ * logit stays masked). Every element goes through the same 8-lane code, the tail padded: its
+ * bits depend on its value alone, never on where it sits. */
+void soft_cap_f32(float *x, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; i += 8) {
+        float tmp[8] = {0};
+        int64_t m = n - i < 8 ? n - i : 8;
+        memcpy(tmp, x + i, sizeof(float) * m);
+        v8f a = load8(tmp);
+        v8i masked = a == -INFINITY;
+        v8f c = tanh8(a / cap) * cap;
+        store8(tmp, (v8f)(((v8i)a & masked) | ((v8i)c & ~masked)));
+        memcpy(x + i, tmp, sizeof(float) * m);
     }
 }
 
@@ -481,6 +518,11 @@ _Static_assert(VB <= 6, "BY_COUNT names counts up to 6");
 #define BY_COUNT(call, nb)                                                                          \
     switch (nb) { CASE(call, 1) CASE(call, 2) CASE(call, 3) CASE(call, 4) CASE(call, 5) default: call(VB); }
 
+/* s = cap * tanh(s / cap) over one vector's cnt scores and their group's pads (Gemma 2) */
+static inline void soft_cap(float *sc, int64_t cnt, float cap) {
+    for (int64_t i = 0; i < cnt; i += 8) store8(sc + i, tanh8(load8(sc + i) / cap) * cap);
+}
+
 /* p = exp(s - m) over one vector's cnt scores (the rest of their group of 8 zeroed); returns
  * m, the largest score, and puts the sum of p (key i's term in lane i % 8) in *l. */
 static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
@@ -500,9 +542,9 @@ static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
 
 /* One chunk of keys, [c0, c0 + CH), for every vector of an item: part[r] = (o [D], m, l), the
  * chunk's unnormalized output, largest score and exp sum (m = -inf, l = 0 where the vector has
- * no key in the chunk). score: QV x CH floats. */
+ * no key in the chunk). score: QV x CH floats. cap > 0: scores soft-capped at cap. */
 static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
-                                const int64_t D, float scale, float *score, float *part) {
+                                const int64_t D, float scale, float cap, float *score, float *part) {
     int64_t to[QV] = {0};     /* (nq <= QV, which the compiler cannot see) */
     int member[QV][VB], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
@@ -518,6 +560,7 @@ static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, cons
         const int *v = member[u];
         for (int b = 0; b < size[u]; b++) {
             float *pr = part + v[b] * (D + 2);
+            if (cap > 0.0f) soft_cap(score + v[b] * CH, to[v[b]] - c0, cap);
             pr[D] = chunk_softmax(score + v[b] * CH, to[v[b]] - c0, pr + D + 1);
         }
 #define WEIGH(nb) weigh_values(it, v, nb, c0, to[v[0]], vc, nkv, D, score, o)
@@ -536,13 +579,13 @@ static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, cons
 }
 
 static void attend_chunk_d64(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv, float scale,
-                             float *score, float *part) {
-    attend_chunk(it, c0, kc, vc, nkv, 64, scale, score, part);
+                             float cap, float *score, float *part) {
+    attend_chunk(it, c0, kc, vc, nkv, 64, scale, cap, score, part);
 }
 
 static void attend_chunk_d128(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
-                              float scale, float *score, float *part) {
-    attend_chunk(it, c0, kc, vc, nkv, 128, scale, score, part);
+                              float scale, float cap, float *score, float *part) {
+    attend_chunk(it, c0, kc, vc, nkv, 128, scale, cap, score, part);
 }
 
 /* out[r] = bf16(sum_c o_c e^(m_c - m) / sum_c l_c e^(m_c - m)), m = max_c m_c, over one
@@ -565,12 +608,14 @@ static void merge_chunks(const float *part, int64_t chunks, int64_t stride, int6
 /* The attention heads of a model (mirrored by verifier.cpu_ops.Heads). parallel_from: the work
  * (rows x longest key list x query heads) from which a forward's attention is spread over the
  * threads, measured at load (verifier/attention_tuning.py); below it one thread is faster.
- * prefetch_bytes: how much of a layer's KV prefetch_kv requests (a quarter of L2). */
+ * prefetch_bytes: how much of a layer's KV prefetch_kv requests (a quarter of L2). softcap:
+ * scores become softcap * tanh(score / softcap) before the softmax where > 0 (Gemma 2). */
 typedef struct {
     int64_t nh, nkv, d;
     float scale;
     const float *cos, *sin;     /* rope tables fp32 [positions, D], sin with its first half negated */
     int64_t parallel_from, prefetch_bytes;
+    float softcap;
 } Heads;
 
 /* The rows of one forward, shared by all its layers (mirrored by verifier.cpu_ops.Rows).
@@ -662,11 +707,13 @@ static void attend_item(const Work *w, int64_t i, float *score) {
     Item it = unit_item(hd, w->rw, w->q, u, kvh, h0, nhq, w->out);
     float *part = w->parts + i * QV * w->stride;
     if (hd->d == 64)
-        attend_chunk_d64(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, score, part);
+        attend_chunk_d64(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, hd->softcap, score, part);
     else if (hd->d == 128)
-        attend_chunk_d128(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, score, part);
+        attend_chunk_d128(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, hd->softcap, score,
+                          part);
     else
-        attend_chunk(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->d, hd->scale, score, part);
+        attend_chunk(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->d, hd->scale, hd->softcap, score,
+                     part);
 }
 
 /* Group g (a unit's vectors for one KV head): each vector's chunks merged in chunk order. */
