@@ -8,12 +8,13 @@
  * Weights, packed at load by verifier/qlinear.py:pack_q8 (w = q * scale per 16 weights of a
  * row, q in -2^(bits-1) .. 2^(bits-1) - 1, bits 5, 6 or 8), held as u = q + 2^(bits-1):
  * tiles of Q8_TILE = 16 output channels, a tile's K / 32 blocks in order, each
- * 256 + 64 (bits - 4) + 64 bytes:
- *   bytes 0..255     u's low four bits, as q4_matmul.c's nibbles: byte 64 g + 4 c + e holds
- *                    channel c's weight 4 g + e (low nibble) and 16 + 4 g + e (high nibble)
- *   then per bit p of u's bits 4 .. bits-1, 64 bytes: bit v of byte 4 c + e is bit p of the
- *                    weight the nibble vector v holds in that byte (v = g for low nibbles,
- *                    4 + g for high ones)
+ * 256 + 64 (bits - 4) + 64 bytes. Vector v (0..7, 64 bytes: byte 4 c + e for channel c) holds
+ * the weights 16 (v / 4) + 4 (v % 4) + e, so vectors 0..3 are the first half-block:
+ *   5 and 6 bits: bytes 0..255, u's low four bits: byte 64 g + 4 c + e holds vector g's in its
+ *                    low nibble and vector 4 + g's in its high one (q4_matmul.c's nibbles);
+ *                    then per bit p of u's bits 4 .. bits-1, 64 bytes: bit v of byte 4 c + e is
+ *                    bit p of vector v's weight there
+ *   8 bits:       bytes 0..511, vector v's u at 64 v + 4 c + e (no unpacking)
  *   then 64 bytes    the 16 channels' scales for weights 0..15, then for 16..31, bf16
  * Per channel, block and half h, with A = 256 (sum of u * hi) + (sum of u * lo) over the half
  * (an exact integer) and S its activations' sum (act_quant.h):
@@ -54,6 +55,7 @@ static inline void prefetch_q8(const Weights *wt, const uint8_t *w) {
 /* u of channel c, weight i (0..31) of the block at w. */
 static inline int32_t weight_u(const uint8_t *w, int64_t planes, int c, int i) {
     int h = i >= 16, g = (i % 16) / 4, e = i % 4, v = 4 * h + g, byte = 4 * c + e;
+    if (planes == 4) return w[64 * v + byte];
     int32_t u = (w[64 * g + byte] >> (4 * h)) & 15;
     for (int p = 0; p < planes; p++) u |= ((w[256 + 64 * p + byte] >> v) & 1) << (4 + p);
     return u;
@@ -110,14 +112,18 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
         __m512i u[8];
         prefetch_q8(wt, w);
-        for (int g = 0; g < 4; g++) {
-            __m512i p = _mm512_loadu_si512(w + 64 * g);
-            u[g] = _mm512_and_si512(p, low);
-            u[4 + g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-        }
-        for (int p = 0; p < wt->planes; p++) {
-            __m512i plane = _mm512_loadu_si512(w + 256 + 64 * p);
-            for (int v = 0; v < 8; v++) u[v] = _mm512_or_si512(u[v], plane_bits(plane, v, 4 + p));
+        if (wt->planes == 4) {
+            for (int v = 0; v < 8; v++) u[v] = _mm512_loadu_si512(w + 64 * v);
+        } else {
+            for (int g = 0; g < 4; g++) {
+                __m512i p = _mm512_loadu_si512(w + 64 * g);
+                u[g] = _mm512_and_si512(p, low);
+                u[4 + g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            }
+            for (int p = 0; p < wt->planes; p++) {
+                __m512i plane = _mm512_loadu_si512(w + 256 + 64 * p);
+                for (int v = 0; v < 8; v++) u[v] = _mm512_or_si512(u[v], plane_bits(plane, v, 4 + p));
+            }
         }
         const uint8_t *sw = w + 256 + 64 * wt->planes;
         __m512 sc0 = q8_bf16x16(sw), sc1 = q8_bf16x16(sw + 32);
@@ -202,22 +208,28 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
     __m256 acc[Q8_ROWS][2];
     for (int i = 0; i < Q8_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
-    const int split = wt->planes > 2, base = split ? 0 : 4;
+    const int split = wt->planes > 2;
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
         prefetch_q8(wt, w);
         const uint8_t *sw = w + 256 + 64 * wt->planes;
         for (int c = 0; c < 2; c++) {            /* channels 8 c .. 8 c + 7 */
             __m256i nib[8], top[8];
-            for (int g = 0; g < 4; g++) {
-                __m256i p = _mm256_loadu_si256((const void *)(w + 64 * g + 32 * c));
-                nib[g] = _mm256_and_si256(p, low);
-                nib[4 + g] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-                top[g] = top[4 + g] = _mm256_setzero_si256();
-            }
-            __m256i *dst = split ? top : nib;
-            for (int p = 0; p < wt->planes; p++) {
-                __m256i plane = _mm256_loadu_si256((const void *)(w + 256 + 64 * p + 32 * c));
-                for (int v = 0; v < 8; v++) dst[v] = _mm256_or_si256(dst[v], plane_bits(plane, v, base + p));
+            if (split) {                            /* 8 bits: whole bytes, as two nibbles */
+                for (int v = 0; v < 8; v++) {
+                    __m256i p = _mm256_loadu_si256((const void *)(w + 64 * v + 32 * c));
+                    nib[v] = _mm256_and_si256(p, low);
+                    top[v] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+                }
+            } else {
+                for (int g = 0; g < 4; g++) {
+                    __m256i p = _mm256_loadu_si256((const void *)(w + 64 * g + 32 * c));
+                    nib[g] = _mm256_and_si256(p, low);
+                    nib[4 + g] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+                }
+                for (int p = 0; p < wt->planes; p++) {
+                    __m256i plane = _mm256_loadu_si256((const void *)(w + 256 + 64 * p + 32 * c));
+                    for (int v = 0; v < 8; v++) nib[v] = _mm256_or_si256(nib[v], plane_bits(plane, v, 4 + p));
+                }
             }
             __m256 sc0 = q8_bf16x8(sw + 16 * c), sc1 = q8_bf16x8(sw + 32 + 16 * c);
             for (int i = 0; i < Q8_ROWS; i++) {
