@@ -15,7 +15,7 @@ from verifier.quant import Int8Weight, quantize_int8
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="q8x16 is built for AVX2 or AVX-512 VNNI")
 
-FORMATS = [(5, 32), (6, 16), (8, 32)]       # Q5_0, Q6_K, Q8_0: bits and scale group
+FORMATS = [(5, 32), (6, 16), (8, 32), (5, 16), (6, 32), (8, 16)]     # Q5_0, Q6_K, Q8_0, then the other groupings
 
 
 def _weights(n: int, k: int, bits: int, group: int, seed: int = 0) -> Int8Weight:
@@ -40,18 +40,18 @@ def test_vector_path_is_bitwise_the_scalar_reference(bits, group, n, k):
     w = _weights(n, k, bits, group)
     assert q8_bits(w) == bits
     packed, x = pack_q8(w), _activations(17, k)        # two full passes of 8 rows and one of 1
-    assert torch.equal(cpu_ops.q8_matmul(packed, bits, n, x), cpu_ops.q8_matmul(packed, bits, n, x, reference=True))
+    assert torch.equal(cpu_ops.q8_matmul(packed, bits, group, n, x), cpu_ops.q8_matmul(packed, bits, group, n, x, reference=True))
 
 
 @pytest.mark.parametrize("bits,group", FORMATS)
 def test_a_row_is_the_same_alone_and_among_others(bits, group):
     w = _weights(96, 576, bits, group)
     packed, x = pack_q8(w), _activations(17, 576)
-    full = cpu_ops.q8_matmul(packed, bits, 96, x)
+    full = cpu_ops.q8_matmul(packed, bits, group, 96, x)
     for i in range(17):
-        assert torch.equal(cpu_ops.q8_matmul(packed, bits, 96, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
+        assert torch.equal(cpu_ops.q8_matmul(packed, bits, group, 96, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
     for m in (2, 5, 8, 9, 16):
-        assert torch.equal(cpu_ops.q8_matmul(packed, bits, 96, x[17 - m:].contiguous()), full[17 - m:]), f"{m} rows"
+        assert torch.equal(cpu_ops.q8_matmul(packed, bits, group, 96, x[17 - m:].contiguous()), full[17 - m:]), f"{m} rows"
 
 
 @pytest.mark.parametrize("bits,group", FORMATS)
@@ -63,7 +63,7 @@ def test_result_is_the_served_weights_product(bits, group):
     w = _weights(n, k, bits, group)
     x = _activations(6, k)
     want = x.double() @ w.dequantize().double().t()
-    got = cpu_ops.q8_matmul(pack_q8(w), bits, n, x).double()
+    got = cpu_ops.q8_matmul(pack_q8(w), bits, group, n, x).double()
     assert got.shape == (6, n)
     rel = (got - want).abs() / want.abs().clamp_min(1e-3 * want.abs().max())
     assert rel.median() < 2 ** -9 and rel.max() < 0.05
@@ -74,10 +74,14 @@ def test_padded_channels_and_bad_arguments():
     w = _weights(40, 64, 6, 16)
     packed = pack_q8(w)
     assert packed.shape == (3, 2, 256 + 2 * 64 + 64)        # 40 channels -> 3 tiles of 16
+    assert pack_q8(_weights(40, 64, 5, 32)).shape == (3, 2, 256 + 64 + 32)     # Q5_0's 22 bytes per 32
+    assert pack_q8(_weights(40, 64, 8, 32)).shape == (3, 2, 512 + 32)          # Q8_0's 34 bytes per 32
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_ops.q8_matmul(packed, 6, 40, torch.zeros(1, 48, dtype=torch.bfloat16))
+        cpu_ops.q8_matmul(packed, 6, 16, 40, torch.zeros(1, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="5, 6 or 8 bits"):
-        cpu_ops.q8_matmul(packed, 7, 40, torch.zeros(1, 64, dtype=torch.bfloat16))
+        cpu_ops.q8_matmul(packed, 7, 16, 40, torch.zeros(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        cpu_ops.q8_matmul(packed, 6, 64, 40, torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
 def test_quant_linear_serves_blocks_on_q8x16_and_channels_on_torch_int8():
@@ -99,12 +103,13 @@ def _avx2_q8_matmul():
                                    ("CC", "cc", "gcc"), salt="avx2", headers=cpu_ops.HEADERS)
     lib = ctypes.CDLL(str(path))
     lib.q4_isa.restype = lib.q8_matmul.restype = ctypes.c_int64
-    lib.q8_matmul.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.q8_matmul.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     assert lib.q4_isa() == 256
 
-    def run(packed: torch.Tensor, bits: int, n: int, x: torch.Tensor) -> torch.Tensor:
+    def run(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-        assert lib.q8_matmul(packed.data_ptr(), bits, n, x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr()) == 0
+        assert lib.q8_matmul(packed.data_ptr(), bits, group, n, x.shape[1], x.data_ptr(), x.shape[0],
+                             out.data_ptr()) == 0
         return out
     return run
 
@@ -114,7 +119,7 @@ def test_the_avx2_build_gives_the_same_bits(bits, group):
     run = _avx2_q8_matmul()
     w = _weights(72, 1536, bits, group)
     x = _activations(11, 1536)
-    assert torch.equal(run(pack_q8(w), bits, 72, x), cpu_ops.q8_matmul(pack_q8(w), bits, 72, x))
+    assert torch.equal(run(pack_q8(w), bits, group, 72, x), cpu_ops.q8_matmul(pack_q8(w), bits, group, 72, x))
 
 
 @pytest.mark.parametrize("bits,group", FORMATS)
@@ -137,4 +142,4 @@ def test_the_avx2_sums_hold_at_the_extremes(bits, group):
     x[3] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # alternating signs
     x = x.to(torch.bfloat16)
     packed = pack_q8(w)
-    assert torch.equal(run(packed, bits, n, x), cpu_ops.q8_matmul(packed, bits, n, x, reference=True))
+    assert torch.equal(run(packed, bits, group, n, x), cpu_ops.q8_matmul(packed, bits, group, n, x, reference=True))

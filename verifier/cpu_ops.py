@@ -52,8 +52,8 @@ _SIGNATURES = {
     "q4_matmul": [_P, _I, _I, _P, _I, _P],
     "q4_matmul_ref": [_P, _I, _I, _P, _I, _P],
     "q4_isa": [],
-    "q8_matmul": [_P, _I, _I, _I, _P, _I, _P],
-    "q8_matmul_ref": [_P, _I, _I, _I, _P, _I, _P],
+    "q8_matmul": [_P, _I, _I, _I, _I, _P, _I, _P],
+    "q8_matmul_ref": [_P, _I, _I, _I, _I, _P, _I, _P],
 }
 _RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
             "q4_isa": _I, "q8_matmul": _I, "q8_matmul_ref": _I}
@@ -291,15 +291,17 @@ def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = F
     return out
 
 
-def q8_matmul(packed: torch.Tensor, bits: int, n: int, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
-    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W of `bits` (5, 6 or 8) as
-    `verifier.qlinear.pack_q8` lays it out; `reference`: through the scalar code."""
+def q8_matmul(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tensor,
+              reference: bool = False) -> torch.Tensor:
+    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W of `bits` (5, 6 or 8) with a scale per
+    `group` (16 or 32) weights as `verifier.qlinear.pack_q8` lays it out; `reference`: through the
+    scalar code."""
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"q8_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)
     fn = _library().q8_matmul_ref if reference else _library().q8_matmul
-    if fn(packed.data_ptr(), bits, n, k, x.data_ptr(), m, out.data_ptr()):
-        raise ValueError(f"q8_matmul takes K a multiple of 32 (got {k}) and 5, 6 or 8 bits (got {bits}), "
-                         "or ran out of memory")
+    if fn(packed.data_ptr(), bits, group, n, k, x.data_ptr(), m, out.data_ptr()):
+        raise ValueError(f"q8_matmul takes K a multiple of 32 (got {k}), 5, 6 or 8 bits (got {bits}) and "
+                         f"groups of 16 or 32 (got {group}), or ran out of memory")
     return out

@@ -72,7 +72,7 @@ class QuantLinear(nn.Module):
         if self.kind == "int8" and not self._owns:
             self.bits = q8_bits(weight)
             self.register_buffer("q8", pack_q8(self._source))
-            self._owns["q8x16"] = (_q8_mm, (self.q8, self.bits, self.out_features))
+            self._owns["q8x16"] = (_q8_mm, (self.q8, self.bits, weight.group, self.out_features))
         self.use_own(self.kind if self.kind in self._owns else next(iter(self._owns)))
 
     def _pack_int4(self, w: Int4Weight) -> None:
@@ -202,8 +202,8 @@ def pack_q4(w: Int4Weight) -> torch.Tensor:
     return torch.cat([nibbles, per_block(scale), per_block(zero)], -1).contiguous()
 
 
-def _q8_mm(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    return cpu_ops.q8_matmul(packed, bits, n, x)
+def _q8_mm(x: torch.Tensor, packed: torch.Tensor, bits: int, group: int, n: int) -> torch.Tensor:
+    return cpu_ops.q8_matmul(packed, bits, group, n, x)
 
 
 def q8_offered(w: QuantWeight) -> bool:
@@ -220,11 +220,11 @@ def q8_bits(w: Int8Weight) -> int:
 
 
 def pack_q8(w: Int8Weight) -> torch.Tensor:
-    """uint8 [ceil(N / 16), K / 32, 256 + 64 (bits - 4) + 64]: `w` (its scales in bf16) in the
-    layout csrc/q8_matmul.c describes, u = q + 2^(bits - 1). Per tile of 16 channels and block
-    of 32 weights: for 5 and 6 bits u's low nibbles as pack_q4 lays them out and one 64-byte
-    plane per higher bit (bit v of byte 4 c + e: the bit of the weight vector v holds there),
-    for 8 bits the 8 vectors' bytes; then the 16 channels' scales of each half-block."""
+    """uint8 [ceil(N / 16), K / 32, 256 + 64 (bits - 4) + 32 (32 / group)]: `w` (its scales in bf16)
+    in the layout csrc/q8_matmul.c describes, u = q + 2^(bits - 1). Per tile of 16 channels and
+    block of 32 weights: for 5 and 6 bits u's low nibbles as pack_q4 lays them out and one 64-byte
+    plane per higher bit (bit v of byte 4 c + e: the bit of the weight vector v holds there), for
+    8 bits the 8 vectors' bytes; then the 16 channels' scales of each group in the block."""
     bits, (n, k) = q8_bits(w), w.shape
     pad = -n % Q4_TILE
     u = F.pad(w.q.to(torch.int32) + (1 << (bits - 1)), (0, 0, 0, pad))     # padded channels: scale 0
@@ -232,19 +232,21 @@ def pack_q8(w: Int8Weight) -> torch.Tensor:
     u = u.view(tiles, Q4_TILE, blocks, 2, 4, 4)                 # weight 16 h + 4 g + e of a block
     if bits == 8:                                               # vector v = 4 h + g, byte 4 c + e
         vectors = u.permute(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 512)
-        return torch.cat([vectors, _half_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
+        return torch.cat([vectors, _group_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
     nib = u & 15
     nibbles = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
     vector_bit = (1 << torch.arange(8, dtype=torch.int32)).view(2, 4, 1)      # vector v = 4 h + g
     planes = [(((u >> p) & 1) * vector_bit).sum((3, 4)).permute(0, 2, 1, 3).reshape(tiles, blocks, 64)
               for p in range(4, bits)]
-    return torch.cat([nibbles, *planes, _half_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
+    return torch.cat([nibbles, *planes, _group_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
 
 
-def _half_scales(w: Int8Weight, tiles: int, blocks: int, pad: int) -> torch.Tensor:
-    """bytes [tiles, blocks, 64]: per block the 16 channels' bf16 scales of weights 0..15, then 16..31."""
-    halves = F.pad(w.scale, (0, 0, 0, pad)).repeat_interleave(w.group // 16, 1).to(torch.bfloat16)
-    return halves.view(tiles, Q4_TILE, blocks, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, 64)
+def _group_scales(w: Int8Weight, tiles: int, blocks: int, pad: int) -> torch.Tensor:
+    """bytes [tiles, blocks, 32 per group]: per block the 16 channels' bf16 scales of each of its
+    groups (weights 0..15 then 16..31, or all 32)."""
+    per = Q4_BLOCK // w.group
+    scales = F.pad(w.scale, (0, 0, 0, pad)).to(torch.bfloat16).view(tiles, Q4_TILE, blocks, per)
+    return scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, 32 * per)
 
 
 class QuantEmbedding(nn.Module):

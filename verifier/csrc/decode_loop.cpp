@@ -42,7 +42,8 @@ typedef void (*RmsNormRows)(const float *x, const int64_t *idx, const float *w, 
                             float *out);
 typedef void (*ScanTopk)(const bf16 *scan, int64_t rows, int64_t v, int64_t k, float *out, int64_t *top);
 typedef int64_t (*Q4Matmul)(const void *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out);
-typedef int64_t (*Q8Matmul)(const void *w, int64_t bits, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out);
+typedef int64_t (*Q8Matmul)(const void *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x,
+                            int64_t m, bf16 *out);
 typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows,
                             int64_t k, int64_t h, int64_t g, float *out, int64_t v);
 
@@ -74,9 +75,10 @@ bf16 *bits_mut(at::Tensor &t) { return static_cast<bf16 *>(t.data_ptr()); }
 
 struct Linear {
     int64_t kind = 0;       /* 4: torch's int4 (packed, group, scale_zero); 16: q4_matmul.c's (packed);
-                               8: int8 per channel (q, scale); 32: q8_matmul.c's (packed, group = bits) */
+                               8: int8 per channel (q, scale); 32: q8_matmul.c's (packed, group, bits) */
     at::Tensor w, s;
     int64_t group = 0, n = 0;   /* n: output features (the int4 packings pad to a multiple of 16) */
+    int64_t wbits = 0;          /* kind 32: the weights' bits */
     Q4Matmul q4 = nullptr;
     Q8Matmul q8 = nullptr;
 
@@ -92,7 +94,7 @@ struct Linear {
         if (kind == 32) {
             RECORD_FUNCTION("tercel::q8_matmul", std::vector<c10::IValue>());
             at::Tensor y = at::empty({x.size(0), n}, x.options());
-            if (q8(w.data_ptr(), group, n, x.size(1), bits(x), x.size(0), bits_mut(y)))
+            if (q8(w.data_ptr(), wbits, group, n, x.size(1), bits(x), x.size(0), bits_mut(y)))
                 throw std::runtime_error("q8_matmul failed (K not a multiple of 32, or out of memory)");
             return y;
         }
@@ -148,7 +150,7 @@ extern "C" {
 
 /* A Linear's weights, as verifier/cpu_loop.py describes them. */
 typedef struct {
-    int64_t kind, w, s, group, n;   /* w, s: TensorImpl addresses (s 0 for kinds 16 and 32) */
+    int64_t kind, w, s, group, n, bits;   /* w, s: TensorImpl addresses (s 0 for kinds 16 and 32); bits: kind 32's */
 } LinearSpec;
 
 }  // extern "C"
@@ -156,7 +158,7 @@ typedef struct {
 static Linear linear(const Model &m, const LinearSpec &spec) {
     bool packed_only = spec.kind == 16 || spec.kind == 32;
     return Linear{spec.kind, tensor_at(spec.w), packed_only ? at::Tensor() : tensor_at(spec.s), spec.group,
-                  spec.n, m.q4_matmul, m.q8_matmul};
+                  spec.n, spec.bits, m.q4_matmul, m.q8_matmul};
 }
 
 extern "C" {

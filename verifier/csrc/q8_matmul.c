@@ -5,20 +5,21 @@
  * 256); requantizing those to 4 bits, or to int8 per channel, loses the file's accuracy, and
  * dequantizing them to fp32 makes the model several times slower than its int4 neighbours.
  *
- * Weights, packed at load by verifier/qlinear.py:pack_q8 (w = q * scale per 16 weights of a
- * row, q in -2^(bits-1) .. 2^(bits-1) - 1, bits 5, 6 or 8), held as u = q + 2^(bits-1):
- * tiles of Q8_TILE = 16 output channels, a tile's K / 32 blocks in order, each
- * 256 + 64 (bits - 4) + 64 bytes. Vector v (0..7, 64 bytes: byte 4 c + e for channel c) holds
+ * Weights, packed at load by verifier/qlinear.py:pack_q8 (w = q * scale per `group` = 16 or 32
+ * weights of a row, q in -2^(bits-1) .. 2^(bits-1) - 1, bits 5, 6 or 8), held as
+ * u = q + 2^(bits-1): tiles of Q8_TILE = 16 output channels, a tile's K / 32 blocks in order,
+ * each 256 + 64 (bits - 4) + 32 (32 / group) bytes. Vector v (0..7, 64 bytes: byte 4 c + e for channel c) holds
  * the weights 16 (v / 4) + 4 (v % 4) + e, so vectors 0..3 are the first half-block:
  *   5 and 6 bits: bytes 0..255, u's low four bits: byte 64 g + 4 c + e holds vector g's in its
  *                    low nibble and vector 4 + g's in its high one (q4_matmul.c's nibbles);
  *                    then per bit p of u's bits 4 .. bits-1, 64 bytes: bit v of byte 4 c + e is
  *                    bit p of vector v's weight there
  *   8 bits:       bytes 0..511, vector v's u at 64 v + 4 c + e (no unpacking)
- *   then 64 bytes    the 16 channels' scales for weights 0..15, then for 16..31, bf16
- * Per channel, block and half h, with A = 256 (sum of u * hi) + (sum of u * lo) over the half
- * (an exact integer) and S its activations' sum (act_quant.h):
- *   y += scale_h * (float(A - 2^(bits-1) S) * d)          (one fma per half, half 0 first)
+ *   then the 16 channels' bf16 scales: for weights 0..15, then for 16..31 (group 16), or for
+ *                    all 32 (group 32: the bytes the file's Q5_0 or Q8_0 block spends)
+ * Per channel, block and scale group h, with A = 256 (sum of u * hi) + (sum of u * lo) over the
+ * group (an exact integer) and S its activations' sum (act_quant.h):
+ *   y += scale_h * (float(A - 2^(bits-1) S) * d)          (one fma per group, in order)
  *
  * Exactness: as q4_matmul.c. Every output is computed by one thread, over the blocks in order,
  * with the same integer sums and the same float operations in the scalar reference, the AVX2
@@ -41,11 +42,12 @@
 #define Q8_TILE 16
 #define Q8_ROWS 8          /* rows multiplied per pass over a tile's weights (registers) */
 #define Q8_AHEAD 8         /* blocks prefetched ahead, as q4_matmul.c */
-#define Q8_BLOCK_BYTES(planes) (256 + 64 * (planes) + 64)
+#define Q8_BLOCK_BYTES(planes, halves) (256 + 64 * (planes) + 32 * (halves))
 
 typedef struct {
     int64_t planes, bytes;      /* bits - 4, bytes per block */
     int32_t off;                /* 2^(bits-1) */
+    int halves;                 /* scales per block: 2 (group 16) or 1 (group 32) */
 } Weights;
 
 static inline void prefetch_q8(const Weights *wt, const uint8_t *w) {
@@ -71,13 +73,15 @@ static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t row
             const int8_t *xq = a->q + j * 2 * ACT_BLOCK;
             for (int c = 0; c < Q8_TILE; c++) {
                 float *yc = y + i * Q8_TILE + c;
-                for (int h = 0; h < 2; h++) {
-                    int32_t hi = 0, lo = 0;
-                    for (int l = 16 * h; l < 16 * h + 16; l++) {
+                int per = ACT_BLOCK / wt->halves;
+                for (int h = 0; h < wt->halves; h++) {
+                    int32_t hi = 0, lo = 0, s = 0;
+                    for (int l = per * h; l < per * h + per; l++) {
                         int32_t u = weight_u(w, wt->planes, c, l);
                         hi += u * xq[l], lo += u * xq[ACT_BLOCK + l];
                     }
-                    float f = (float)(hi * 256 + lo - wt->off * a->sh[2 * j + h]) * a->d[j];
+                    for (int q = h * 2 / wt->halves; q < (h + 1) * 2 / wt->halves; q++) s += a->sh[2 * j + q];
+                    float f = (float)(hi * 256 + lo - wt->off * s) * a->d[j];
                     *yc = fmaf(bf16_to_f32(sc[Q8_TILE * h + c]), f, *yc);
                 }
             }
@@ -126,7 +130,7 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
             }
         }
         const uint8_t *sw = w + 256 + 64 * wt->planes;
-        __m512 sc0 = q8_bf16x16(sw), sc1 = q8_bf16x16(sw + 32);
+        __m512 sc0 = q8_bf16x16(sw), sc1 = wt->halves == 2 ? q8_bf16x16(sw + 32) : sc0;
         #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) {
             int64_t j = (r0 + i) * a->nb + b;
@@ -139,6 +143,13 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
                 t1 = q8_dot(t1, u[4 + g], xq + ACT_BLOCK + 16 + 4 * g);
             }
             __m512 d = _mm512_set1_ps(a->d[j]);
+            if (wt->halves == 1) {               /* one scale for the block: one sum */
+                s0 = _mm512_add_epi32(s0, s1), t0 = _mm512_add_epi32(t0, t1);
+                s0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s0, 8), t0),
+                                      _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j] + a->sh[2 * j + 1])));
+                acc[i] = _mm512_fmadd_ps(sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(s0), d), acc[i]);
+                continue;
+            }
             s0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s0, 8), t0),
                                   _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j])));
             s1 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s1, 8), t1),
@@ -231,7 +242,7 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
                     for (int v = 0; v < 8; v++) nib[v] = _mm256_or_si256(nib[v], plane_bits(plane, v, 4 + p));
                 }
             }
-            __m256 sc0 = q8_bf16x8(sw + 16 * c), sc1 = q8_bf16x8(sw + 32 + 16 * c);
+            __m256 sc0 = q8_bf16x8(sw + 16 * c), sc1 = wt->halves == 2 ? q8_bf16x8(sw + 32 + 16 * c) : sc0;
             for (int i = 0; i < Q8_ROWS; i++) {
                 if (i == rows) break;
                 int64_t j = (r0 + i) * a->nb + b;
@@ -240,6 +251,13 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
                 __m256i t0 = half_sum(nib, top, split, xq + ACT_BLOCK);
                 __m256i t1 = half_sum(nib + 4, top + 4, split, xq + ACT_BLOCK + 16);
                 __m256 d = _mm256_set1_ps(a->d[j]);
+                if (wt->halves == 1) {           /* one scale for the block: one sum */
+                    s0 = _mm256_add_epi32(s0, s1), t0 = _mm256_add_epi32(t0, t1);
+                    s0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s0, 8), t0),
+                                          _mm256_set1_epi32(wt->off * (a->sh[2 * j] + a->sh[2 * j + 1])));
+                    acc[i][c] = _mm256_fmadd_ps(sc0, _mm256_mul_ps(_mm256_cvtepi32_ps(s0), d), acc[i][c]);
+                    continue;
+                }
                 s0 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s0, 8), t0),
                                       _mm256_set1_epi32(wt->off * a->sh[2 * j]));
                 s1 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s1, 8), t1),
@@ -260,11 +278,14 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
 
 typedef void (*Q8TileFn)(const Weights *, const Act *, int64_t, int64_t, const uint8_t *, float *);
 
-static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t n, int64_t k, const bf16 *x,
-                      int64_t m, bf16 *out) {
+static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k,
+                      const bf16 *x, int64_t m, bf16 *out) {
     Act a;
-    if (k % ACT_BLOCK || (bits != 5 && bits != 6 && bits != 8) || act_new(&a, x, m, k)) return 1;
-    Weights wt = {bits - 4, Q8_BLOCK_BYTES(bits - 4), 1 << (bits - 1)};
+    if (k % ACT_BLOCK || (bits != 5 && bits != 6 && bits != 8) || (group != 16 && group != 32) ||
+        act_new(&a, x, m, k))
+        return 1;
+    int halves = (int)(ACT_BLOCK / group);
+    Weights wt = {bits - 4, Q8_BLOCK_BYTES(bits - 4, halves), 1 << (bits - 1), halves};
     int64_t tiles = (n + Q8_TILE - 1) / Q8_TILE, bytes = a.nb * wt.bytes;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -280,13 +301,16 @@ static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t n, 
     return 0;
 }
 
-/* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above with `bits` 5, 6 or 8
- * (ceil(N / 16) tiles, K a multiple of 32). Returns 0, or 1 (a bad K or bits, or no memory). */
-int64_t q8_matmul(const uint8_t *w, int64_t bits, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
-    return q8_run(q8_tile_fast, w, bits, n, k, x, m, out);
+/* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above with `bits` 5, 6 or 8 and a scale
+ * per `group` 16 or 32 weights (ceil(N / 16) tiles, K a multiple of 32). Returns 0, or 1 (a bad K,
+ * bits or group, or no memory). */
+int64_t q8_matmul(const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x, int64_t m,
+                  bf16 *out) {
+    return q8_run(q8_tile_fast, w, bits, group, n, k, x, m, out);
 }
 
 /* The same through the scalar reference (tests compare the two bit for bit). */
-int64_t q8_matmul_ref(const uint8_t *w, int64_t bits, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
-    return q8_run(q8_tile_ref, w, bits, n, k, x, m, out);
+int64_t q8_matmul_ref(const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x,
+                      int64_t m, bf16 *out) {
+    return q8_run(q8_tile_ref, w, bits, group, n, k, x, m, out);
 }
