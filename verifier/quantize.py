@@ -8,7 +8,7 @@ What each weight becomes (the model file's own weights wherever a kernel can tak
 | projections, GGUF Q5_0 / Q6_K / Q8_0 | requantized, int4 groups of 32 | the file's blocks | the file's blocks |
 | projections, dense (HF, F16/F32; GGUF kinds read dense) | int4 groups of 32 | per channel | int8 groups of 32 |
 | embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same | the same |
-| LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 | scan: its file blocks |
+| LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 | as int4 |
 | MoE router (Mixtral, Qwen3-MoE) | int8, its own kernel for every row | the same | the same |
 
 `gguf` serves each tensor in its own format, as llama.cpp does: a Q4_K_M file mixes Q4_K with
@@ -107,7 +107,8 @@ def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path)
     head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
     net.model.embed_tokens = QuantEmbedding(embed)
     table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
-    net.lm_head = RescoredHead(QuantLinear(_to_mode(head, mode), None, None), table)
+    scan = _to_mode(head, "int4" if mode == "gguf" else mode)     # it picks candidates: see RescoredHead
+    net.lm_head = RescoredHead(QuantLinear(scan, None, None), table)
     return decoder
 
 
