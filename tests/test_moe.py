@@ -181,6 +181,15 @@ def record_routes(monkeypatch) -> list[torch.Tensor]:
     return routes
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor, mode: str) -> float:
+    """Over every logit, or for gguf over each row's 4 best (its head scans in int4 and rescores the
+    best candidates on the file's weights, so only those carry the experts' precision)."""
+    if mode == "gguf":
+        top = want.topk(4, dim=-1).indices
+        got, want = got.gather(1, top), want.gather(1, top)
+    return float((got - want).norm() / want.norm())
+
+
 @pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("gguf", 0.05), ("int4", 0.3)])
 def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family_dir, mode, tol, monkeypatch):
     """The int8, gguf (int8 groups of 32) and int4 experts stay close to the dense model (int4
@@ -194,7 +203,7 @@ def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family
     top_k = target.config.moe.top_k                 # load times the experts one token reaches, not all
     assert len(timed_linears(target.net)) == target.config.num_layers * (2 + 2 * top_k)
     got = logits(target, ids)
-    assert (got - want).norm() / want.norm() < tol
+    assert relative_error(got, want, mode) < tol
     target.allocate_kv(8, BLOCK)
     target.forward(ForwardBatch([SeqInput(ids, 0, [0, 1], logits_indices=[])]))
     target.forward(ForwardBatch([SeqInput(ids[:9], 0, [2, 3], logits_indices=[])]))
@@ -334,4 +343,4 @@ def test_a_qwen3moe_gguf_serves_its_q8_0_expert_blocks(tmp_path, mode):
         assert (gate_up.own, gate_up.bits) == ("q8x16", 8)
     got = logits(target, ids)
     want = hf_logits(hf_dir, ids)
-    assert (got - want).norm() / want.norm() < 0.05
+    assert relative_error(got, want, mode) < 0.05
