@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from test_model_families import BLOCK, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
 from verifier import cpu_ops
@@ -21,7 +22,6 @@ from verifier.target import TargetModel
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="the integer kernels are built for AVX2 or AVX-512 VNNI")
-BLOCK = 16
 # Q4_K_M's choices, per GGUF tensor (Q4_1 stands for Q4_K: gguf-py cannot write Q4_K).
 KINDS = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q6_K"}
@@ -57,44 +57,20 @@ def test_q5_0_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
         assert np.array_equal(read_block_tensor(kind, data, 8, 512).dequantize().numpy(), want), kind
 
 
-def _write(path, tensors: dict):
+def _blocks(name: str, arr: np.ndarray):
+    """A decoder matrix in its KINDS format (Q6_K by q6_k_bytes, the others by gguf-py), else None."""
     import gguf
     from gguf.quants import quantize
-
-    from verifier.gguf_convert import _LAYER_NAMES, _TOP_NAMES
-    layer = {hf: g for g, hf in _LAYER_NAMES.items()}
-    w = gguf.GGUFWriter(str(path), "llama")
-    fields = {"block_count": 2, "context_length": 1024, "embedding_length": 256, "feed_forward_length": 256,
-              "attention.head_count": 4, "attention.head_count_kv": 2}
-    for key, value in fields.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32("llama.rope.freq_base", 10000.0)
-    w.add_token_list([f"t{i}" for i in range(256)])
-    for name, t in tensors.items():
-        base, suffix = name.rsplit(".", 1)
-        if base.startswith("model.layers."):
-            idx, part = base[len("model.layers."):].split(".", 1)
-            g = f"blk.{idx}.{layer[part]}"
-        else:
-            g = next(k for k, v in _TOP_NAMES.items() if v == base)
-        arr, kind = t.numpy().astype(np.float32), KINDS.get(g.split(".")[-1])
-        if kind is None or arr.ndim != 2:
-            w.add_tensor(f"{g}.{suffix}", arr)
-            continue
-        qtype = getattr(gguf.GGMLQuantizationType, kind)
-        data = q6_k_bytes(arr) if kind == "Q6_K" else quantize(arr, qtype)
-        w.add_tensor(f"{g}.{suffix}", data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    kind = KINDS.get(name.split(".")[-1]) if name.startswith("blk.") else None
+    if kind is None:
+        return None
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    return (q6_k_bytes(arr) if kind == "Q6_K" else quantize(arr, qtype)), qtype
 
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     """The GGUF converted as the loader converts one (its token list is no tokenizer: ids only)."""
-    import gguf
     from safetensors.torch import load_file, save_file
 
     from verifier.gguf_convert import gguf_config, gguf_tensors
@@ -102,8 +78,10 @@ def mixed_gguf(tmp_path_factory):
     root = tmp_path_factory.mktemp("kquants")
     hf = make_tiny_model(root / "hf", None, hidden_size=256, intermediate_size=256)
     path = root / "tiny-mixed.gguf"
-    _write(path, load_file(str(hf / "model.safetensors")))
-    reader = gguf.GGUFReader(str(path))
+    fields = {"block_count": 2, "context_length": 1024, "embedding_length": 256, "feed_forward_length": 256,
+              "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,
+              "rope.freq_base": 10000.0}
+    reader = write_gguf(path, "llama", load_file(str(hf / "model.safetensors")), fields, blocks=_blocks)
     cfg = gguf_config(reader)
     model = root / "converted"
     model.mkdir()
@@ -111,14 +89,6 @@ def mixed_gguf(tmp_path_factory):
     (model / "config.json").write_text(json.dumps(cfg))
     (model / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
     return model
-
-
-def _logits(target, ids, beside=None):
-    target.allocate_kv(8, BLOCK)
-    seqs = [SeqInput(ids, 0, [0, 1], logits_indices=list(range(len(ids))))]
-    if beside:
-        seqs.append(SeqInput(beside, 0, [2, 3], logits_indices=[len(beside) - 1]))
-    return target.forward(ForwardBatch(seqs)).logits[:len(ids)]
 
 
 def test_each_tensor_runs_on_the_kernel_for_its_own_blocks(mixed_gguf):
@@ -141,9 +111,9 @@ def test_logits_stay_close_to_the_files_own_weights_and_rows_do_not_depend_on_ne
     """The head's candidates (RescoredHead: an int4 scan, the best rescored on the file's blocks)
     get the file's logits within the bf16 activations' error."""
     ids = list(range(10, 40))
-    want = _logits(TargetModel(str(mixed_gguf), quantization="none", load_tokenizer_files=False), ids)
+    want = logits(TargetModel(str(mixed_gguf), quantization="none", load_tokenizer_files=False), ids)
     target = TargetModel(str(mixed_gguf), quantization="gguf", load_tokenizer_files=False)
-    got = _logits(target, ids)
+    got = logits(target, ids)
     top = want.topk(4, dim=-1).indices
     assert (got.gather(1, top) - want.gather(1, top)).norm() / want.gather(1, top).norm() < 0.05
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9

@@ -70,9 +70,10 @@ def test_greedy_speculation_gives_plain_decoding_tokens(family_dir, quantization
     assert sum(o.stats.verify_steps for o in outs) > 0
 
 
-def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False):
+def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False, blocks=None):
     """A GGUF of `arch` (written with gguf-py) holding HF-named `tensors` under their GGUF names, the
-    decoder's matrices as Q8_0 blocks if `q8_0`; `fields` are `{arch}.*` integers (floats where
+    decoder's matrices as Q8_0 blocks if `q8_0`, or as `blocks(gguf_name, array)` encodes them
+    ((bytes, GGMLQuantizationType), or None: F32); `fields` are `{arch}.*` integers (floats where
     given as floats)."""
     import gguf
     from gguf.quants import quantize
@@ -91,7 +92,10 @@ def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False)
         else:
             g = next(k for k, v in _TOP_NAMES.items() if v == base)
         arr = t.numpy().astype(np.float32)
-        if q8_0 and g.startswith("blk.") and arr.ndim == 2:
+        encoded = blocks(g, arr) if blocks and arr.ndim == 2 else None
+        if encoded is not None:
+            w.add_tensor(f"{g}.{kind}", encoded[0], raw_dtype=encoded[1])
+        elif q8_0 and g.startswith("blk.") and arr.ndim == 2:
             w.add_tensor(f"{g}.{kind}", quantize(arr, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

@@ -123,15 +123,19 @@ def test_the_avx2_sums_hold_at_the_extremes():
     q[16:] = 0                                       # and the other end of the codes
     scale = torch.full((n, k // 32), 0.01)
     w = served_weights(Int4Weight(q, scale, torch.zeros_like(scale)))
-    packed = pack_q4(w)
+    packed, x = pack_q4(w), extreme_activations(k)
+    assert torch.equal(run(packed, n, x), cpu_ops.q4_matmul(packed, n, x, reference=True))
+
+
+def extreme_activations(k: int) -> torch.Tensor:
+    """4 bf16 rows whose digits sit at their extremes: the integer sums' worst cases."""
     x = torch.empty(4, k)
     x[0] = 1.0                                       # X = 32512 everywhere: hi digits 127
     x[1] = -1.0                                      # hi digits -127
     x[2] = -128 / 32512                              # lo digits -128 under one maximum
     x[2, ::32] = 1.0
     x[3] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # alternating signs
-    x = x.to(torch.bfloat16)
-    assert torch.equal(run(packed, n, x), cpu_ops.q4_matmul(packed, n, x, reference=True))
+    return x.to(torch.bfloat16)
 
 
 def test_the_isa_cap_runs_this_machine_as_an_avx2_one():

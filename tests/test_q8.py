@@ -8,6 +8,7 @@ import ctypes
 import pytest
 import torch
 
+from test_q4 import _activations, extreme_activations
 from verifier import cpu_ops
 from verifier.qlinear import QuantLinear, pack_q8, q8_bits, q8_offered, served_weights
 from verifier.quant import Int8Weight, quantize_int8
@@ -23,15 +24,6 @@ def _weights(n: int, k: int, bits: int, group: int, seed: int = 0) -> Int8Weight
     q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), generator=g, dtype=torch.int8)
     q[0, :2] = torch.tensor([-(1 << (bits - 1)), (1 << (bits - 1)) - 1])      # both ends of the range
     return served_weights(Int8Weight(q, torch.rand(n, k // group, generator=g) * 0.01))
-
-
-def _activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
-    """bf16 rows of mixed scale, with an all-zero block and an outlier (as after a norm)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]
-    x[0, :32] = 0
-    x[-1, 5] = 40.0
-    return x.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("bits,group", FORMATS)
@@ -134,12 +126,5 @@ def test_the_avx2_sums_hold_at_the_extremes(bits, group):
     q[16:] = -(1 << (bits - 1))
     scale = torch.full((n, k // group), 0.01)
     w = served_weights(Int8Weight(q, scale))
-    x = torch.empty(4, k)
-    x[0] = 1.0                                       # X = 32512 everywhere: hi digits 127
-    x[1] = -1.0                                      # hi digits -127
-    x[2] = -128 / 32512                              # lo digits -128 under one maximum
-    x[2, ::32] = 1.0
-    x[3] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # alternating signs
-    x = x.to(torch.bfloat16)
-    packed = pack_q8(w)
+    x, packed = extreme_activations(k), pack_q8(w)
     assert torch.equal(run(packed, bits, group, n, x), cpu_ops.q8_matmul(packed, bits, group, n, x, reference=True))
