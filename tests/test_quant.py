@@ -142,6 +142,11 @@ def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_pa
     assert no_bf16.plan(("int4",)) == KernelPlan("fp32", 0, "int4")
     none_dense = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": []})
     assert none_dense.plan(("int4",)) == KernelPlan("int4", 0, "int4")
+    # a file mixing formats: int4's times cover its few linears only, so they are not weighed against bf16's
+    mixed = KernelTimings(fake.rows, {**fake.ms, "int4": {1: 0.1, 8: 0.4, 32: 1.0, 64: 2.0},
+                                      "q8x16": {1: 2.0, 8: 4.0, 32: 30.0, 64: 60.0}},
+                          {"int4": [0], "q8x16": [0], "bf16": [32, 64], "fp32": [0]})
+    assert mixed.plan(("int4",)) == KernelPlan("bf16", 64, "int4")
     calls = []
     measure = lambda: calls.append(1) or fake  # noqa: E731
     first = load_or_time((1, 8, 64), {"model": "m"}, tmp_path, measure)

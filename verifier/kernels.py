@@ -95,8 +95,11 @@ class KernelTimings:
         that passed the probe, the chosen own kernel as the fallback."""
         timed = {p: c for p in owns if self.tiles.get(p) == [0] and (c := self.sampled_ms(p)) is not None}
         own = min(timed, key=timed.get, default=owns[0])
+        # Own kernels timed over other linears too (a file mixing formats): the own path's times
+        # cover only its kind's linears, so it cannot be weighed against a dense path's.
+        mixed = any(p in OWN_PATHS and p not in owns for p in self.ms)
         costs = {(p, t): c for p, tiles in self.tiles.items() for t in tiles
-                 if (p == own or p not in OWN_PATHS) and (c := self.per_row_ms(p, t)) is not None}
+                 if (p == own and not mixed or p not in OWN_PATHS) and (c := self.per_row_ms(p, t)) is not None}
         bulk, tile = min(costs, key=costs.get, default=(own, 0))
         return KernelPlan(bulk, tile, own)
 
