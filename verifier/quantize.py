@@ -47,7 +47,6 @@ from verifier.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, in
 log = logging.getLogger("tercel.quantize")
 QUANTIZATIONS = ("int4", "int8", "gguf", "none")
 INT4_NATIVE = frozenset({"Q4_0", "Q4_1", "Q4_K"})      # GGUF blocks the int4 kernels take as they are
-INT8_NATIVE = frozenset({"Q5_0", "Q6_K", "Q8_0"})      # ... and the q8x16 kernel
 EMBED_GROUP = 32
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 

@@ -1,7 +1,8 @@
-/* Activations quantized to integers for the integer matmuls (q4_matmul.c, q8_matmul.c): each row
- * of x (bf16 [M, K]) per 32 values, X = round(x / d) with d = max |x| / 32512, held as two int8
- * digits X = 256 hi + lo (lo in -128..127, hi in -127..127). verifier/cpu_ops.py keys the
- * compiled library on this file too. */
+/* What the integer matmuls (q4_matmul.c, q8_matmul.c) share: the instruction set they are built
+ * for, its vector helpers, and the activations quantized to integers: each row of x (bf16 [M, K])
+ * per 32 values, X = round(x / d) with d = max |x| / 32512, held as two int8 digits
+ * X = 256 hi + lo (lo in -128..127, hi in -127..127). verifier/cpu_ops.py keys the compiled
+ * library on this file too. */
 #ifndef TERCEL_ACT_QUANT_H
 #define TERCEL_ACT_QUANT_H
 
@@ -10,6 +11,14 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define IMM_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define IMM_AVX2 1
+#include <immintrin.h>
+#endif
 
 #define ACT_BLOCK 32
 #define ACT_XMAX 32512.0f   /* the largest |X|: 256 * 127, so that hi fits an int8 */
@@ -68,5 +77,28 @@ static void act_free(Act *a) { free(a->d); }
 static inline void store_row(const float *y, int64_t valid, bf16 *out) {
     for (int64_t i = 0; i < valid; i++) out[i] = f32_to_bf16(y[i]);
 }
+
+#if IMM_AVX512
+static inline __m512 bf16x16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+}
+
+/* acc += w (u8) . the four s8 at x, broadcast: one instruction with its memory operand
+ * (the compiler loads the broadcast into a register first, an instruction per product). */
+static inline __m512i dot_bcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+#elif IMM_AVX2
+static inline __m256 bf16x8(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#endif
 
 #endif

@@ -38,13 +38,6 @@
 #include <string.h>
 
 #include "act_quant.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define Q4_AVX512 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
-#define Q4_AVX2 1
-#include <immintrin.h>
-#endif
 
 #define Q4_TILE 16
 #define Q4_BLOCK ACT_BLOCK
@@ -86,18 +79,7 @@ static void tile_ref(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, f
     }
 }
 
-#if Q4_AVX512
-static inline __m512 bf16x16(const void *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
-}
-
-/* acc += w (u8) . the four s8 at x, broadcast: one instruction with its memory operand
- * (the compiler loads the broadcast into a register first, an instruction per product). */
-static inline __m512i dot_bcast(__m512i acc, __m512i w, const int8_t *x) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
-    return acc;
-}
-
+#if IMM_AVX512
 static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const Act *a, int64_t r0, const int rows,
                                                          float *y) {
     __m512 acc[Q4_ROWS];
@@ -132,17 +114,7 @@ static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const
     for (int64_t i = 0; i < rows; i++) _mm512_storeu_ps(y + i * Q4_TILE, acc[i]);
 }
 
-#elif Q4_AVX2
-static inline __m256 bf16x8(const void *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
-}
-
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
+#elif IMM_AVX2
 /* One digit's 32 products per channel: vpmaddubsw sums two u8 x s8 products per 16-bit half
  * lane (|2 * 15 * 128| = 3840), eight of those add up in 16 bits exactly (30720 < 32768), and
  * one vpmaddwd then adds the two halves into the channel's 32-bit lane. Widening once per
@@ -193,7 +165,7 @@ static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, 
 }
 #endif
 
-#if Q4_AVX512
+#if IMM_AVX512
 /* one copy of the loop per row count, so that each keeps its accumulators in registers */
 static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     switch (rows) {
@@ -207,7 +179,7 @@ static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, 
     default: tile_n(w, a, r0, 8, y); break;
     }
 }
-#elif !Q4_AVX2
+#elif !IMM_AVX2
 #define tile_fast tile_ref
 #endif
 
@@ -244,9 +216,9 @@ int64_t q4_matmul_ref(const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int
 
 /* Which path q4_matmul takes on this build: 512 (AVX-512 VNNI), 256 (AVX2) or 0 (scalar). */
 int64_t q4_isa(void) {
-#if Q4_AVX512
+#if IMM_AVX512
     return 512;
-#elif Q4_AVX2
+#elif IMM_AVX2
     return 256;
 #else
     return 0;

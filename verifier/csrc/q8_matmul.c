@@ -31,13 +31,6 @@
 #include <string.h>
 
 #include "act_quant.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define Q8_AVX512 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
-#define Q8_AVX2 1
-#include <immintrin.h>
-#endif
 
 #define Q8_TILE 16
 #define Q8_ROWS 8          /* rows multiplied per pass over a tile's weights (registers) */
@@ -89,16 +82,7 @@ static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t row
     }
 }
 
-#if Q8_AVX512
-static inline __m512 q8_bf16x16(const void *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
-}
-
-static inline __m512i q8_dot(__m512i acc, __m512i w, const int8_t *x) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
-    return acc;
-}
-
+#if IMM_AVX512
 /* Bit `to` of every byte of u[v] |= bit v of the same byte of `plane` (shifts in 16-bit lanes:
  * the bit kept never crosses into the neighbouring byte). */
 static inline __m512i plane_bits(__m512i plane, int v, int to) {
@@ -112,7 +96,6 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
     __m512 acc[Q8_ROWS];
     for (int i = 0; i < Q8_ROWS; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i off = _mm512_set1_epi32(wt->off);
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
         __m512i u[8];
         prefetch_q8(wt, w);
@@ -130,30 +113,30 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
             }
         }
         const uint8_t *sw = w + 256 + 64 * wt->planes;
-        __m512 sc0 = q8_bf16x16(sw), sc1 = wt->halves == 2 ? q8_bf16x16(sw + 32) : sc0;
+        __m512 sc0 = bf16x16(sw), sc1 = wt->halves == 2 ? bf16x16(sw + 32) : sc0;
         #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) {
             int64_t j = (r0 + i) * a->nb + b;
             const int8_t *xq = a->q + j * 2 * ACT_BLOCK;
             __m512i s0 = _mm512_setzero_si512(), s1 = s0, t0 = s0, t1 = s0;
             for (int g = 0; g < 4; g++) {
-                s0 = q8_dot(s0, u[g], xq + 4 * g);
-                s1 = q8_dot(s1, u[4 + g], xq + 16 + 4 * g);
-                t0 = q8_dot(t0, u[g], xq + ACT_BLOCK + 4 * g);
-                t1 = q8_dot(t1, u[4 + g], xq + ACT_BLOCK + 16 + 4 * g);
+                s0 = dot_bcast(s0, u[g], xq + 4 * g);
+                s1 = dot_bcast(s1, u[4 + g], xq + 16 + 4 * g);
+                t0 = dot_bcast(t0, u[g], xq + ACT_BLOCK + 4 * g);
+                t1 = dot_bcast(t1, u[4 + g], xq + ACT_BLOCK + 16 + 4 * g);
             }
             __m512 d = _mm512_set1_ps(a->d[j]);
             if (wt->halves == 1) {               /* one scale for the block: one sum */
                 s0 = _mm512_add_epi32(s0, s1), t0 = _mm512_add_epi32(t0, t1);
                 s0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s0, 8), t0),
-                                      _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j] + a->sh[2 * j + 1])));
+                                      _mm512_set1_epi32(wt->off * (a->sh[2 * j] + a->sh[2 * j + 1])));
                 acc[i] = _mm512_fmadd_ps(sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(s0), d), acc[i]);
                 continue;
             }
             s0 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s0, 8), t0),
-                                  _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j])));
+                                  _mm512_set1_epi32(wt->off * a->sh[2 * j]));
             s1 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s1, 8), t1),
-                                  _mm512_mullo_epi32(off, _mm512_set1_epi32(a->sh[2 * j + 1])));
+                                  _mm512_set1_epi32(wt->off * a->sh[2 * j + 1]));
             acc[i] = _mm512_fmadd_ps(sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(s0), d), acc[i]);
             acc[i] = _mm512_fmadd_ps(sc1, _mm512_mul_ps(_mm512_cvtepi32_ps(s1), d), acc[i]);
         }
@@ -174,17 +157,7 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
     }
 }
 
-#elif Q8_AVX2
-static inline __m256 q8_bf16x8(const void *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
-}
-
-static inline __m256i q8_bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
+#elif IMM_AVX2
 static inline __m256i plane_bits(__m256i plane, int v, int to) {
     __m256i t = to >= v ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(to - v))
                         : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(v - to));
@@ -196,15 +169,15 @@ static inline __m256i plane_bits(__m256i plane, int v, int to) {
  * 16128, so two pairs add up exactly in 16 bits before vpmaddwd widens them. */
 static inline __m256i half_dot(const __m256i u[4], const int8_t *x) {
     const __m256i one = _mm256_set1_epi16(1);
-    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], q8_bcast4(x)), _mm256_maddubs_epi16(u[1], q8_bcast4(x + 4)));
-    __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], q8_bcast4(x + 8)), _mm256_maddubs_epi16(u[3], q8_bcast4(x + 12)));
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], bcast4(x)), _mm256_maddubs_epi16(u[1], bcast4(x + 4)));
+    __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], bcast4(x + 8)), _mm256_maddubs_epi16(u[3], bcast4(x + 12)));
     return _mm256_add_epi32(_mm256_madd_epi16(p, one), _mm256_madd_epi16(q, one));
 }
 
 /* The same for 4-bit parts (u < 16): four pairs add up exactly in 16 bits (4 * 3840). */
 static inline __m256i half_dot4(const __m256i u[4], const int8_t *x) {
-    __m256i s = _mm256_maddubs_epi16(u[0], q8_bcast4(x));
-    for (int g = 1; g < 4; g++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[g], q8_bcast4(x + 4 * g)));
+    __m256i s = _mm256_maddubs_epi16(u[0], bcast4(x));
+    for (int g = 1; g < 4; g++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[g], bcast4(x + 4 * g)));
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
@@ -242,7 +215,7 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
                     for (int v = 0; v < 8; v++) nib[v] = _mm256_or_si256(nib[v], plane_bits(plane, v, 4 + p));
                 }
             }
-            __m256 sc0 = q8_bf16x8(sw + 16 * c), sc1 = wt->halves == 2 ? q8_bf16x8(sw + 32 + 16 * c) : sc0;
+            __m256 sc0 = bf16x8(sw + 16 * c), sc1 = wt->halves == 2 ? bf16x8(sw + 32 + 16 * c) : sc0;
             for (int i = 0; i < Q8_ROWS; i++) {
                 if (i == rows) break;
                 int64_t j = (r0 + i) * a->nb + b;
