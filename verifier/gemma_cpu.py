@@ -14,7 +14,7 @@ does not run Gemma: this loop in Python does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ class GemmaCpuLayer:
     q_norm: nn.Module | None = None  # Gemma 3's per-head norms of q and k
     k_norm: nn.Module | None = None
     heads: cpu_ops.Heads | None = None   # its own RoPE table (Gemma 3's sliding layers), None: the model's
+    out_norm: torch.Tensor | None = None  # on the last layer: the model's final norm, 1 + w
 
 
 def _plus_one(norm: nn.Module) -> torch.Tensor:
@@ -60,12 +61,14 @@ def gemma_heads(net) -> cpu_ops.Heads:
 
 def gemma_cpu_layers(net) -> list[GemmaCpuLayer]:
     local = None if net.local_rotary is net.rotary else _heads(net, net.local_rotary)
-    return [GemmaCpuLayer(_plus_one(l.input_layernorm), _plus_one(l.post_attention_layernorm),
-                          _plus_one(l.pre_feedforward_layernorm), _plus_one(l.post_feedforward_layernorm),
-                          l.input_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
-                          l.mlp.down_proj, l.self_attn.window, l.self_attn.q_norm, l.self_attn.k_norm,
-                          local if l.sliding else None)
-            for l in net.model.layers]
+    layers = [GemmaCpuLayer(_plus_one(l.input_layernorm), _plus_one(l.post_attention_layernorm),
+                            _plus_one(l.pre_feedforward_layernorm), _plus_one(l.post_feedforward_layernorm),
+                            l.input_layernorm.eps, l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
+                            l.mlp.down_proj, l.self_attn.window, l.self_attn.q_norm, l.self_attn.k_norm,
+                            local if l.sliding else None)
+              for l in net.model.layers]
+    layers[-1] = replace(layers[-1], out_norm=_plus_one(net.model.norm))     # made once, not per forward
+    return layers
 
 
 def windowed(plan: cpu_ops.Rows, window: int) -> cpu_ops.Rows:
@@ -96,8 +99,8 @@ def gemma_forward_rows(net, heads: cpu_ops.Heads, layers: list[GemmaCpuLayer], i
         taps[c.num_layers] = x
     if logits_rows.shape[0] == 0:
         return torch.empty(0, c.vocab_size), taps
-    norm = net.model.norm
-    logits = net.lm_head(cpu_ops.rms_norm_rows(x, logits_rows, _plus_one(norm), norm.eps), logits_tokens)
+    normed = cpu_ops.rms_norm_rows(x, logits_rows, layers[-1].out_norm, net.model.norm.eps)
+    logits = net.lm_head(normed, logits_tokens)
     if c.gemma.final_softcap:
         cpu_ops.soft_cap(logits, c.gemma.final_softcap)
     return logits, taps
