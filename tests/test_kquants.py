@@ -5,7 +5,6 @@ and T=0 speculation equal to plain decoding. The Q6_K blocks are written here by
 definition (gguf-py has no Q6_K quantizer) and checked against gguf-py's dequantizer."""
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from test_model_families import BLOCK, logits, write_gguf
+from test_model_families import BLOCK, converted, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
 from verifier import cpu_ops
@@ -71,10 +70,7 @@ def _blocks(name: str, arr: np.ndarray):
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     """The GGUF converted as the loader converts one (its token list is no tokenizer: ids only)."""
-    from safetensors.torch import load_file, save_file
-
-    from verifier.gguf_convert import gguf_config, gguf_tensors
-    from verifier.gguf_quant import INDEX_FILE, block_index
+    from safetensors.torch import load_file
     root = tmp_path_factory.mktemp("kquants")
     hf = make_tiny_model(root / "hf", None, hidden_size=256, intermediate_size=256)
     path = root / "tiny-mixed.gguf"
@@ -82,13 +78,7 @@ def mixed_gguf(tmp_path_factory):
               "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,
               "rope.freq_base": 10000.0}
     reader = write_gguf(path, "llama", load_file(str(hf / "model.safetensors")), fields, blocks=_blocks)
-    cfg = gguf_config(reader)
-    model = root / "converted"
-    model.mkdir()
-    save_file(gguf_tensors(reader, cfg), str(model / "model.safetensors"))
-    (model / "config.json").write_text(json.dumps(cfg))
-    (model / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
-    return model
+    return converted(reader, path, root / "converted")
 
 
 def test_each_tensor_runs_on_the_kernel_for_its_own_blocks(mixed_gguf):

@@ -4,6 +4,7 @@ same alone and batched, T=0 speculation equal to plain decoding, and GGUFs of bo
 own names. The dense forward against HF transformers: test_model_parity.py."""
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -107,6 +108,20 @@ def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False,
     return gguf.GGUFReader(str(path))
 
 
+def converted(reader, path, out):
+    """The converted checkpoint directory convert_gguf writes, less the tokenizer files."""
+    from safetensors.torch import save_file
+
+    from verifier.gguf_convert import gguf_config, gguf_tensors
+    from verifier.gguf_quant import INDEX_FILE, block_index
+    cfg = gguf_config(reader)
+    out.mkdir()
+    save_file(gguf_tensors(reader, cfg), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
+    return out
+
+
 TINY_FIELDS = {"block_count": 2, "context_length": 1024, "embedding_length": 64, "feed_forward_length": 128,
                "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0}
@@ -130,24 +145,18 @@ def test_a_qwen3_gguf_loads_by_its_own_names(qwen3_dir, tmp_path):
 def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
     """A Phi-3 GGUF stores qkv and gate+up fused (attn_qkv, ffn_up), here as Q8_0 blocks: they load
     by those names, the int8 path serves the file's blocks, and the logits stay close to HF's."""
-    import json
-
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from test_model_parity import hf_logits
-    from verifier.gguf_convert import gguf_config, gguf_tensors
-    from verifier.gguf_quant import INDEX_FILE, block_index, read_quantized
+    from verifier.gguf_convert import gguf_config
+    from verifier.gguf_quant import INDEX_FILE, read_quantized
     hf_dir = jitter_norms(make_tiny_model(tmp_path / "hf", None, **FAMILIES["phi3"]))
     path = tmp_path / "tiny-phi3.gguf"
     reader = write_gguf(path, "phi3", load_file(str(hf_dir / "model.safetensors")),
                         {**TINY_FIELDS, "attention.sliding_window": 2047}, q8_0=True)
     cfg = gguf_config(reader)
     assert (cfg["model_type"], cfg["sliding_window"]) == ("phi3", 2047)
-    model = tmp_path / "converted"
-    model.mkdir()
-    save_file(gguf_tensors(reader, cfg), str(model / "model.safetensors"))
-    (model / "config.json").write_text(json.dumps(cfg))
-    (model / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
+    model = converted(reader, path, tmp_path / "converted")
     blocks = read_quantized(json.loads((model / INDEX_FILE).read_text()), cfg)
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= set(blocks)
     from verifier.quantize import _projection          # the file's fused blocks, not a requantized copy
@@ -162,7 +171,6 @@ def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
 def test_generation_config_eos_ids_end_a_reply(qwen3_dir, tmp_path):
     """An eos id listed only in generation_config.json (as Llama 3 and Phi-3 list end-of-turn
     tokens) ends a reply where the model emits it."""
-    import json
     import shutil
     prompt = [[11, 12, 13, 14]]
     free = LLM(str(qwen3_dir), max_model_len=128, num_kv_blocks=32).generate(

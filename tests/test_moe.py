@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from test_model_families import BLOCK, TINY_FIELDS, logits
+from test_model_families import BLOCK, TINY_FIELDS, converted, logits
 from test_model_parity import hf_logits, jitter_norms, own_logits_chunked
 from verifier import moe
 from verifier.batch import ForwardBatch, SeqInput
@@ -279,20 +279,6 @@ def write_moe_gguf(path, arch: str, model_type: str, tensors: dict, fields: dict
     w.write_tensors_to_file()
     w.close()
     return gguf.GGUFReader(str(path))
-
-
-def converted(reader, path, out):
-    """The converted checkpoint directory convert_gguf writes, less the tokenizer files."""
-    from safetensors.torch import save_file
-
-    from verifier.gguf_convert import gguf_config, gguf_tensors
-    from verifier.gguf_quant import INDEX_FILE, block_index
-    cfg = gguf_config(reader)
-    out.mkdir()
-    save_file(gguf_tensors(reader, cfg), str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg))
-    (out / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
-    return out
 
 
 def test_a_mixtral_gguf_is_a_llama_file_with_experts(tmp_path):
