@@ -237,7 +237,7 @@ class LLMEngine:
             log.warning("the forward's bits depend on the thread count here (or the KV pool is too small "
                         "to check): steps stay on %d threads", self.num_threads)
             adaptive = False
-        governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter())
+        governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter(), IdleMeter())
         chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
         log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
         return governor

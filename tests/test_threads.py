@@ -4,6 +4,7 @@ neighbour leaves; and the engine's output does not depend on the thread count (b
 count changing every step), with a load-time check that turns the governor off where it would."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -126,9 +127,65 @@ def test_off_or_one_cpu_never_changes_the_count():
     assert set(run(ThreadGovernor(1), BUSY, 500)) == {1}
 
 
+def test_beside_a_neighbour_probes_cost_few_steps_on_the_extra_thread():
+    """Where a step on 2 threads costs several on 1: the slowdown's probe decides on two clear
+    pairs, the slow step itself the first half of the first, and with no CPU idle no probe tries
+    2 threads again until max_interval (without an idle meter they come every few hundred)."""
+    crowded = ThreadGovernor(2, idle=Idle(0.0))
+    run(crowded, QUIET, 3000)
+    used = run(crowded, BUSY, 3000)
+    assert crowded.threads == 1 and used[:4] == [2, 1, 2, 1]      # slow step, then two pairs
+    assert used[4:].count(2) <= 2 * (3000 // ThreadConfig().max_interval + 1)
+    blind = ThreadGovernor(2)
+    run(blind, QUIET, 3000)
+    assert run(blind, BUSY, 3000)[4:].count(2) > used[4:].count(2)
+
+
+@pytest.mark.parametrize("ratios, pairs", [([0.5, 0.6, 0.7, 1.2], 3), ([0.95, 1.0, 0.7, 0.6], 4),
+                                           ([0.8, 0.97, 0.85, 0.99], 4), ([1.1, 0.5, 1.3, 0.2], 4),
+                                           ([1.4, 1.0, 0.95, 0.2], 3)])
+def test_a_probe_stops_early_only_when_its_outcome_is_known(ratios, pairs):
+    """The median rule over probe_pairs pairs (1 thread wins below `margin`), decided as soon as
+    the pairs left could not change it: the same answer as after all of them."""
+    gov = ThreadGovernor(2, ThreadConfig(clear=1e9))        # only the majority shortcut
+    run(gov, QUIET, ThreadConfig().probe_pairs)             # the first probe starts now
+    left = iter(ratios)
+    while gov.probing:
+        n = gov.next_step()
+        gov.observe(*SHAPE, (QUIET[2] * (next(left) if n == 1 else 1.0)) / 1e3)
+    assert len(list(left)) == len(ratios) - pairs
+    assert gov.threads == (1 if statistics.median(ratios) < ThreadConfig().margin else 2)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("idle_then, expected", [(0.9, 1), (1.7, 2)])
+def test_after_a_gap_it_runs_on_the_cpus_left_idle(idle_then, expected):
+    """A neighbour that arrived while the engine waited: the first step after the gap already
+    runs on the CPUs that sat idle meanwhile, before any slow step (none arrived: unchanged).
+    A pause shorter than gap_s reads nothing."""
+    gov = ThreadGovernor(2, idle=Idle(0.0), gap_idle=(gap := Idle(2.0)), clock=(clock := Clock()))
+    for _ in range(100):
+        clock.now += 0.005
+        gov.observe(*SHAPE, QUIET[gov.next_step()] / 1e3)
+    gap.value = idle_then
+    clock.now += ThreadConfig().gap_s / 2
+    assert gov.next_step() == 2
+    gov.observe(*SHAPE, QUIET[2] / 1e3)
+    clock.now += 2 * ThreadConfig().gap_s
+    assert gov.next_step() == expected and gov.threads == expected
+
+
 @pytest.mark.parametrize("bad", [dict(probe_pairs=0), dict(margin=0), dict(margin=1.5),
                                  dict(first_interval=0), dict(first_interval=64, max_interval=32),
-                                 dict(slowdown=1.0), dict(idle_every=0), dict(idle_cpus=0)])
+                                 dict(slowdown=1.0), dict(idle_every=0), dict(idle_cpus=0), dict(clear=1.0),
+                                 dict(gap_s=0)])
 def test_config_is_checked(bad):
     with pytest.raises(ValueError, match="ThreadConfig"):
         ThreadConfig(**bad)
