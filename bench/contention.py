@@ -17,8 +17,9 @@ busy / quiet. Engines:
 
 Where the time goes, per setting: the CPU seconds the engine's process used per token, its
 context switches per token (voluntary: a thread waited; involuntary: the kernel took its core),
-the thread count its steps ended on, and for the server the /health latency while it served
-(the event loop's lag). `--quota Q` instead runs the offline engine, plain, in a new cgroup
+the thread count its steps ended on, its steps and their seconds on each thread count (the
+governor's probes and switches; `tercel_thread_steps` in the server), and for the server the
+/health latency while it served (the event loop's lag). `--quota Q` instead runs the offline engine, plain, in a new cgroup
 with a CPU quota of Q, at each fixed thread count and with the governor.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
@@ -89,6 +91,7 @@ class Run:
     counters: ProcCounters
     threads: int | None = None          # the engine's thread count at the end (None: not known)
     health_ms: list[float] = field(default_factory=list)
+    thread_steps: dict[int, tuple[int, float]] = field(default_factory=dict)   # threads -> (steps, seconds)
 
     @property
     def tok_s(self) -> float:
@@ -121,7 +124,7 @@ class Server:
         body = lambda p: {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": p}],  # noqa: E731
                           "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
                           "stream_options": {"include_usage": True}, "speculation": speculation}
-        stop, health = threading.Event(), []
+        stop, health, steps_before = threading.Event(), [], self._thread_steps()
         poller = threading.Thread(target=_poll_health, args=(self.url, stop, health))
         before, start = ProcCounters.read(self.proc.pid), time.perf_counter()
         poller.start()
@@ -131,7 +134,23 @@ class Server:
         stop.set()
         poller.join()
         threads = httpx.get(f"{self.url}/health").json().get("threads")
-        return Run(tokens, seconds, ProcCounters.read(self.proc.pid) - before, threads, health)
+        return Run(tokens, seconds, ProcCounters.read(self.proc.pid) - before, threads, health,
+                   _minus(self._thread_steps(), steps_before))
+
+    def _thread_steps(self) -> dict[int, tuple[int, float]]:
+        """Engine steps and their seconds by thread count so far (/metrics)."""
+        out: dict[int, list] = {}
+        for f in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
+            for smp in f.samples:
+                if smp.name in ("tercel_thread_steps_total", "tercel_thread_step_seconds_total"):
+                    out.setdefault(int(smp.labels["threads"]), [0, 0.0])[smp.name.endswith("seconds_total")] += smp.value
+        return {n: (int(v[0]), v[1]) for n, v in out.items()}
+
+
+def _minus(after: dict[int, tuple[int, float]], before: dict[int, tuple[int, float]]) -> dict[int, tuple[int, float]]:
+    """Steps and seconds by thread count between two readings (counts with no new step left out)."""
+    out = {n: (s - before.get(n, (0, 0.0))[0], t - before.get(n, (0, 0.0))[1]) for n, (s, t) in after.items()}
+    return {n: v for n, v in out.items() if v[0] > 0}
 
 
 def _stream(url: str, body: dict) -> int:
@@ -162,11 +181,15 @@ class Offline:
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
     def run(self, prompts: list[str], _speculation: str = "") -> Run:
+        steps_before = self._thread_steps()
         before, start = ProcCounters.read(os.getpid()), time.perf_counter()
         outs = self.llm.chat([[{"role": "user", "content": p}] for p in prompts], self.params)
         seconds = time.perf_counter() - start
         return Run(sum(len(o.token_ids) for o in outs), seconds, ProcCounters.read(os.getpid()) - before,
-                   self.llm.engine.stats().threads)
+                   self.llm.engine.stats().threads, thread_steps=_minus(self._thread_steps(), steps_before))
+
+    def _thread_steps(self) -> dict[int, tuple[int, float]]:
+        return {t.threads: (t.steps, t.seconds) for t in self.llm.engine.stats().thread_steps}
 
     def close(self) -> None:
         self.llm.close()
@@ -214,6 +237,15 @@ class Setting:
         runs = self.runs[condition]
         return sum(getattr(r.counters, what) for r in runs) / max(1, sum(r.tokens for r in runs))
 
+    def thread_steps(self, condition: str) -> dict[int, tuple[int, float]]:
+        """Steps and their seconds by thread count, summed over the condition's runs."""
+        total: dict[int, tuple[int, float]] = {}
+        for r in self.runs[condition]:
+            for n, (steps, secs) in r.thread_steps.items():
+                s0, t0 = total.get(n, (0, 0.0))
+                total[n] = (s0 + steps, t0 + secs)
+        return dict(sorted(total.items()))
+
     def as_json(self) -> dict:
         d = {"engine": self.engine, "concurrency": self.concurrency, "speculation": self.speculation,
              "ratio": round(self.ratio, 3)}
@@ -225,6 +257,8 @@ class Setting:
                     "voluntary_switches_per_token": round(self.per_token(c, "voluntary"), 1),
                     "involuntary_switches_per_token": round(self.per_token(c, "involuntary"), 1),
                     "threads": [r.threads for r in runs],
+                    "thread_steps": {str(n): {"steps": st, "seconds": round(t, 2)}
+                                     for n, (st, t) in self.thread_steps(c).items()},
                     "health_ms": {"median": round(statistics.median(health), 1), "max": round(max(health), 1)}
                     if health else None}
         return d
@@ -257,7 +291,7 @@ def _groups(prompts: list[str], c: int) -> list[list[str]]:
 def report(settings: list[Setting]) -> str:
     lines = ["| engine | batch | speculation | quiet tok/s | busy tok/s | busy / quiet | threads at the end (quiet / busy) "
              "| CPU ms per token (quiet / busy) | involuntary switches per token (quiet / busy) "
-             "| /health ms median / max (busy) |", "|" + "---|" * 10]
+             "| /health ms median / max (busy) | busy steps (seconds) by threads |", "|" + "---|" * 11]
     for s in settings:
         quiet, busy = s.as_json()["quiet"], s.as_json()["busy"]
         health = "-" if busy["health_ms"] is None else "{median} / {max}".format(**busy["health_ms"])
@@ -265,8 +299,12 @@ def report(settings: list[Setting]) -> str:
                      f"| {s.median_tok_s('busy'):.1f} | **{s.ratio:.2f}** | {_threads(quiet['threads'])} / {_threads(busy['threads'])} "
                      f"| {1e3 * s.per_token('quiet', 'cpu_s'):.1f} / {1e3 * s.per_token('busy', 'cpu_s'):.1f} "
                      f"| {s.per_token('quiet', 'involuntary'):.1f} / {s.per_token('busy', 'involuntary'):.1f} "
-                     f"| {health} |")
+                     f"| {health} | {_steps_text(s.thread_steps('busy'))} |")
     return "\n".join(lines)
+
+
+def _steps_text(steps: dict[int, tuple[int, float]]) -> str:
+    return "-" if not steps else "; ".join(f"{n}: {st} ({t:.1f} s)" for n, (st, t) in steps.items())
 
 
 def _threads(counts: list[int | None]) -> str:

@@ -60,6 +60,10 @@ class Metrics:
         self.threads = Gauge("tercel_threads", "CPU threads the engine's steps run on", registry=r)
         self.thread_switches = Counter("tercel_thread_switches", "thread count changes by the governor",
                                        registry=r)
+        self.thread_steps = Counter("tercel_thread_steps", "engine steps by the CPU threads they ran on",
+                                    ["threads"], registry=r)
+        self.thread_step_seconds = Counter("tercel_thread_step_seconds", "engine step wall time by the CPU "
+                                           "threads it ran on", ["threads"], registry=r)
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
         self.drafter_errors = Counter("tercel_drafter_errors", "drafter exceptions (the requests decoded plainly)",
                                       registry=r)
@@ -87,9 +91,19 @@ class Metrics:
         self.drafter_errors.inc(s.drafter_errors - self._seen.drafter_errors)
         self.thread_switches.inc(s.thread_switches - self._seen.thread_switches)
         self.threads.set(s.threads)
+        self._thread_steps(s)
         self._seen = s
         self.spec_enabled.set(1 if s.speculating else 0)
         self.spec_draft_budget.set(s.draft_budget)
+
+    def _thread_steps(self, s: EngineStats) -> None:
+        seen = {t.threads: t for t in self._seen.thread_steps}
+        for t in s.thread_steps:
+            before = seen.get(t.threads)
+            if before is None or t.steps > before.steps:
+                label = str(t.threads)
+                self.thread_steps.labels(threads=label).inc(t.steps - (before.steps if before else 0))
+                self.thread_step_seconds.labels(threads=label).inc(t.seconds - (before.seconds if before else 0.0))
 
     def finished(self, out, num_prompt_tokens: int) -> None:
         st = out.stats

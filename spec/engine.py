@@ -34,7 +34,7 @@ from spec.rejection import accept_greedy, accept_tree
 from spec.prompt_logprobs import prompt_logprobs
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from spec.stats import EngineLimits, EngineStats, PhaseTimes
+from spec.stats import EngineLimits, EngineStats, PhaseTimes, ThreadSteps
 from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
@@ -163,6 +163,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self.drafter_errors = 0                 # drafter exceptions caught (requests decoded plainly)
         self._steps = self._last_step_tokens = 0  # forward steps so far, and the last one's tokens
+        self._thread_steps: dict[int, ThreadSteps] = {}     # the same by the thread count they ran on
         self.drafter = None
         self.predictor = PredictionDrafter()   # drafts each request's own prediction, with or without a drafter
         self.adaptive = AdaptiveController(config.adaptive)    # its cost curve comes with the warm-up
@@ -322,6 +323,7 @@ class LLMEngine:
             speculating=on, draft_budget=self.adaptive.last_budget if on else 0, drafter_errors=self.drafter_errors,
             preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
             max_threads=self.num_threads, thread_switches=self.threads.switches,
+            thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),
             steps=self._steps, last_step_tokens=self._last_step_tokens,
             timing=self.timing)
 
@@ -377,6 +379,8 @@ class LLMEngine:
         self._observe(plans, verified - drafted, end - start)
         self._last_step_tokens = sum(p.num_rows for p in plans)
         self._steps += 1
+        n = torch.get_num_threads()
+        self._thread_steps[n] = self._thread_steps.get(n, ThreadSteps(n)).plus(end - start)
         self.threads.observe(self._last_step_tokens, len(plans), end - start)
         return outputs + new
 

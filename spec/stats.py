@@ -86,6 +86,18 @@ class PhaseTimes:
 
 
 @dataclass(frozen=True)
+class ThreadSteps:
+    """The steps that ran on one thread count and their wall seconds (where the governor's
+    choices spent the time; spec/threads.py)."""
+    threads: int
+    steps: int = 0
+    seconds: float = 0.0
+
+    def plus(self, seconds: float) -> "ThreadSteps":
+        return ThreadSteps(self.threads, self.steps + 1, self.seconds + seconds)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine between two steps. Counters are cumulative since the load (all zero: an
     engine that has done nothing yet)."""
@@ -102,6 +114,7 @@ class EngineStats:
     threads: int = 0                # CPU threads steps run on now (outside the governor's probes)
     max_threads: int = 0            # the most they may: the configured count or the CPU budget
     thread_switches: int = 0        # times the thread governor changed the count (spec/threads.py)
+    thread_steps: tuple[ThreadSteps, ...] = ()   # by thread count, ascending
     steps: int = 0                  # engine steps that ran a forward
     last_step_tokens: int = 0       # tokens the last of them ran (prompt chunks, decode tokens, tree nodes)
     timing: PhaseTimes = PhaseTimes()
