@@ -39,7 +39,7 @@ from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.cpus import IdleMeter, cpu_budget
+from verifier.cpus import IdleMeter, NeighbourMeter, cpu_budget
 from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
@@ -126,6 +126,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.cpu_budget = cpu_budget()
+        self._neighbours = NeighbourMeter()     # over the load: where the governor starts (_thread_governor)
         self.num_threads = config.num_threads or self.cpu_budget.threads   # the most a step runs on
         torch.set_num_threads(self.num_threads)
         # One TargetModel, or rank 0 of a tensor-parallel one: the engine runs once, on rank 0,
@@ -179,7 +180,7 @@ class LLMEngine:
         curve = self._cost_curve() if self.drafter is not None else None
         if curve is not None:
             self.adaptive.cost = StepCost(curve, config.adaptive.smoothing)
-        self.threads = self._thread_governor(config)
+        self.threads = self._thread_governor(config, self._neighbours)
         # Everything loaded so far lives as long as the engine: move it out of the cyclic
         # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
         # as n-gram indexing of a long prompt) walks every object of the process: in a large
@@ -228,9 +229,10 @@ class LLMEngine:
             times = [[forward(n) for n in rows] for _ in range(CURVE_ROUNDS)]
         return CostCurve.measured({n: min(t[i] for t in times) * 1e3 for i, n in enumerate(rows)})
 
-    def _thread_governor(self, config: EngineConfig) -> ThreadGovernor:
+    def _thread_governor(self, config: EngineConfig, neighbours: NeighbourMeter) -> ThreadGovernor:
         """Steps may run on fewer threads while that is faster (spec/threads.py), on a CPU target
-        of one process whose forward gives the same bits on every count (checked here)."""
+        of one process whose forward gives the same bits on every count (checked here). The first
+        ones run on the CPUs other processes left free while the engine loaded."""
         tuning = config.thread_tuning
         adaptive = tuning.adaptive and self.num_threads > 1 and self.target.device.type == "cpu" \
             and config.tensor_parallel_size == 1
@@ -238,7 +240,8 @@ class LLMEngine:
             log.warning("the forward's bits depend on the thread count here (or the KV pool is too small "
                         "to check): steps stay on %d threads", self.num_threads)
             adaptive = False
-        governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter(), IdleMeter())
+        governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter(), IdleMeter(),
+                                  start=neighbours.free(self.num_threads))
         chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
         log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
         return governor

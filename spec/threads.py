@@ -99,11 +99,12 @@ class Probe:
 class ThreadGovernor:
     def __init__(self, max_threads: int, config: ThreadConfig = ThreadConfig(),
                  idle: Callable[[], float | None] | None = None, gap_idle: Callable[[], float | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, start: int | None = None):
         """`max_threads`: the budget (verifier/cpus.py, or the configured count); the governor
-        starts there and never goes above it. `idle()`: the process's CPUs that sat idle on
+        starts there (or at `start`) and never goes above it. `idle()`: the process's CPUs that sat idle on
         average since the last call (None: unknown); without it only probes find a quiet machine.
-        `gap_idle()`: the same, a second meter whose windows end at the gaps between steps."""
+        `gap_idle()`: the same, a second meter whose windows end at the gaps between steps.
+        `start`: the first steps' count where fewer than the budget (other processes' CPUs)."""
         self.config, self.max_threads = config, max(1, max_threads)
         self._idle, self._was_idle, self._steps = idle, True, 0
         self._gap_idle, self._clock = gap_idle, clock
@@ -115,6 +116,8 @@ class ThreadGovernor:
         self._probe: Probe | None = None
         self._recent: dict[Shape, float] = {}   # shape -> moving average of its steps' seconds
         self._down = True                        # which neighbour the next probe tries
+        if self.active and start is not None and start < self.max_threads:
+            self.threads, self._was_idle, self._down = max(1, start), False, False   # up once room appears
 
     @property
     def active(self) -> bool:

@@ -107,3 +107,47 @@ def test_a_real_cgroup_quota_sets_the_budget(quota, threads):
 def test_this_process_budget_is_within_the_mask():
     b = cpu_budget()
     assert 1 <= b.threads <= b.affinity == len(os.sched_getaffinity(0))
+
+
+class FakeStat:
+    """/proc/stat for the CPUs of this process's mask, with idle ticks the test sets, and the
+    clocks the meters read."""
+    def __init__(self, path: Path, monkeypatch):
+        self.path, self.now, self.own, self.idle_ticks = path, 100.0, 0.0, 0
+        self.cpus = sorted(os.sched_getaffinity(0))
+        monkeypatch.setattr("verifier.cpus.time.monotonic", lambda: self.now)
+        self.write()
+
+    def write(self):
+        lines = ["cpu  1 0 1 0 0 0 0 0 0 0"] + [f"cpu{c} 1 0 1 {self.idle_ticks // len(self.cpus)} 0 0 0 0 0 0"
+                                               for c in self.cpus]
+        self.path.write_text("\n".join(lines) + "\n")
+
+    def advance(self, seconds: float, idle_cpus: float, own_cpus: float):
+        self.now += seconds
+        self.idle_ticks += int(idle_cpus * seconds * os.sysconf("SC_CLK_TCK"))     # over all the CPUs
+        self.own += own_cpus * seconds
+        self.write()
+
+
+def test_idle_and_neighbour_meters_read_the_mask_cpus(tmp_path, monkeypatch):
+    """Idle CPUs over each window; a neighbour's share is what neither idled nor this process
+    used, and a thread count leaves it its CPU (the budget caps it; never below 1)."""
+    from verifier.cpus import IdleMeter, NeighbourMeter
+    stat = FakeStat(tmp_path / "stat", monkeypatch)
+    n = len(stat.cpus)
+    idle, others = IdleMeter(tmp_path / "stat"), NeighbourMeter(tmp_path / "stat", own=lambda: stat.own)
+    stat.advance(1.0, idle_cpus=n - 1, own_cpus=0.8)       # this process near one CPU, the rest idle
+    assert idle() == pytest.approx(n - 1, abs=0.05)
+    assert others.free(n) == n
+    stat.advance(1.0, idle_cpus=max(0, n - 2), own_cpus=1.0)   # a neighbour on one more
+    assert others.free(n) == max(1, n - 1)
+    assert others.free(1) == 1
+    stat.advance(1.0, idle_cpus=n, own_cpus=0.0)
+    assert others.free(n) == n
+
+
+def test_meters_without_proc_stat_say_unknown(tmp_path):
+    from verifier.cpus import IdleMeter, NeighbourMeter
+    assert IdleMeter(tmp_path / "missing")() is None
+    assert NeighbourMeter(tmp_path / "missing").free(3) == 3

@@ -157,6 +157,12 @@ def test_a_probe_stops_early_only_when_its_outcome_is_known(ratios, pairs):
     assert gov.threads == (1 if statistics.median(ratios) < ThreadConfig().margin else 2)
 
 
+def test_it_starts_on_the_cpus_left_free_and_takes_more_once_they_idle():
+    gov = ThreadGovernor(2, idle=(idle := Idle(0.0)), start=1)
+    assert run(gov, BUSY, 200) == [1] * 200               # no CPU idle: no probe up yet
+    assert neighbour_comes_and_goes(gov, idle, 10, QUIET) == (1, 2)
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0

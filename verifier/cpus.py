@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,3 +155,27 @@ class IdleMeter:
         if now is None or last is None or now[0] <= last[0]:
             return None
         return (now[1] - last[1]) / (now[0] - last[0])
+
+
+class NeighbourMeter:
+    """How many of the process's CPUs other processes kept busy, on average, since the last
+    call: the CPUs' busy time (/proc/stat, less idle and iowait) less this process's own CPU
+    time. Unlike idle CPUs it reads right while the process works too; `free(budget)` turns it
+    into a thread count (a neighbour's CPU is not worth a thread whose barriers would wait on it)."""
+
+    def __init__(self, stat: Path = Path("/proc/stat"), own: Callable[[], float] = time.process_time):
+        self._idle, self._own = IdleMeter(stat), own
+        self._cpus = len(self._idle._cpus)
+        self._last = (time.monotonic(), own())
+
+    def __call__(self) -> float | None:
+        idle, now = self._idle(), (time.monotonic(), self._own())
+        (t0, own0), self._last = self._last, now
+        if idle is None or now[0] <= t0:
+            return None
+        return max(0.0, self._cpus - idle - (now[1] - own0) / (now[0] - t0))
+
+    def free(self, budget: int) -> int:
+        """Threads for the CPUs of the budget that others left free (rounded: half a CPU counts)."""
+        others = self()
+        return budget if others is None else max(1, min(budget, int(self._cpus - others + 0.5)))
