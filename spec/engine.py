@@ -126,7 +126,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.cpu_budget = cpu_budget()
-        self._neighbours = NeighbourMeter()     # over the load: where the governor starts (_thread_governor)
+        neighbours = NeighbourMeter()       # over the target's load (_set_up)
         self.num_threads = config.num_threads or self.cpu_budget.threads   # the most a step runs on
         torch.set_num_threads(self.num_threads)
         # One TargetModel, or rank 0 of a tensor-parallel one: the engine runs once, on rank 0,
@@ -136,12 +136,12 @@ class LLMEngine:
                                   kernel_rows=engine_rows(config.max_num_batched_tokens),
                                   num_threads=self.num_threads)
         try:
-            self._set_up(config)
+            self._set_up(config, neighbours)
         except BaseException:
             self.target.close()     # a tensor-parallel target's workers must not outlive a failed load
             raise
 
-    def _set_up(self, config: EngineConfig) -> None:
+    def _set_up(self, config: EngineConfig, neighbours: NeighbourMeter) -> None:
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         self.max_model_len = min(config.max_model_len or min(mc.max_position, 8192), mc.max_position)
@@ -176,11 +176,19 @@ class LLMEngine:
             from drafters.base import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
-        self._warm_up()
-        curve = self._cost_curve() if self.drafter is not None else None
+        # The warm-up and the cost curve run on the CPUs other processes left free while the
+        # target loaded: beside a busy neighbour their wide forwards on every CPU took several
+        # times as long (the curve is rescaled per thread count as steps run: spec/step_cost.py).
+        free = neighbours.free(self.num_threads)
+        torch.set_num_threads(free)
+        try:
+            self._warm_up()
+            curve = self._cost_curve() if self.drafter is not None else None
+        finally:
+            torch.set_num_threads(self.num_threads)
         if curve is not None:
             self.adaptive.cost = StepCost(curve, config.adaptive.smoothing)
-        self.threads = self._thread_governor(config, self._neighbours)
+        self.threads = self._thread_governor(config, free)
         # Everything loaded so far lives as long as the engine: move it out of the cyclic
         # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
         # as n-gram indexing of a long prompt) walks every object of the process: in a large
@@ -229,10 +237,10 @@ class LLMEngine:
             times = [[forward(n) for n in rows] for _ in range(CURVE_ROUNDS)]
         return CostCurve.measured({n: min(t[i] for t in times) * 1e3 for i, n in enumerate(rows)})
 
-    def _thread_governor(self, config: EngineConfig, neighbours: NeighbourMeter) -> ThreadGovernor:
+    def _thread_governor(self, config: EngineConfig, free: int) -> ThreadGovernor:
         """Steps may run on fewer threads while that is faster (spec/threads.py), on a CPU target
         of one process whose forward gives the same bits on every count (checked here). The first
-        ones run on the CPUs other processes left free while the engine loaded."""
+        ones run on the `free` CPUs, those other processes left while the engine loaded."""
         tuning = config.thread_tuning
         adaptive = tuning.adaptive and self.num_threads > 1 and self.target.device.type == "cpu" \
             and config.tensor_parallel_size == 1
@@ -241,7 +249,7 @@ class LLMEngine:
                         "to check): steps stay on %d threads", self.num_threads)
             adaptive = False
         governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter(), IdleMeter(),
-                                  start=neighbours.free(self.num_threads))
+                                  start=free)
         chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
         log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
         return governor
