@@ -37,7 +37,9 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   steps (room appearing probes at once, as above).
 - A neighbour that arrives while the engine waits for work would slow its next step, often a
   prompt's and the longest, before any probe: after `gap_s` without steps the governor reads
-  the CPUs that sat idle meanwhile (the engine used none) and runs on at most that many.
+  the CPUs that sat idle meanwhile (the engine used none) and runs on at most that many. The
+  first steps after the engine's load run on the CPUs other processes left free during it
+  (`start`; verifier/cpus.py:NeighbourMeter).
 
 Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
 so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
