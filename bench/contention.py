@@ -19,8 +19,9 @@ Where the time goes, per setting: the CPU seconds the engine's process used per 
 context switches per token (voluntary: a thread waited; involuntary: the kernel took its core),
 the thread count its steps ended on, its steps and their seconds on each thread count (the
 governor's probes and switches; `tercel_thread_steps` in the server), and for the server the
-/health latency while it served (the event loop's lag). `--quota Q` instead runs the offline engine, plain, in a new cgroup
-with a CPU quota of Q, at each fixed thread count and with the governor.
+/health latency while it served (the event loop's lag). `--quota Q` instead runs the offline
+engine, plain, in a new cgroup with a CPU quota of Q, at each fixed thread count and with the
+governor.
 """
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ class Server:
         for f in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
             for smp in f.samples:
                 if smp.name in ("tercel_thread_steps_total", "tercel_thread_step_seconds_total"):
-                    out.setdefault(int(smp.labels["threads"]), [0, 0.0])[smp.name.endswith("seconds_total")] += smp.value
+                    seconds = smp.name.endswith("seconds_total")
+                    out.setdefault(int(smp.labels["threads"]), [0, 0.0])[seconds] += smp.value
         return {n: (int(v[0]), v[1]) for n, v in out.items()}
 
 

@@ -103,10 +103,10 @@ class ThreadGovernor:
                  idle: Callable[[], float | None] | None = None, gap_idle: Callable[[], float | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, start: int | None = None):
         """`max_threads`: the budget (verifier/cpus.py, or the configured count); the governor
-        starts there (or at `start`) and never goes above it. `idle()`: the process's CPUs that sat idle on
-        average since the last call (None: unknown); without it only probes find a quiet machine.
-        `gap_idle()`: the same, a second meter whose windows end at the gaps between steps.
-        `start`: the first steps' count where fewer than the budget (other processes' CPUs)."""
+        starts there (or at `start`, where that is fewer: other processes hold CPUs) and never
+        goes above it. `idle()`: the process's CPUs that sat idle on average since the last call
+        (None: unknown); without it only probes find a quiet machine. `gap_idle()`: the same, a
+        second meter whose windows end at the gaps between steps."""
         self.config, self.max_threads = config, max(1, max_threads)
         self._idle, self._was_idle, self._steps = idle, True, 0
         self._gap_idle, self._clock = gap_idle, clock
