@@ -34,18 +34,18 @@ class _FreeCpus:
         return self.threads
 
 
-_FREE_CPUS: list[_FreeCpus] = []
+@pytest.fixture(scope="session")
+def _free_cpus() -> _FreeCpus:
+    return _FreeCpus()
 
 
 @pytest.fixture(autouse=True)
-def _threads_left_by_neighbours():
+def _threads_left_by_neighbours(_free_cpus):
     """Each test's torch work on the CPUs other processes leave free, as the engine's governor
     runs its steps (spec/threads.py): beside a busy process, a forward on every CPU waits at each
     barrier for a thread the kernel has descheduled (docs/performance.md, "Shared CPUs")."""
     import torch
-    if not _FREE_CPUS:
-        _FREE_CPUS.append(_FreeCpus())
-    torch.set_num_threads(_FREE_CPUS[0].threads_now())
+    torch.set_num_threads(_free_cpus.threads_now())
     yield
 
 

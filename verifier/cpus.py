@@ -140,6 +140,11 @@ class IdleMeter:
             self._cpus = set()
         self._last = self._read()
 
+    @property
+    def cpus(self) -> int:
+        """CPUs in the affinity mask, those the readings cover."""
+        return len(self._cpus)
+
     def _read(self) -> tuple[float, float] | None:
         """(wall seconds, idle CPU-seconds summed over the mask), or None where unreadable."""
         try:
@@ -165,7 +170,6 @@ class NeighbourMeter:
 
     def __init__(self, stat: Path = Path("/proc/stat"), own: Callable[[], float] = time.process_time):
         self._idle, self._own = IdleMeter(stat), own
-        self._cpus = len(self._idle._cpus)
         self._last = (time.monotonic(), own())
 
     def __call__(self) -> float | None:
@@ -173,9 +177,9 @@ class NeighbourMeter:
         (t0, own0), self._last = self._last, now
         if idle is None or now[0] <= t0:
             return None
-        return max(0.0, self._cpus - idle - (now[1] - own0) / (now[0] - t0))
+        return max(0.0, self._idle.cpus - idle - (now[1] - own0) / (now[0] - t0))
 
     def free(self, budget: int) -> int:
         """Threads for the CPUs of the budget that others left free (rounded: half a CPU counts)."""
         others = self()
-        return budget if others is None else max(1, min(budget, int(self._cpus - others + 0.5)))
+        return budget if others is None else max(1, min(budget, int(self._idle.cpus - others + 0.5)))
