@@ -110,5 +110,5 @@ def _fingerprint(settings: RunSettings, args, data) -> dict:
 
 
 def _threads() -> int:
-    import torch
-    return torch.get_num_threads()
+    from verifier.machine import default_threads
+    return default_threads()

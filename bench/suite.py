@@ -56,11 +56,10 @@ class Generators:
 
     def _llama(self):
         if self._llamacpp is None:
-            import torch
-
             from bench.llamacpp import LlamaCppGenerator
+            from verifier.machine import default_threads
             s = self.settings
-            self._llamacpp = LlamaCppGenerator(s.model, s.max_tokens, s.ignore_eos, torch.get_num_threads(),
+            self._llamacpp = LlamaCppGenerator(s.model, s.max_tokens, s.ignore_eos, default_threads(),
                                                self.tokenizer)
         return self._llamacpp
 

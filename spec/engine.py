@@ -39,11 +39,12 @@ from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.cpus import IdleMeter, NeighbourMeter, cpu_budget
+from verifier.cpus import IdleMeter, cpu_budget, free_cpus
 from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.kernels import engine_rows
 from verifier.kv_cache import slot_of
 from verifier.logprobs import TokenLogprob, decided, row_logprob
+from verifier.machine import default_threads, on_threads
 from verifier.parallel import open_target
 from verifier.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
 from verifier.sampling_params import SamplingParams
@@ -126,22 +127,24 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.cpu_budget = cpu_budget()
-        neighbours = NeighbourMeter()       # over the target's load (_set_up)
-        self.num_threads = config.num_threads or self.cpu_budget.threads   # the most a step runs on
-        torch.set_num_threads(self.num_threads)
-        # One TargetModel, or rank 0 of a tensor-parallel one: the engine runs once, on rank 0,
-        # and every call it makes on the target reaches all ranks (verifier/parallel.py).
-        self.target: TargetModel = open_target(config.model, config.tensor_parallel_size, device=config.device,
-                                  backend=config.attention_backend, quantization=config.quantization,
-                                  kernel_rows=engine_rows(config.max_num_batched_tokens),
-                                  num_threads=self.num_threads)
-        try:
-            self._set_up(config, neighbours)
-        except BaseException:
-            self.target.close()     # a tensor-parallel target's workers must not outlive a failed load
-            raise
+        self.num_threads = config.num_threads or default_threads()      # the most a step runs on
+        # The load runs on the CPUs other processes leave free: beside a busy neighbour its
+        # torch work on every CPU spent most of its time at barriers (docs/performance.md,
+        # "Shared CPUs"). The kernel choices are timed on num_threads, the count they serve.
+        with on_threads(free_cpus(self.num_threads)):
+            # One TargetModel, or rank 0 of a tensor-parallel one: the engine runs once, on rank 0,
+            # and every call it makes on the target reaches all ranks (verifier/parallel.py).
+            self.target: TargetModel = open_target(config.model, config.tensor_parallel_size, device=config.device,
+                                                   backend=config.attention_backend, quantization=config.quantization,
+                                                   kernel_rows=engine_rows(config.max_num_batched_tokens),
+                                                   num_threads=self.num_threads)
+            try:
+                self._set_up(config)
+            except BaseException:
+                self.target.close()     # a tensor-parallel target's workers must not outlive a failed load
+                raise
 
-    def _set_up(self, config: EngineConfig, neighbours: NeighbourMeter) -> None:
+    def _set_up(self, config: EngineConfig) -> None:
         self.tokenizer = self.target.tokenizer
         mc = self.target.config
         self.max_model_len = min(config.max_model_len or min(mc.max_position, 8192), mc.max_position)
@@ -176,16 +179,12 @@ class LLMEngine:
             from drafters.base import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
-        # The warm-up and the cost curve run on the CPUs other processes left free while the
-        # target loaded: beside a busy neighbour their wide forwards on every CPU took several
-        # times as long (the curve is rescaled per thread count as steps run: spec/step_cost.py).
-        free = neighbours.free(self.num_threads)
-        torch.set_num_threads(free)
-        try:
+        # The warm-up and the cost curve run on the CPUs left free while the target loaded (the
+        # curve is rescaled per thread count as steps run: spec/step_cost.py).
+        free = free_cpus(self.num_threads)
+        with on_threads(free):
             self._warm_up()
             curve = self._cost_curve() if self.drafter is not None else None
-        finally:
-            torch.set_num_threads(self.num_threads)
         if curve is not None:
             self.adaptive.cost = StepCost(curve, config.adaptive.smoothing)
         self.threads = self._thread_governor(config, free)
@@ -250,9 +249,16 @@ class LLMEngine:
             adaptive = False
         governor = ThreadGovernor(self.num_threads, replace(tuning, adaptive=adaptive), IdleMeter(), IdleMeter(),
                                   start=free)
-        chosen = f"{self.num_threads} (configured)" if config.num_threads else self.cpu_budget.describe()
-        log.info("CPU threads: %s; %s", chosen, "fewer while faster" if governor.active else "fixed")
+        log.info("CPU threads: %s; %s", self._threads_chosen(config),
+                 "fewer while faster" if governor.active else "fixed")
         return governor
+
+    def _threads_chosen(self, config: EngineConfig) -> str:
+        if config.num_threads:
+            return f"{self.num_threads} (configured)"
+        if self.num_threads < self.cpu_budget.threads:
+            return f"{self.num_threads} (torch's thread count, below the budget of {self.cpu_budget.describe()})"
+        return self.cpu_budget.describe()
 
     def _same_on_fewer_threads(self) -> bool:
         """A scratch prompt of 40 tokens (prompt rows, then a sampled row) and a 3-token chain
@@ -356,16 +362,16 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> draft -> verify -> accept -> commit -> emit, each phase over the batch,
-        on the thread count the governor picks; between steps the process keeps its own count,
-        so code outside the engine (a target loaded later, which times its kernels on the count
-        it finds) never inherits the governor's."""
+        on the thread count the governor picks; the caller's count is set back after, so code
+        outside the engine never inherits the governor's."""
+        before = torch.get_num_threads()
         self._set_threads(self.threads.next_step())
         if self.adaptive.cost is not None:
             self.adaptive.cost.threads = torch.get_num_threads()
         try:
             return self._step()
         finally:
-            self._set_threads(self.num_threads)
+            self._set_threads(before)
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []     # aborted since the last step

@@ -16,36 +16,15 @@ SHARED_DATA = Path(os.environ.get("TERCEL_DATA", ROOT.parent / "shared" / "data"
 GPU_SUITE = ROOT / "tests" / "gpu"
 
 
-class _FreeCpus:
-    """The torch thread count for the next test: the CPUs of the budget other processes left
-    free over the tests before it (re-read after at least READ_EVERY seconds)."""
-    READ_EVERY = 0.5
-
-    def __init__(self):
-        import time
-
-        from verifier.cpus import NeighbourMeter, cpu_budget
-        self.clock, self.budget, self.meter = time.monotonic, cpu_budget().threads, NeighbourMeter()
-        self.threads, self.read_at = self.budget, self.clock()
-
-    def threads_now(self) -> int:
-        if self.clock() - self.read_at >= self.READ_EVERY:
-            self.threads, self.read_at = self.meter.free(self.budget), self.clock()
-        return self.threads
-
-
-@pytest.fixture(scope="session")
-def _free_cpus() -> _FreeCpus:
-    return _FreeCpus()
-
-
 @pytest.fixture(autouse=True)
-def _threads_left_by_neighbours(_free_cpus):
-    """Each test's torch work on the CPUs other processes leave free, as the engine's governor
-    runs its steps (spec/threads.py): beside a busy process, a forward on every CPU waits at each
-    barrier for a thread the kernel has descheduled (docs/performance.md, "Shared CPUs")."""
+def _threads_left_by_neighbours():
+    """Each test's torch work, engines' loads and steps included, on the CPUs of the budget other
+    processes left free over the tests before it: beside a busy process, work on every CPU waits
+    at each barrier for a thread the kernel has descheduled (docs/performance.md, "Shared CPUs")."""
     import torch
-    torch.set_num_threads(_free_cpus.threads_now())
+
+    from verifier.cpus import cpu_budget, free_cpus
+    torch.set_num_threads(free_cpus(cpu_budget().threads))
     yield
 
 

@@ -151,3 +151,90 @@ def test_meters_without_proc_stat_say_unknown(tmp_path):
     from verifier.cpus import IdleMeter, NeighbourMeter
     assert IdleMeter(tmp_path / "missing")() is None
     assert NeighbourMeter(tmp_path / "missing").free(3) == 3
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs in the affinity mask")
+def test_readers_in_turn_share_one_window_and_a_short_one_gives_the_last_answer(tmp_path, monkeypatch):
+    """The process-wide reading (the engine's load, the test suite's thread counts): the budget
+    before any window closes, and within min_window of a reading its answer again, since a window
+    that short is mostly the rounding of /proc/stat's ticks."""
+    from verifier.cpus import FreeCpus, NeighbourMeter
+    stat = FakeStat(tmp_path / "stat", monkeypatch)
+    n = len(stat.cpus)
+    free = FreeCpus(NeighbourMeter(tmp_path / "stat", own=lambda: stat.own), min_window=0.25,
+                    clock=lambda: stat.now)
+    assert free(n) == n
+    stat.advance(1.0, idle_cpus=n - 2, own_cpus=1.0)     # a neighbour on one CPU
+    assert free(n) == n - 1
+    stat.advance(0.1, idle_cpus=n, own_cpus=0.0)         # gone, but for too short a window to tell
+    assert free(n) == n - 1
+    assert free(1) == 1
+    stat.advance(1.0, idle_cpus=n, own_cpus=0.0)
+    assert free(n) == n
+
+
+def test_cached_timings_are_measured_on_the_count_they_are_for(tmp_path):
+    """A kernel choice measured on the threads the forwards will run on, whatever the caller's
+    count, cached under that count, and the caller's count set back."""
+    import torch
+
+    from verifier.machine import cached_measurement
+    seen = []
+
+    def measure() -> dict:
+        seen.append(torch.get_num_threads())
+        return {"ms": 1.0}
+    torch.set_num_threads(1)
+    args = (tmp_path, "t-", {"what": "test"}, measure, dict, dict)
+    assert cached_measurement(*args, threads=2) == {"ms": 1.0} and seen == [2]
+    assert torch.get_num_threads() == 1
+    cached_measurement(*args, threads=2)
+    assert seen == [2]                                   # read back from the cache
+    cached_measurement(*args)
+    assert seen == [2, 1]                                # another count, another measurement
+    assert len(list(tmp_path.glob("t-*.json"))) == 2
+
+
+def test_the_engine_loads_on_the_free_cpus_and_leaves_the_callers_count(tiny_llama_dir, monkeypatch):
+    """Beside a neighbour (one CPU free) the target loads and warms up on one thread, its kernel
+    choices are timed on the engine's count, steps run on the governor's, and the caller's own
+    count is the same after the load and after the steps."""
+    import torch
+
+    from spec.llm import LLM
+    from spec.threads import ThreadConfig
+    from verifier.sampling_params import SamplingParams
+    from verifier.target import TargetModel
+    loads, forwards = [], []
+    init, forward = TargetModel.__init__, TargetModel.forward
+
+    def recording_init(self, *args, **kw):
+        loads.append((torch.get_num_threads(), kw.get("tune_threads")))
+        init(self, *args, **kw)
+
+    def recording_forward(self, batch):
+        forwards.append(torch.get_num_threads())
+        return forward(self, batch)
+    monkeypatch.setattr(TargetModel, "__init__", recording_init)
+    monkeypatch.setattr(TargetModel, "forward", recording_forward)
+    monkeypatch.setattr("spec.engine.free_cpus", lambda budget: 1)
+    torch.set_num_threads(3)                             # the caller's, unlike any the engine picks
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2,
+              thread_tuning=ThreadConfig(adaptive=False))
+    assert loads == [(1, 2)] and forwards and set(forwards) == {1}
+    assert torch.get_num_threads() == 3
+    forwards.clear()
+    llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))
+    assert forwards and set(forwards) == {2}
+    assert torch.get_num_threads() == 3
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs in the affinity mask")
+def test_the_engine_takes_torchs_count_where_the_caller_set_it_below_the_budget(tiny_llama_dir):
+    """OMP_NUM_THREADS=1 or torch.set_num_threads(1) before the engine: it runs on one thread."""
+    import torch
+
+    from spec.llm import LLM
+    torch.set_num_threads(1)
+    engine = LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8).engine
+    assert engine.num_threads == 1 and not engine.threads.active

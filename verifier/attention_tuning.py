@@ -123,12 +123,13 @@ def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 3) -> AttentionTimi
     return AttentionTimings(med["serial"], med["parallel"], choose(med["serial"], med["parallel"], hd.nh))
 
 
-def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False) -> AttentionTimings:
+def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False,
+         threads: int | None = None) -> AttentionTimings:
     """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
     are cached; sets hd.parallel_from from them."""
     kernels = hashlib.sha256(cpu_ops.DECODE_OPS.read_bytes()).hexdigest()[:16]   # a new kernel is timed anew
     key = {"format": FORMAT, "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
     timings = cached_measurement(cache_dir, "attention-", key, lambda: measure(hd), AttentionTimings.to_json,
-                                 AttentionTimings.from_json, refresh)
+                                 AttentionTimings.from_json, refresh, threads)
     hd.parallel_from = timings.parallel_from
     return timings

@@ -180,6 +180,31 @@ class NeighbourMeter:
         return max(0.0, self._idle.cpus - idle - (now[1] - own0) / (now[0] - t0))
 
     def free(self, budget: int) -> int:
-        """Threads for the CPUs of the budget that others left free (rounded: half a CPU counts)."""
-        others = self()
+        """Threads for the CPUs of the budget that others left free since the last call."""
+        return self.threads_left(self(), budget)
+
+    def threads_left(self, others: float | None, budget: int) -> int:
+        """Threads for the CPUs of the budget that a reading of `others` leaves free (rounded:
+        half a CPU counts); the whole budget without a reading."""
         return budget if others is None else max(1, min(budget, int(self._idle.cpus - others + 0.5)))
+
+
+class FreeCpus:
+    """`free(budget)` of a NeighbourMeter whose window is the time since the last reading, or
+    the last answer within `min_window` seconds of it (a shorter window is mostly the rounding
+    of /proc/stat's ticks); the budget itself before the first window closes."""
+
+    def __init__(self, meter: NeighbourMeter | None = None, min_window: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic):
+        self._meter, self._min, self._clock = meter or NeighbourMeter(), min_window, clock
+        self._read_at, self._others = clock(), None
+
+    def __call__(self, budget: int) -> int:
+        if self._clock() - self._read_at >= self._min:
+            self._others, self._read_at = self._meter(), self._clock()
+        return self._meter.threads_left(self._others, budget)
+
+
+# One window for the whole process, open since import: the engine's load and the test suite's
+# thread counts read it in turn, so no reader's window is cut short by another's.
+free_cpus = FreeCpus()

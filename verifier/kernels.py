@@ -194,8 +194,9 @@ def _time_one(linears: list[QuantLinear], path: str, m: int, repeats: int) -> fl
 
 
 def load_or_time(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
-                 measure: Callable[[], KernelTimings], refresh: bool = False) -> KernelTimings:
+                 measure: Callable[[], KernelTimings], refresh: bool = False,
+                 threads: int | None = None) -> KernelTimings:
     """This machine's cached timings for this model and these rows, else (or with
     `refresh`) `measure()`'s, which are cached."""
     return cached_measurement(cache_dir, "", {"format": FORMAT, **model_key, "rows": list(rows)}, measure,
-                              KernelTimings.to_json, KernelTimings.from_json, refresh)
+                              KernelTimings.to_json, KernelTimings.from_json, refresh, threads)

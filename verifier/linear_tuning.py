@@ -64,7 +64,8 @@ def measure(linears: list[Linear], rows: tuple[int, ...] = ROWS, repeats: int = 
     return LinearTimings(med["mkl"], med["onednn"], choose(med["mkl"], med["onednn"]))
 
 
-def tune(net: torch.nn.Module, cache_dir: Path | None, refresh: bool = False) -> LinearTimings | None:
+def tune(net: torch.nn.Module, cache_dir: Path | None, refresh: bool = False,
+         threads: int | None = None) -> LinearTimings | None:
     """Time (or read this machine's cached timings for) the dense fp32 Linears of `net` and set
     their `onednn_from`; None where oneDNN is not built in or the weights are not fp32 on the CPU."""
     linears = [m for m in net.modules() if isinstance(m, Linear)]
@@ -73,7 +74,7 @@ def tune(net: torch.nn.Module, cache_dir: Path | None, refresh: bool = False) ->
         return None
     key = {"format": FORMAT, "rows": list(ROWS), "shapes": [list(l.weight.shape) for l in linears]}
     timings = cached_measurement(cache_dir, "linear-", key, lambda: measure(linears), LinearTimings.to_json,
-                                 LinearTimings.from_json, refresh)
+                                 LinearTimings.from_json, refresh, threads)
     for lin in linears:
         lin.onednn_from = timings.onednn_from
     return timings

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -67,12 +69,33 @@ def _cpuinfo() -> dict[str, str]:
     return info
 
 
-def machine_key() -> dict:
-    """What makes timings from one machine invalid on another."""
+def machine_key(threads: int | None = None) -> dict:
+    """What makes timings from one machine invalid on another (`threads`: the count they are
+    for; None: this thread's torch count)."""
     info = _cpuinfo()
     return {"cpu": info.get("model name", platform.processor()),
             "flags": hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:16],
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "threads": threads or torch.get_num_threads()}
+
+
+def default_threads() -> int:
+    """The threads an engine runs on unless configured: the CPU budget (affinity and quota), or
+    torch's count where the caller set it lower (OMP_NUM_THREADS, torch.set_num_threads)."""
+    from verifier.cpus import cpu_budget
+    return min(cpu_budget().threads, torch.get_num_threads())
+
+
+@contextmanager
+def on_threads(n: int | None) -> Iterator[None]:
+    """torch work inside on `n` threads (None: as it is), the caller's count set back after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def machine_summary() -> str:
@@ -104,11 +127,12 @@ T = TypeVar("T")
 
 
 def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
-                       to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False) -> T:
+                       to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False,
+                       threads: int | None = None) -> T:
     """What `measure()` found on this machine for `key` (the machine's own key is added), read
-    from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now and
-    written there. A damaged file is measured again."""
-    key = {**key, **machine_key()}
+    from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now, on
+    `threads` (None: the current count), and written there. A damaged file is measured again."""
+    key = {**key, **machine_key(threads)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"{prefix}{digest}.json" if cache_dir else None
     if path is not None and path.is_file() and not refresh:
@@ -116,7 +140,8 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
             return from_json(json.loads(path.read_text())["timings"])
         except (ValueError, KeyError, TypeError):
             pass
-    result = measure()
+    with on_threads(threads):
+        result = measure()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")

@@ -185,7 +185,7 @@ def open_target(model: str, tensor_parallel_size: int = 1, device: str | None = 
     `quantization` must then be "auto" or "none", `verifier/shard.py:check_tp_quantization`)."""
     if tensor_parallel_size == 1:
         return TargetModel(model, device=device, backend=backend, quantization=quantization,
-                           kernel_rows=kernel_rows)
+                           kernel_rows=kernel_rows, tune_threads=num_threads)
     check_tp_quantization(quantization, tensor_parallel_size)
     return ParallelTarget(model, tensor_parallel_size, device=device, backend=backend, num_threads=num_threads)
 

@@ -202,7 +202,7 @@ def timed_linears(net: nn.Module) -> list[QuantLinear]:
 
 def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
          cache_dir: Path | None, refresh: bool = False,
-         timed: list[QuantLinear] | None = None) -> tuple[KernelPlan, KernelTimings]:
+         timed: list[QuantLinear] | None = None, threads: int | None = None) -> tuple[KernelPlan, KernelTimings]:
     """Time every path over `timed` (default: the whole decoder) or read the timings this
     machine cached, then keep what the fastest choice per row count needs in all of `decoder`."""
     def measure() -> KernelTimings:
@@ -213,7 +213,7 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
 
     sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
                for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, *cpu_ops.HEADERS)}
-    timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh)
+    timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh, threads)
     plan = apply_plan(decoder, head, timings)
     log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,
              f" in tiles of {plan.tile} rows" if plan.tile else "")

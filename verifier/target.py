@@ -72,7 +72,8 @@ class TargetModel:
     `quantization`: "none" (the checkpoint's weights, dense), "int4" or "int8" (CPU
     kernels, see `verifier.quantize`), or "auto" (int4 for a Q4 GGUF, else none).
     `kernel_rows`: the row counts at which the quantized matmul paths are timed (cached per
-    machine; `retime_kernels` times them again). `shard`: this process's rank of a
+    machine; `retime_kernels` times them again) on `tune_threads` threads (the most its forwards
+    run on; None: the current count, on which the rest loads). `shard`: this process's rank of a
     tensor-parallel target (`verifier/parallel.py` starts the ranks); its modules and KV cache
     hold one slice (`verifier/shard.py`), dense weights only.
 
@@ -84,7 +85,7 @@ class TargetModel:
     def __init__(self, model: str, device: str | None = None, dtype: torch.dtype | None = None,
                  backend: str | None = None, load_tokenizer_files: bool = True,
                  quantization: str = "none", kernel_rows: tuple[int, ...] | None = None,
-                 retime_kernels: bool = False, shard: TensorShard | None = None):
+                 retime_kernels: bool = False, shard: TensorShard | None = None, tune_threads: int | None = None):
         self.model_dir = resolve_model_dir(model)
         self.config = load_config(self.model_dir)
         self.device = torch.device(device) if device else default_device()
@@ -114,16 +115,17 @@ class TargetModel:
             self.kernel_plan, self.kernel_timings = tune(
                 decoder, net.lm_head, kernel_rows or engine_rows(512),
                 {"model": str(self.model_dir), "quantization": quantization}, cache_root() / "kernels",
-                retime_kernels, timed_linears(net))
+                retime_kernels, timed_linears(net), tune_threads)
         self.net = net.eval()
         # dense fp32 on the CPU: where MKL gives way to oneDNN, timed on this machine
-        self.linear_timings = tune_linear(net, cache_root() / "kernels", retime_kernels) \
+        self.linear_timings = tune_linear(net, cache_root() / "kernels", retime_kernels, tune_threads) \
             if quantization == "none" and self.device.type == "cpu" else None
         self._cpu_layers = cpu_layers(net) if quantization != "none" else []
         self._cpu_heads = cpu_heads(net) if quantization != "none" else None
         self.attention_timings: AttentionTimings | None = None
         if self._cpu_heads is not None:
-            self.attention_timings = tune_attention(self._cpu_heads, cache_root() / "kernels", retime_kernels)
+            self.attention_timings = tune_attention(self._cpu_heads, cache_root() / "kernels", retime_kernels,
+                                                    tune_threads)
         # sampled rows run the layers in one C++ call where it builds (verifier/cpu_loop.py)
         self._cpu_native = native_layers(self.config, self._cpu_heads, self._cpu_layers, net.model.norm,
                                          net.lm_head) if self._cpu_layers else None
