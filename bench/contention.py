@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.data import mtbench_first_turns
     from verifier.cpus import cpu_budget
     from verifier.machine import machine_summary
-    machine = f"{machine_summary()}; CPU budget {cpu_budget().describe()}"     # before any engine moves it
+    machine = f"{machine_summary()}; CPU budget {cpu_budget().describe()}"
     prompts = mtbench_first_turns(args.limit)
     if args.quota is not None:
         rows = quota_runs(args, prompts)

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
 from server_util import LiveServer
 from spec.adaptive import AdaptiveConfig
@@ -103,12 +102,10 @@ PATH = {"chat": "/v1/chat/completions", "cmpl": "/v1/completions"}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    threads = torch.get_num_threads()    # the engine's num_threads is process-wide: put it back after
     s = LiveServer(EngineConfig(model=str(tiny_llama_dir), drafter="ngram", adaptive=AdaptiveConfig(), **ENGINE),
                    model_name="tiny")
     yield s
     s.close()
-    torch.set_num_threads(threads)
 
 
 def make_jobs(rng: random.Random) -> list[dict]:
