@@ -26,8 +26,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True      # share KV of identical full-block prompt prefixes
     seed: int = 0                         # seeds the generators of requests without a seed
     # CPU threads at most; None: as many as the affinity mask and the cgroup's CPU quota allow
-    # (verifier/cpus.py). Steps run on fewer while that measures faster (spec/threads.py).
-    num_threads: int | None = None   # None: the CPU budget (verifier/cpus.py), or torch's count if lower
+    # (verifier/cpus.py), or torch's count where that is lower. Steps run on fewer while that
+    # measures faster (spec/threads.py).
+    num_threads: int | None = None
     thread_tuning: ThreadConfig = ThreadConfig()   # adaptive=False: always num_threads
     device: str | None = None             # None: cuda if available, else cpu
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu

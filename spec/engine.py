@@ -364,14 +364,10 @@ class LLMEngine:
         """schedule -> draft -> verify -> accept -> commit -> emit, each phase over the batch,
         on the thread count the governor picks; the caller's count is set back after, so code
         outside the engine never inherits the governor's."""
-        before = torch.get_num_threads()
-        self._set_threads(self.threads.next_step())
-        if self.adaptive.cost is not None:
-            self.adaptive.cost.threads = torch.get_num_threads()
-        try:
+        with on_threads(self.threads.next_step()):
+            if self.adaptive.cost is not None:
+                self.adaptive.cost.threads = torch.get_num_threads()
             return self._step()
-        finally:
-            self._set_threads(before)
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []     # aborted since the last step
@@ -400,10 +396,6 @@ class LLMEngine:
         self._thread_steps[n] = self._thread_steps.get(n, ThreadSteps(n)).plus(end - start)
         self.threads.observe(self._last_step_tokens, len(plans), end - start)
         return outputs + new
-
-    def _set_threads(self, n: int) -> None:
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)     # this thread's OpenMP team; the kernels read it per call
 
     def _observe(self, plans: list[SeqPlan], forward_s: float, total_s: float) -> None:
         """The step's costs, for the adaptive controller."""

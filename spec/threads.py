@@ -39,7 +39,7 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   prompt's and the longest, before any probe: after `gap_s` without steps the governor reads
   the CPUs that sat idle meanwhile (the engine used none) and runs on at most that many. The
   first steps after the engine's load run on the CPUs other processes left free during it
-  (`start`; verifier/cpus.py:NeighbourMeter).
+  (`start`; verifier/cpus.py:free_cpus).
 
 Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
 so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
@@ -55,6 +55,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from verifier.machine import on_threads
 
 
 @dataclass(frozen=True)
@@ -282,12 +284,8 @@ class ThreadGovernor:
 def same_on_every_count(forward: Callable[[], torch.Tensor], counts: list[int]) -> bool:
     """Whether `forward()` (logits of a scratch forward) gives the same bits on each thread
     count; the caller's count is set back afterwards."""
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for n in counts:
-            torch.set_num_threads(n)
+    results = []
+    for n in counts:
+        with on_threads(n):
             results.append(forward())
-        return all(torch.equal(results[0], r) for r in results[1:])
-    finally:
-        torch.set_num_threads(before)
+    return all(torch.equal(results[0], r) for r in results[1:])

@@ -133,24 +133,26 @@ class FakeStat:
 def test_idle_and_neighbour_meters_read_the_mask_cpus(tmp_path, monkeypatch):
     """Idle CPUs over each window; a neighbour's share is what neither idled nor this process
     used, and a thread count leaves it its CPU (the budget caps it; never below 1)."""
-    from verifier.cpus import IdleMeter, NeighbourMeter
+    from verifier.cpus import FreeCpus, IdleMeter, NeighbourMeter
     stat = FakeStat(tmp_path / "stat", monkeypatch)
     n = len(stat.cpus)
-    idle, others = IdleMeter(tmp_path / "stat"), NeighbourMeter(tmp_path / "stat", own=lambda: stat.own)
+    idle = IdleMeter(tmp_path / "stat")
+    free = FreeCpus(NeighbourMeter(tmp_path / "stat", own=lambda: stat.own), min_window=0,
+                    clock=lambda: stat.now)         # a reading on every call
     stat.advance(1.0, idle_cpus=n - 1, own_cpus=0.8)       # this process near one CPU, the rest idle
     assert idle() == pytest.approx(n - 1, abs=0.05)
-    assert others.free(n) == n
+    assert free(n) == n
     stat.advance(1.0, idle_cpus=max(0, n - 2), own_cpus=1.0)   # a neighbour on one more
-    assert others.free(n) == max(1, n - 1)
-    assert others.free(1) == 1
+    assert free(n) == max(1, n - 1)
+    assert free(1) == 1
     stat.advance(1.0, idle_cpus=n, own_cpus=0.0)
-    assert others.free(n) == n
+    assert free(n) == n
 
 
 def test_meters_without_proc_stat_say_unknown(tmp_path):
-    from verifier.cpus import IdleMeter, NeighbourMeter
+    from verifier.cpus import FreeCpus, IdleMeter, NeighbourMeter
     assert IdleMeter(tmp_path / "missing")() is None
-    assert NeighbourMeter(tmp_path / "missing").free(3) == 3
+    assert FreeCpus(NeighbourMeter(tmp_path / "missing"), min_window=0)(3) == 3
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs in the affinity mask")

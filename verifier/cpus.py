@@ -165,7 +165,7 @@ class IdleMeter:
 class NeighbourMeter:
     """How many of the process's CPUs other processes kept busy, on average, since the last
     call: the CPUs' busy time (/proc/stat, less idle and iowait) less this process's own CPU
-    time. Unlike idle CPUs it reads right while the process works too; `free(budget)` turns it
+    time. Unlike idle CPUs it reads right while the process works too; `threads_left` turns a reading
     into a thread count (a neighbour's CPU is not worth a thread whose barriers would wait on it)."""
 
     def __init__(self, stat: Path = Path("/proc/stat"), own: Callable[[], float] = time.process_time):
@@ -178,10 +178,6 @@ class NeighbourMeter:
         if idle is None or now[0] <= t0:
             return None
         return max(0.0, self._idle.cpus - idle - (now[1] - own0) / (now[0] - t0))
-
-    def free(self, budget: int) -> int:
-        """Threads for the CPUs of the budget that others left free since the last call."""
-        return self.threads_left(self(), budget)
 
     def threads_left(self, others: float | None, budget: int) -> int:
         """Threads for the CPUs of the budget that a reading of `others` leaves free (rounded:

@@ -87,9 +87,10 @@ def default_threads() -> int:
 
 @contextmanager
 def on_threads(n: int | None) -> Iterator[None]:
-    """torch work inside on `n` threads (None: as it is), the caller's count set back after."""
+    """torch work inside on `n` threads (None: as it is), the caller's count set back after. The
+    count is the calling thread's OpenMP team; the C kernels read it per call."""
     before = torch.get_num_threads()
-    if n:
+    if n and n != before:
         torch.set_num_threads(n)
     try:
         yield
