@@ -24,6 +24,8 @@ from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
+from verifier.loader import resolve_model_dir
+from verifier.quantize import auto_quantization
 from verifier.sampler import target_probs, transform_logits
 from verifier.target import TargetModel
 
@@ -43,10 +45,11 @@ class SmallModelDrafter(Drafter):
     def __init__(self, path: str, target: TargetModel, speculation, deterministic: bool = False):
         if not path:
             raise ValueError("the small drafter needs a model: 'small:PATH'")
-        # A quantized target's draft model runs on its own file's kernels too (a GGUF's int4:
-        # drafting is then as fast per token as decoding); a dense target's draft stays dense.
-        quantization = "auto" if target.quantization != "none" else "none"
-        self.model = TargetModel(path, device=str(target.device), dtype=target.dtype, quantization=quantization)
+        # The draft runs on its file's own blocks where it has them (a GGUF's int4), whatever the
+        # target's precision: a proposal need only be cheap, the target's verify keeps the output.
+        quantization = auto_quantization(resolve_model_dir(path), target.device)
+        self.model = TargetModel(path, device=str(target.device), quantization=quantization,
+                                 dtype=target.dtype if quantization == "none" else None)
         _check_same_tokenizer(self.model, target, path)
         self.spec = speculation
         self.deterministic = deterministic or speculation.topk > 1
@@ -91,7 +94,7 @@ class SmallModelDrafter(Drafter):
                                  logits_indices=[]))
             st.computed = c.end
         if seqs:
-            self.model.forward(ForwardBatch(seqs))
+            self.model.forward(ForwardBatch(seqs), chunk_invariant=False)
 
     def release(self, seq_id: int) -> None:
         self.state.pop(seq_id, None)
@@ -123,14 +126,14 @@ class SmallModelDrafter(Drafter):
             while len(r.token_ids) - st.computed > CATCH_UP_CHUNK:
                 end = st.computed + CATCH_UP_CHUNK
                 self.model.forward(ForwardBatch([SeqInput(r.token_ids[st.computed:end], st.computed, table,
-                                                          logits_indices=[])]))
+                                                          logits_indices=[])]), chunk_invariant=False)
                 st.computed = end
         seqs = []
         for r, table in zip(reqs, tables):
             st = self.state[r.seq_id]
             seqs.append(SeqInput(r.token_ids[st.computed:], st.computed, table))
             st.computed = len(r.token_ids)
-        return self.model.forward(ForwardBatch(seqs)).logits
+        return self.model.forward(ForwardBatch(seqs), chunk_invariant=False).logits
 
     def _chains(self, reqs, tables, logits) -> list[Proposal]:
         depth = max(r.max_depth for r in reqs)

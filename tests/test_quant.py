@@ -137,9 +137,9 @@ def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_pa
                                           "bf16": {1: 3.0, 8: 3.5, 32: 5.0, 64: 9.0},
                                           "fp32": {1: 5.0, 8: 6.0, 32: 12.0, 64: 20.0}},
                          {"int4": [0], "bf16": [32, 64], "fp32": [0]})
-    assert fake.plan(("int4",)) == KernelPlan("bf16", 64, "int4")          # 9/64 per row beats 5/32 and 20/64
+    assert fake.plan(("int4",)) == KernelPlan("bf16", 64, "int4", 32)      # 9/64 per row beats 5/32 and 20/64
     no_bf16 = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": [0]})
-    assert no_bf16.plan(("int4",)) == KernelPlan("fp32", 0, "int4")
+    assert no_bf16.plan(("int4",)) == KernelPlan("fp32", 0, "int4", 32)
     none_dense = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": []})
     assert none_dense.plan(("int4",)) == KernelPlan("int4", 0, "int4")
     # a file mixing formats: int4's times cover its few linears only, so they are not weighed against bf16's

@@ -48,10 +48,13 @@ SAMPLED_ROWS = 8       # the own kernel is chosen on its total over 1 to this ma
 @dataclass(frozen=True)
 class KernelPlan:
     """Prefill rows take `bulk` in calls of exactly `tile` rows (0: any count; the weight's
-    own kernels need no tiles); sampled rows take the own kernel `own` ("": the weight's kind)."""
+    own kernels need no tiles); sampled rows take the own kernel `own` ("": the weight's kind).
+    A prompt chunk of fewer than `own_below` rows costs less on `own`: where a chunk's KV need
+    not be the same however the prompt is chunked (a draft model's), it runs there."""
     bulk: str
     tile: int = 0
     own: str = ""
+    own_below: int = 1
 
 
 @dataclass(frozen=True)
@@ -95,13 +98,25 @@ class KernelTimings:
         that passed the probe, the chosen own kernel as the fallback."""
         timed = {p: c for p in owns if self.tiles.get(p) == [0] and (c := self.sampled_ms(p)) is not None}
         own = min(timed, key=timed.get, default=owns[0])
-        # Own kernels timed over other linears too (a file mixing formats): the own path's times
-        # cover only its kind's linears, so it cannot be weighed against a dense path's.
-        mixed = any(p in OWN_PATHS and p not in owns for p in self.ms)
+        mixed = self._mixed(owns)
         costs = {(p, t): c for p, tiles in self.tiles.items() for t in tiles
                  if (p == own and not mixed or p not in OWN_PATHS) and (c := self.per_row_ms(p, t)) is not None}
         bulk, tile = min(costs, key=costs.get, default=(own, 0))
-        return KernelPlan(bulk, tile, own)
+        return KernelPlan(bulk, tile, own, 1 if bulk == own or mixed else self._own_below(bulk, tile, own))
+
+    def _own_below(self, bulk: str, tile: int, own: str) -> int:
+        """The smallest timed row count at which a prompt chunk costs no more on `bulk` (whole
+        tiles of `tile` rows) than on `own`."""
+        for m in self.rows:
+            o, b = self.ms.get(own, {}).get(m), self.ms.get(bulk, {}).get(tile or m)
+            if o is None or b is not None and -(-m // (tile or m)) * b <= o:
+                return m
+        return self.rows[-1]
+
+    def _mixed(self, owns: tuple[str, ...]) -> bool:
+        # Own kernels timed over other linears too (a file mixing formats): the own path's times
+        # cover only its kind's linears, so it cannot be weighed against a dense path's.
+        return any(p in OWN_PATHS and p not in owns for p in self.ms)
 
     def to_json(self) -> dict:
         return {"rows": list(self.rows), "ms": {p: {str(m): t for m, t in v.items()} for p, v in self.ms.items()},

@@ -166,15 +166,18 @@ class TargetModel:
         """Release what outlives the object (nothing on one rank; the worker ranks under TP)."""
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, chunk_invariant: bool = True) -> ForwardOutput:
         """One forward over every sequence of the batch. On a quantized target each sequence
         splits at its first sampled token: the tokens before it (prompt rows) run first, on
         the plan's dense path in tiles; the sampled ones (a prompt's last token, decode
         steps, tree nodes) after them, on the weights' own kernels (`verifier.cpu_forward`).
-        Outputs come back in batch order."""
+        Outputs come back in batch order. `chunk_invariant` False (a draft model, whose
+        proposals need only be cheap): a sequence with fewer prompt rows than the plan's
+        `own_below` runs whole on the own kernels, so its KV depends on how it was chunked."""
         if self.kernel_plan is None:
             return self._forward_modules(batch)
-        halves = [split_at_first_sample(s) for s in batch.seqs]
+        whole_below = 1 if chunk_invariant else self.kernel_plan.own_below
+        halves = [split_at_first_sample(s, whole_below) for s in batch.seqs]
         parts = []
         for side in (0, 1):                                  # prompt rows first: the rest attends to them
             idx = [i for i, h in enumerate(halves) if h[side] is not None]
@@ -205,11 +208,12 @@ class TargetModel:
         return ForwardOutput(logits, offsets, taps)
 
 
-def split_at_first_sample(seq: SeqInput) -> tuple[SeqInput | None, SeqInput | None]:
+def split_at_first_sample(seq: SeqInput, whole_below: int = 1) -> tuple[SeqInput | None, SeqInput | None]:
     """(the new tokens before the first sampled one, the rest): a prompt chunk's unsampled
-    tokens and its last token; a decode step or a tree is all rest (so is a masked input)."""
+    tokens and its last token; a decode step or a tree is all rest (so is a masked input, and
+    one with fewer than `whole_below` tokens before its first sampled one)."""
     first = seq.first_sampled
-    if first == 0 or seq.mask is not None:
+    if first < whole_below or seq.mask is not None:
         return None, seq
     if first == seq.num_new:
         return seq, None

@@ -1,0 +1,63 @@
+"""A draft model on its file's own int4 blocks: beside a dense target (the same GGUF served
+in fp32), and its short catch-up chunks on the sampled rows' kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import mtbench_prompts
+from drafters.config import SpecConfig
+from spec import LLM, SamplingParams
+from verifier.batch import ForwardBatch, SeqInput
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return LLM(max_num_seqs=2, quantization="none")
+
+
+def test_a_dense_target_drafts_with_its_int4_self_and_keeps_its_tokens(dense):
+    """The fp32 target verifying its own GGUF's int4 blocks as the draft model: the draft runs
+    int4, its chains are almost always accepted, and the tokens are plain fp32 decoding's."""
+    prompts = [dense.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(2)]
+    want = [o.token_ids for o in dense.generate(prompts, GREEDY)]
+    llm = LLM(max_num_seqs=2, quantization="none", drafter="small:smollm2-135m-instruct",
+              speculation=SpecConfig(num_speculative_tokens=6))
+    assert llm.engine.drafter.model.quantization == "int4" and llm.engine.target.quantization == "none"
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    steps = sum(o.stats.verify_steps for o in outs)
+    assert sum(o.stats.emitted_tokens for o in outs) >= 3 * steps      # τ >= 3 of at most 7
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def _forward(engine, ids: list[int], sampled: list[int], chunk_invariant: bool) -> torch.Tensor:
+    """Logits of `sampled` rows of `ids` as one prompt chunk in the idle engine's blocks (freed after)."""
+    target, blocks, seq = engine.target, engine.blocks, 10**9
+    blocks.allocate(seq, ids)
+    try:
+        batch = ForwardBatch([SeqInput(ids, 0, blocks.block_table(seq), logits_indices=sampled)])
+        return target.forward(batch, chunk_invariant=chunk_invariant).logits
+    finally:
+        blocks.free(seq)
+
+
+def test_a_short_chunk_runs_on_the_own_kernel_only_where_chunking_may_change_its_kv():
+    """`chunk_invariant=False`: a chunk with fewer prompt rows than the plan's `own_below` runs
+    whole on the own kernel (bitwise what it gives with every row sampled); a longer one, and
+    any chunk by default, still splits (bitwise the default forward)."""
+    llm = LLM(max_num_seqs=1)
+    engine, target = llm.engine, llm.engine.target
+    below = target.kernel_plan.own_below
+    if below < 3:
+        pytest.skip(f"this machine's plan runs prompt rows of every count on the bulk path (own_below {below})")
+    short = engine.tokenize("The capital of France is")[: below - 1]
+    whole = _forward(engine, short, list(range(len(short))), True)[-1]
+    fast = _forward(engine, short, [len(short) - 1], False)[0]
+    assert torch.equal(fast, whole)
+    split = _forward(engine, short, [len(short) - 1], True)[0]
+    assert not torch.equal(split, whole) or target.kernel_plan.bulk == target.kernel_plan.own
+    long = (engine.tokenize("one two three four five six seven eight nine ten ") * 64)[:below + 2]
+    assert torch.equal(_forward(engine, long, [len(long) - 1], False), _forward(engine, long, [len(long) - 1], True))
