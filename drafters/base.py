@@ -156,6 +156,9 @@ class Drafter(ABC):
     # can draft after the grammar's forced tokens before the target has verified them: a
     # constrained step is then the forced chain with this drafter's tree below it.
     drafts_ahead: bool = False
+    # Its time grows with each node it drafts (a draft model runs a forward per depth): the
+    # adaptive controller then caps the nodes it drafts, not only the nodes verified after.
+    drafts_per_node: bool = False
 
     def observe(self, states: list[TargetHidden]) -> None:
         """Target hidden states of newly kept positions, in position order per request."""

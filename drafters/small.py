@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafters.base import DraftDistributions, DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
+from drafters.config import SpecConfig
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
@@ -41,6 +42,7 @@ class _SeqState:
 
 class SmallModelDrafter(Drafter):
     name = "small"
+    drafts_per_node = True
 
     def __init__(self, path: str, target: TargetModel, speculation, deterministic: bool = False):
         if not path:
@@ -219,6 +221,8 @@ def _check_same_tokenizer(draft: TargetModel, target: TargetModel, path: str) ->
                          f"(vocab {draft.config.vocab_size} vs {target.config.vocab_size}, or different tokens)")
 
 
-@register_drafter("small")
+# A chain of up to 8: the adaptive controller drafts each step what its acceptance pays for
+# (`AdaptiveController.nodes_to_draft`), so the default is a cap, not a length.
+@register_drafter("small", default_speculation=SpecConfig(num_speculative_tokens=8))
 def _build(arg: str, target, speculation) -> SmallModelDrafter:
     return SmallModelDrafter(arg, target, speculation)

@@ -198,6 +198,19 @@ class AdaptiveController:
             history.worth = _blend(history.worth, self.typical, self.config.memory)
         return False
 
+    def nodes_to_draft(self, history: SpecHistory, decoding: int, base_rows: int, most: int) -> int:
+        """Before drafting, for a drafter whose time grows with each node (`drafts` said this
+        request drafts): the proposal size with the most tokens per millisecond by the
+        request's acceptance per rank, each node's drafting included; one more while probing."""
+        if not self.active:
+            return most
+        per_node = self.cost.propose_node_ms()
+
+        def cost_ms(nodes: int) -> float:
+            return self._step_ms(base_rows, decoding, nodes, drafted=1) + nodes * per_node
+        (cut,) = best_prefixes([self._rank_gains(history, most)], max(decoding, 1), cost_ms)
+        return min(most, max(1, cut + int(history.probing)))
+
     def trim(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
         """After drafting: how many of each proposal's draft nodes to verify. `base_rows`: the
         step's rows without these candidates' draft nodes."""
@@ -257,8 +270,13 @@ class AdaptiveController:
         c = self.config
         if cand.scores is not None:
             return [self.scored.rate(cand.score_kind, s, d, c.first_guess) for s, d in zip(cand.scores, cand.depths)]
-        ranks = range(1, len(cand.depths) + 1)
-        return [cand.history.ranks.rate(i, self.prior.rate(i, c.first_guess, 1.0), c.prior_weight) for i in ranks]
+        return self._rank_gains(cand.history, len(cand.depths))
+
+    def _rank_gains(self, history: SpecHistory, nodes: int) -> list[float]:
+        """The chance of nodes of rank 1..nodes, by the request's counts and every request's."""
+        c = self.config
+        return [history.ranks.rate(i, self.prior.rate(i, c.first_guess, 1.0), c.prior_weight)
+                for i in range(1, nodes + 1)]
 
     def _step_ms(self, base_rows: int, decoding: int, nodes: int, drafted: int = 0) -> float:
         """The step's milliseconds with `nodes` draft nodes after `drafted` requests drafted

@@ -174,6 +174,7 @@ class LLMEngine:
         self.timing = PhaseTimes()      # the speculative steps' phases, cumulative
         self._propose_seconds = 0.0         # this step's drafter.propose
         self._drafting = 0                  # requests proposed for this step
+        self._proposed = 0                  # draft nodes they proposed
         self.spec_config = config.speculation or SpecConfig()
         if config.drafter:
             from drafters.base import build_drafter, default_speculation
@@ -371,7 +372,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []     # aborted since the last step
-        self._propose_seconds, self._drafting = 0.0, 0
+        self._propose_seconds, self._drafting, self._proposed = 0.0, 0, 0
         start = time.perf_counter()
         sched = self._schedule()
         if sched.is_empty:
@@ -405,7 +406,7 @@ class LLMEngine:
         nodes = sum(p.proposal.num_draft_nodes - p.forced for p in plans if p.drafted is not None)
         prefill = any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans)
         self.adaptive.cost.observe(StepSample(sum(p.num_rows for p in plans), decoding, self._drafting, nodes,
-                                              prefill, forward_s, self._propose_seconds, total_s))
+                                              prefill, forward_s, self._propose_seconds, total_s, self._proposed))
 
     # ---- schedule -------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
@@ -429,7 +430,15 @@ class LLMEngine:
         for r in decoding:
             if r.speculate and not self._pinned(r):
                 r.history = r.history or self.adaptive.history()
-                r.draft_cap = None if self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk)) else 0
+                drafts = self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk))
+                r.draft_cap = self._nodes_to_draft(r, len(decoding), min(base_rows, chunk)) if drafts else 0
+
+    def _nodes_to_draft(self, req: Request, decoding: int, base_rows: int) -> int | None:
+        """A drafter whose time grows per node drafts what the controller expects to pay (None: its tree)."""
+        if not self.drafter.drafts_per_node:
+            return None
+        most = (req.speculation or self.spec_config).max_nodes
+        return self.adaptive.nodes_to_draft(req.history, decoding, base_rows, most)
 
     @staticmethod
     def _pinned(req: Request) -> bool:
@@ -587,6 +596,7 @@ class LLMEngine:
         try:
             props = self.drafter.propose(views)
             self._propose_seconds, self._drafting = time.perf_counter() - start, len(views)
+            self._proposed = sum(p.num_draft_nodes for p in props)
         except Exception:  # a drafter bug must not fail requests: decode plainly this step
             self.drafter_errors += 1
             log.exception("drafter %s failed; decoding %d requests plainly this step",

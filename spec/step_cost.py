@@ -84,6 +84,7 @@ class StepSample:
     forward_s: float
     draft_s: float              # the drafter's `propose`
     total_s: float              # the whole step
+    proposed: int = 0           # draft nodes the drafter proposed (before the controller's cut)
 
 
 class StepCost:
@@ -102,6 +103,7 @@ class StepCost:
         self._slowdown = _Average(smoothing)                    # the forward's ms more after drafting, per request
         self._scale: dict[int, _Average] = {}                   # threads -> measured / curve
         self._propose = _Average(smoothing)                     # the drafter's own call, per request
+        self._propose_node = _Average(smoothing)                # ... per node it proposed
         self._draft = _Average(smoothing)
         self._request = _Average(smoothing)
         self._node = _Average(smoothing)
@@ -119,6 +121,10 @@ class StepCost:
     def draft_ms(self) -> float:
         """The drafter's time and its bookkeeping, per drafting request."""
         return self._draft.get(self._propose.get(0.0))
+
+    def propose_node_ms(self) -> float:
+        """The drafter's own call per node it proposed (its fixed part spread over them)."""
+        return self._propose_node.get(0.0)
 
     def slowdown_ms(self) -> float:
         """How much longer a step's forward runs because a request drafted before it."""
@@ -150,6 +156,8 @@ class StepCost:
         self._average(self._scale, self.threads).add(ms / self.curve(s.rows))
         if s.drafting:
             self._propose.add(s.draft_s * 1e3 / s.drafting)
+        if s.proposed:
+            self._propose_node.add(s.draft_s * 1e3 / s.proposed)
         rest = (s.total_s - s.forward_s) * 1e3                  # everything around the forward
         if not s.drafting:
             self._request.add(rest / s.decoding)

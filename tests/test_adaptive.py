@@ -137,6 +137,31 @@ def test_trim_keeps_what_pays_on_this_curve():
         assert ctl.trim([cand(ctl)], decoding=1, base_rows=1) == [expected], per_row
 
 
+def test_a_draft_model_drafts_what_pays_with_its_time_per_node_counted():
+    """A drafter whose time grows with each node (a draft model's forward per depth) is told,
+    before drafting, how many nodes to draft: those whose chance pays for their row and their
+    drafting; one more while probing; all of them where the controller is off."""
+    def learned(per_row: float, draft_node_ms: float, accepted: int) -> AdaptiveController:
+        ctl = controller(per_row)
+        ctl.cost.observe(StepSample(1, 1, 1, 0, False, 0.010, 8 * draft_node_ms / 1e3,
+                                    0.010 + 8 * draft_node_ms / 1e3, proposed=8))
+        for i in range(200):        # ranks 1..accepted always accepted, the next one time in ten
+            ctl.observe(Candidate(decoding(ctl), tuple(range(1, 9))), range(1, min(8, accepted + (i % 10 == 0)) + 1))
+        return ctl
+
+    def drafted(ctl: AdaptiveController) -> int:
+        return ctl.nodes_to_draft(decoding(ctl), 1, 1, 8)
+    assert drafted(learned(0.05, 0.5, 8)) == 8
+    ctl = learned(0.05, 1.0, 2)
+    assert ctl.cost.propose_node_ms() == pytest.approx(1.0) and drafted(ctl) == 2
+    hist = decoding(ctl)
+    hist.steps = hist.next_probe
+    assert ctl.nodes_to_draft(hist, 1, 1, 8) == 3
+    assert drafted(learned(0.05, 12.0, 8)) == 1        # a node's drafting costs more than a step: 1 at least
+    off = AdaptiveController(AdaptiveConfig(enabled=False), ctl.cost)
+    assert off.nodes_to_draft(off.history(), 1, 1, 8) == 8
+
+
 def test_a_request_that_stops_paying_stops_drafting_and_is_probed():
     ctl = controller(5.0, probe_every=4)
     ctl.cost.observe(StepSample(2, 1, 1, 1, False, 0.015, 0.005, 0.021))    # the drafter takes 5 ms
