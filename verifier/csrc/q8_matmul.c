@@ -83,13 +83,6 @@ static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t row
 }
 
 #if IMM_AVX512
-/* Bit `to` of every byte of u[v] |= bit v of the same byte of `plane` (shifts in 16-bit lanes:
- * the bit kept never crosses into the neighbouring byte). */
-static inline __m512i plane_bits(__m512i plane, int v, int to) {
-    __m512i t = to >= v ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(to - v))
-                        : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(v - to));
-    return _mm512_and_si512(t, _mm512_set1_epi8((char)(1 << to)));
-}
 
 static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, const Act *a, int64_t r0,
                                                             const int rows, const uint8_t *w, float *y) {
@@ -107,9 +100,12 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
                 u[g] = _mm512_and_si512(p, low);
                 u[4 + g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             }
-            for (int p = 0; p < wt->planes; p++) {
-                __m512i plane = _mm512_loadu_si512(w + 256 + 64 * p);
-                for (int v = 0; v < 8; v++) u[v] = _mm512_or_si512(u[v], plane_bits(plane, v, 4 + p));
+            for (int p = 0; p < wt->planes; p++) {     /* bit v of a plane byte: bit 4 + p of u[v]'s */
+                __m512i plane = _mm512_loadu_si512(w + 256 + 64 * p), bit = _mm512_set1_epi8((char)(16 << p));
+                #pragma GCC unroll 8
+                for (int v = 0; v < 8; v++)
+                    u[v] = _mm512_mask_add_epi8(u[v], _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << v))),
+                                                u[v], bit);
             }
         }
         const uint8_t *sw = w + 256 + 64 * wt->planes;
