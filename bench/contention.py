@@ -41,6 +41,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from verifier.loader import DEFAULT_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
 
@@ -122,7 +124,7 @@ class Server:
         self.proc.wait(timeout=60)
 
     def run(self, prompts: list[str], speculation: str) -> Run:
-        body = lambda p: {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": p}],  # noqa: E731
+        body = lambda p: {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": p}],  # noqa: E731
                           "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
                           "stream_options": {"include_usage": True}, "speculation": speculation}
         stop, health, steps_before = threading.Event(), [], self._thread_steps()

@@ -20,6 +20,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from verifier.loader import DEFAULT_MODEL
+
 
 @dataclass
 class Cell:
@@ -102,7 +104,7 @@ def report(cells: list[Cell]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--files", default="smollm2-135m-instruct", help="comma-separated models (GGUF files or aliases)")
+    p.add_argument("--files", default=DEFAULT_MODEL, help="comma-separated models (GGUF files or aliases)")
     p.add_argument("--drafter", default="suffix")
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -17,6 +17,8 @@ import time
 
 import httpx
 
+from verifier.loader import DEFAULT_MODEL
+
 
 def poll(url: str, stop: threading.Event, out: list[float]) -> None:
     with httpx.Client(timeout=30) as client:
@@ -60,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--mb", type=float, default=10.0)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     args = ap.parse_args()
     body = big_body(args.mb, args.model)
     _, base = during(args.url, lambda: time.sleep(1.0))

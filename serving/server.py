@@ -9,6 +9,7 @@ from pathlib import Path
 from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
                            speculation_from_args)
 from serving.tools.formats import FORMATS
+from verifier.loader import DEFAULT_MODEL
 
 log = logging.getLogger("tercel.serve")
 DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets its figures (issue 4)
@@ -16,7 +17,7 @@ DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets 
 
 def add_serve_args(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, .gguf file or HF directory")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF directory")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names clients send as \"model\" (the first is reported); default: --model and its last part")
     p.add_argument("--chat-template", default=None, metavar="FILE",

@@ -26,10 +26,11 @@ from drafters.eagle3.format import load_head
 from drafters.eagle3.head import Eagle3Head, attend
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
+from verifier.loader import DEFAULT_MODEL
 
 CATCH_UP_CHUNK = 512
 SHIPPED_HEADS = Path(__file__).parent / "heads"
-DEFAULT_HEAD = SHIPPED_HEADS / "smollm2-135m-instruct"
+DEFAULT_HEAD = SHIPPED_HEADS / DEFAULT_MODEL
 
 
 @dataclass
