@@ -31,12 +31,12 @@ def run_model_bench(args) -> int:
 
 def kernels_report(model: str, mode: str, args) -> str:
     from verifier.kernels import engine_rows
+    from verifier.quantized_runner import QuantizedRunner
     from verifier.target import TargetModel
     target = TargetModel(model, quantization=mode, kernel_rows=engine_rows(512), retime_kernels=True)
-    t = target.kernel_timings
-    if t is None:
+    if not isinstance(target.runner, QuantizedRunner):
         return f"quantization {target.quantization}: dense weights, no kernel choice to make"
-    plan = target.kernel_plan
+    t, plan = target.runner.timings, target.runner.plan
     exact = plan.own            # the sampled rows' kernel
     paths = list(t.ms)
     lines = [f"quantization {target.quantization}: decoder matmuls of one forward, ms (the LM head is not "
@@ -53,7 +53,7 @@ def kernels_report(model: str, mode: str, args) -> str:
               + (f", in tiles of {plan.tile} rows." if plan.tile else "."),
               f"Verify steps stay within {cliff} rows where they can (the {exact} kernel's cost jumps above)."
               if cliff else f"No cost jump in the {exact} kernel up to 8 rows."]
-    return "\n".join(lines + ["", attention_report(target.attention_timings)])
+    return "\n".join(lines + ["", attention_report(target.runner.attention_timings)])
 
 
 def attention_report(a) -> str:

@@ -122,7 +122,7 @@ def main() -> None:
     for mode in args.quantization.split(","):
         llm = LLM(quantization=mode.strip(), max_num_seqs=1)
         prompt = long_prompt(llm, args.context)
-        if llm.engine.target._cpu_native is not None and not args.ops:
+        if getattr(llm.engine.target.runner, "native", None) is not None and not args.ops:   # the dense runner has none
             r = clocked_step(llm, prompt, args.steps, args.rounds)
         else:
             r = profiled_step(llm, prompt, args.steps, args.rounds, args.ops)

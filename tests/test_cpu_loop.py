@@ -35,14 +35,14 @@ def _run_both(target: TargetModel, capture: tuple[int, ...]):
     ctx = {"a": 40, "b": 30}
     target.forward(ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3]),
                                  SeqInput(list(range(500, 530)), 0, [4, 5, 6, 7])]))
-    native, results = target._cpu_native, []
+    native, results = target.runner.native, []
     assert native is not None, "the native loop did not build on this machine"
     for loop in (native, None):
-        target._cpu_native = loop
+        target.runner.native = loop
         out = target.forward(_batch(ctx, capture))
         results.append((out.logits.clone(), {k: v.clone() for k, v in out.hidden.items()},
                         target.kv.k.clone(), target.kv.v.clone()))
-    target._cpu_native = native
+    target.runner.native = native
     return results
 
 
@@ -58,7 +58,7 @@ def test_the_native_loop_is_bitwise_the_python_loop_on_the_int4_gguf(smollm2_dir
     forward, with layers 0, 7 and the last tapped (as EAGLE-3 taps them)."""
     target = TargetModel(str(smollm2_dir), quantization="int4")
     target.allocate_kv(16, BLOCK)
-    assert target._cpu_native.has_head          # its Q8_0 head and final norm run natively too
+    assert target.runner.native.has_head          # its Q8_0 head and final norm run natively too
     _assert_same(_run_both(target, (0, 7, target.config.num_layers)))
 
 
@@ -75,9 +75,9 @@ def test_a_layer_with_a_bias_outside_qkv_stays_on_the_python_loop(tiny_llama_dir
     """The loop adds no bias after o, gate_up or down (no Llama-family model has one), so a
     model that has one is not handed to it."""
     target = TargetModel(str(tiny_llama_dir), quantization="int4")
-    layer = target._cpu_layers[0]
+    layer = target.runner.layers[0]
     layer.down.bias = torch.nn.Parameter(torch.zeros(layer.down.out_features), requires_grad=False)
-    assert native_layers(target.config, target._cpu_heads, target._cpu_layers) is None
+    assert native_layers(target.config, target.runner.heads, target.runner.layers) is None
 
 
 def test_the_step_clocks_time_a_native_forward_only_while_on(smollm2_dir):
@@ -112,12 +112,12 @@ def test_rows_with_few_tokens_get_exact_logits_there_alone_in_both_loops(smollm2
     full = target.forward(tree(None)).logits                     # rows: a's decode row, then the tree's 6
     picks = full[1:].topk(5, dim=-1).indices                     # tokens the full head rescored exactly
     tokens = (picks[0], None, torch.cat([picks[2], torch.tensor([3, 9000])]), None, None, picks[5][:1])
-    native = target._cpu_native
+    native = target.runner.native
     outs = []
     for loop in (native, None):
-        target._cpu_native = loop
+        target.runner.native = loop
         outs.append(target.forward(tree(tokens)).logits)
-    target._cpu_native = native
+    target.runner.native = native
     assert torch.equal(outs[0], outs[1])
     few = outs[0]
     for row, t in enumerate(tokens, start=1):

@@ -146,13 +146,13 @@ def test_the_native_loop_is_bitwise_the_python_loop(mixed_gguf):
     target = TargetModel(str(mixed_gguf), quantization="gguf", load_tokenizer_files=False)
     target.allocate_kv(16, BLOCK)
     target.forward(ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3])]))
-    native, results = target._cpu_native, []
+    native, results = target.runner.native, []
     assert native is not None, "the native loop did not build on this machine"
     for loop in (native, None):
-        target._cpu_native = loop
+        target.runner.native = loop
         out = target.forward(ForwardBatch([SeqInput([7], 40, [0, 1, 2, 3]), SeqInput(list(range(200, 220)), 0, [8, 9])],
                                           capture_layers=(1,)))
         results.append((out.logits.clone(), {k: v.clone() for k, v in out.hidden.items()},
                         target.kv.k.clone(), target.kv.v.clone()))
-    target._cpu_native = native
+    target.runner.native = native
     _assert_same(results)

@@ -56,7 +56,7 @@ def test_a_short_chunk_runs_on_the_own_kernel_only_where_chunking_may_change_its
     any chunk by default, still splits (bitwise the default forward)."""
     llm = LLM(max_num_seqs=1)
     engine, target = llm.engine, llm.engine.target
-    below = target.kernel_plan.own_below
+    below = target.runner.plan.own_below
     if below < 3:
         pytest.skip(f"this machine's plan runs prompt rows of every count on the bulk path (own_below {below})")
     short = engine.tokenize("The capital of France is")[: below - 1]
@@ -64,6 +64,6 @@ def test_a_short_chunk_runs_on_the_own_kernel_only_where_chunking_may_change_its
     fast = _forward(engine, short, [len(short) - 1], False)[0]
     assert torch.equal(fast, whole)
     split = _forward(engine, short, [len(short) - 1], True)[0]
-    assert not torch.equal(split, whole) or target.kernel_plan.bulk == target.kernel_plan.own
+    assert not torch.equal(split, whole) or target.runner.plan.bulk == target.runner.plan.own
     long = (engine.tokenize("one two three four five six seven eight nine ten ") * 64)[:below + 2]
     assert torch.equal(_forward(engine, long, [len(long) - 1], False), _forward(engine, long, [len(long) - 1], True))

@@ -180,7 +180,7 @@ def _logits(target, ids):
 def test_sampled_from_marks_rows_without_logits_as_sampled_rows():
     """A chunk splits at its first sampled row: the first with logits, or `sampled_from` (a
     decode step whose grammar allows one token has no logits and is still a sampled row)."""
-    from verifier.target import split_at_first_sample
+    from verifier.quantized_runner import split_at_first_sample
     assert split_at_first_sample(SeqInput([1], 5, [0], logits_indices=[])) == (SeqInput([1], 5, [0], logits_indices=[]),
                                                                             None)
     head, tail = split_at_first_sample(SeqInput([1, 2, 3], 5, [0], logits_indices=[], sampled_from=2))

@@ -151,13 +151,13 @@ def test_every_output_token_runs_as_a_sampled_row(plain, prompts, monkeypatch):
     draft tree does, and its KV must be the same bits either way. (Run as a prompt row, on the
     dense path, it was not: T=0 outputs with and without jump-forward drifted apart at a near-tie.)
     Only prompt tokens before the last take the prompt-row path."""
-    target, bulk = plain.engine.target, []
-    run = target._forward_rows
+    runner, bulk = plain.engine.target.runner, []
+    run = runner.forward_rows
 
-    def spy(sub, own):
+    def spy(sub, kv, own):
         bulk.extend(s.ctx_len + s.num_new for s in sub.seqs if not own)
-        return run(sub, own=own)
-    monkeypatch.setattr(target, "_forward_rows", spy)
+        return run(sub, kv, own=own)
+    monkeypatch.setattr(runner, "forward_rows", spy)
     plain.engine.reset_prefix_cache()
     out = plain.generate(prompts[0], constrained(TASKS[0]))[0]
     matcher, decided = plain.engine.grammars.matcher(StructuredOutputs(json=TASKS[0].schema)), 0

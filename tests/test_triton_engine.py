@@ -63,7 +63,7 @@ def reference(target_dir, prompts):
 
 def test_plain_decoding_matches_the_torch_backend(target_dir, prompts, reference):
     llm = make_llm(target_dir, "triton")
-    assert type(llm.engine.target.backend).__name__ == "TritonBackend"
+    assert type(llm.engine.target.runner.backend).__name__ == "TritonBackend"
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
 
 

@@ -25,7 +25,7 @@ DRAFTERS = spec_drafters()
 def plain():
     llm = LLM(device="cuda", max_num_seqs=8)
     assert llm.engine.target.dtype == torch.bfloat16
-    assert type(llm.engine.target.backend).__name__ == "TritonBackend"
+    assert type(llm.engine.target.runner.backend).__name__ == "TritonBackend"
     return llm
 
 

@@ -1,0 +1,95 @@
+"""What runs a target's forwards: `TargetModel` chooses one runner at load, the dense one
+here or the quantized CPU one (`verifier/quantized_runner.py`), and hands every forward to it.
+
+The contract the engine relies on, whichever runs (`Runner.forward`):
+- Rows: a forward covers every sequence of the batch; each sequence's new tokens are written
+  to their KV slots in every layer, attend to their context and, under a tree mask, to their
+  ancestors; the logits come back for each sequence's `sample_indices` rows, in batch order
+  (`ForwardOutput.seq_logits`), with the hidden states entering each of `capture_layers` for
+  every new token (the taps an EAGLE-3 head reads).
+- Row invariance: a row's logits, taps and KV depend on its own tokens and context, not on the
+  rows sharing the call, nor on how a prompt was chunked (the T=0 identity of speculative and
+  plain decoding rests on it; docs/design.md, "The exactness contract"). A caller that does
+  not need the chunking part (a draft model, `chunk_invariant=False`) may get faster prompt
+  chunks instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from verifier.attention import get_backend
+from verifier.batch import ForwardBatch, ForwardOutput
+from verifier.gemma import planned_window
+from verifier.kv_cache import KVCache
+from verifier.linear_tuning import LinearTimings
+from verifier.linear_tuning import tune as tune_linear
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What a runner is built with besides the model: `TargetModel`'s arguments."""
+    model_dir: Path
+    quantization: str                         # "none" for the dense runner
+    device: torch.device
+    backend: str | None                       # the attention backend asked (None: the device's)
+    kernel_rows: tuple[int, ...] | None       # row counts the quantized paths are timed at
+    cache_dir: Path                           # where timings are cached per machine
+    retime: bool                              # time again instead of reading the cache
+    tune_threads: int | None                  # the thread count timings are taken on
+
+
+class Runner(Protocol):
+    def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
+        """One forward over the batch (the contract in the module docstring)."""
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 matmuls measured much slower than fp32 on these CPUs (figures: docs/performance.md,
+    # "bf16 against fp32"); on CUDA bf16 is the norm.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class DenseRunner:
+    """The checkpoint's weights as they are: the model's modules over the attention backend
+    (torch's on the CPU, Triton's on CUDA, or the one named). On the CPU, where MKL gives way to
+    oneDNN by row count is timed on this machine at load (`verifier/linear_tuning.py`)."""
+
+    @staticmethod
+    def dtypes(device: torch.device, dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
+        """(the modules' dtype, the KV cache's): the asked one or the device's default, for both."""
+        dtype = dtype or default_dtype(device)
+        return dtype, dtype
+
+    def __init__(self, net: nn.Module, settings: RunnerSettings):
+        self.net, self.device = net, settings.device
+        self.backend = get_backend(settings.backend or ("triton" if self.device.type == "cuda" else "torch"))
+        self.linear_timings: LinearTimings | None = None
+        if self.device.type == "cpu":
+            self.linear_timings = tune_linear(net, settings.cache_dir, settings.retime, settings.tune_threads)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
+        ids, positions, rows, offsets = flatten(batch)
+        dev = self.device
+        meta = self.backend.plan(batch, kv.block_size, dev, planned_window(self.net.cfg))
+        logits, taps = self.net(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                torch.tensor(rows, dtype=torch.long, device=dev), kv, self.backend, meta,
+                                batch.capture_layers)
+        return ForwardOutput(logits, offsets, taps)
+
+
+def flatten(batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(token ids, positions, logits rows, each sequence's first logits row and the end) of the
+    batch's new tokens, sequences one after the other."""
+    ids, positions, rows, offsets, t = [], [], [], [0], 0
+    for s in batch.seqs:
+        ids += s.token_ids
+        positions += s.positions if s.positions is not None else list(range(s.ctx_len, s.kv_len))
+        rows += [t + i for i in s.sample_indices]
+        offsets.append(len(rows))
+        t += s.num_new
+    return ids, positions, rows, offsets
