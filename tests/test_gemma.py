@@ -126,7 +126,7 @@ def write_gemma_gguf(path, arch: str, model_dir, fields: dict):
     import numpy as np
     from safetensors.torch import load_file
 
-    from verifier.gguf_convert import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
+    from verifier.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
     layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES["gemma2"]}.items()}
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in fields.items():

@@ -79,7 +79,7 @@ def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False,
     import gguf
     from gguf.quants import quantize
 
-    from verifier.gguf_convert import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
+    from verifier.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
     layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(arch, {})}.items()}
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in fields.items():

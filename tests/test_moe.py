@@ -240,7 +240,7 @@ def llama_cpp_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def gguf_tensors_of(tensors: dict, model_type: str) -> dict[str, torch.Tensor]:
     """HF-named tensors under GGUF names, each layer's experts stacked into ffn_*_exps [E, rows, cols]."""
-    from verifier.gguf_convert import _LAYER_NAMES, _MOE_LAYER_NAMES, _TOP_NAMES
+    from verifier.gguf_names import _LAYER_NAMES, _MOE_LAYER_NAMES, _TOP_NAMES
     layer = {hf: g for g, hf in {**_LAYER_NAMES, **_MOE_LAYER_NAMES[model_type]}.items()}
     out, stacks = {}, {}
     for name, t in tensors.items():

@@ -10,36 +10,14 @@ Gemma 2 and Gemma 3 (text) add what `verifier/gemma_config.py` reads into `Model
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from verifier.gemma_config import GemmaConfig
+from verifier.gemma_config import HF_DEFAULTS, GemmaConfig, gemma_from_hf
+from verifier.rope_config import RopeConfig, rope_from_hf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
                          "gemma3_text")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"          # default | linear | llama3 | yarn
-    factor: float = 1.0
-    # llama3 frequency-band scaling
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-
-    def __post_init__(self):
-        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}; "
-                             "supported: default, linear, llama3, yarn")
-        if self.theta <= 0 or self.factor <= 0:
-            raise ValueError(f"rope theta and factor must be > 0, got {self.theta}, {self.factor}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +70,6 @@ class ModelConfig:
             raise ValueError("gemma3: multimodal Gemma 3 checkpoints (Gemma3ForConditionalGeneration, a "
                              "text_config beside a vision_config) are not supported; serve a gemma3_text one")
         if model_type in GEMMA_TYPES:          # transformers' Gemma defaults for keys the file leaves out
-            from verifier.gemma_config import HF_DEFAULTS
             d = {**HF_DEFAULTS[model_type], **d}
         if model_type == "qwen2":
             bias = True
@@ -109,7 +86,6 @@ class ModelConfig:
         max_position = int(d.get("max_position_embeddings", 4096))
         gemma, rope = None, None
         if model_type in GEMMA_TYPES:
-            from verifier.gemma_config import gemma_from_hf     # not at the top: it imports this module
             gemma, rope = gemma_from_hf(model_type, d, int(need("num_hidden_layers")))
         return cls(
             model_type=model_type,
@@ -148,28 +124,6 @@ def sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
         return None
     window = d.get("sliding_window")
     return int(window) if window else None
-
-
-def rope_from_hf(d: dict[str, Any]) -> RopeConfig:
-    """Read both forms: transformers>=5 `rope_parameters` and older `rope_theta` + `rope_scaling`."""
-    params = dict(d.get("rope_parameters") or {})
-    scaling = dict(d.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    attn_factor = merged.get("attention_factor")
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings",
-                                             d.get("max_position_embeddings", 8192))),
-        beta_fast=float(merged.get("beta_fast", 32.0)),
-        beta_slow=float(merged.get("beta_slow", 1.0)),
-        attention_factor=None if attn_factor is None else float(attn_factor),
-    )
 
 
 @dataclass(frozen=True)

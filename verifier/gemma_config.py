@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from verifier.config import RopeConfig, rope_from_hf
+from verifier.rope_config import RopeConfig, rope_from_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # HF's default layer_types: layer i slides unless (i + 1) is a multiple of the pattern

@@ -2,7 +2,7 @@
 
 Quantized tensors are dequantized to fp32 (the `quantization="none"` weights); an index of
 their blocks in the file is written beside them for the quantized paths (`gguf_quant`). llama.cpp stores the Llama q/k projections
-with rows permuted for its interleaved RoPE; we undo that so the weights match the HF
+with rows permuted for its interleaved RoPE; we undo that (`gguf_names`) so the weights match the HF
 half-split convention our forward uses. Mixture-of-experts files (Mixtral as llama with
 `llama.expert_count`, Qwen3-MoE as qwen3moe) hold each layer's experts in 3-D tensors
 (`ffn_*_exps`: [experts, rows, cols]), written back as one HF tensor per expert. Gemma files keep
@@ -19,61 +19,15 @@ import torch
 
 from verifier.config import GEMMA_TYPES
 from verifier.gemma_config import gguf_fields
+from verifier.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
+from verifier.gguf_quant import INDEX_FILE, block_index
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-}
-# Names a family spells its own way: Phi-3 files store the fused projections (ffn_up holds gate
-# and up, gate first, as HF does); Gemma has four norms a layer, its ffn_norm the pre-MLP one.
-_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-_FUSED_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                      "gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS}
-# The router and the experts ({} is the expert's index), by the HF checkpoint's own names
-_MOE_LAYER_NAMES = {
-    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
-                "ffn_up_exps": "block_sparse_moe.experts.{}.w3", "ffn_down_exps": "block_sparse_moe.experts.{}.w2"},
-    "qwen3_moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{}.gate_proj",
-                  "ffn_up_exps": "mlp.experts.{}.up_proj", "ffn_down_exps": "mlp.experts.{}.down_proj"},
-}
 # GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama; a
 # llama GGUF with experts is a Mixtral)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}   # GGUF architecture -> model_type
-ROPE_PERMUTED = ("llama", "mixtral")      # model types whose q/k rows llama.cpp stores in its RoPE order
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def hf_name(gguf_name: str, model_type: str = "llama") -> str:
-    base, kind = gguf_name.rsplit(".", 1)         # kind: weight | bias
-    if base.startswith("blk."):
-        _, idx, part = base.split(".", 2)
-        names = {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(model_type, {}), **_MOE_LAYER_NAMES.get(model_type, {})}
-        if part not in names:
-            raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{idx}.{names[part]}.{kind}"
-    if base not in _TOP_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"{_TOP_NAMES[base]}.{kind}"
-
-
-def hf_names(gguf_name: str, model_type: str, experts: int) -> list[str]:
-    """The HF name of each slice of a tensor: one per expert for `ffn_*_exps`, else one."""
-    name = hf_name(gguf_name, model_type)
-    return [name.format(e) for e in range(experts)] if "{}" in name else [name]
-
-
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # llama.cpp: w.reshape(n_heads, 2, d/2, ...).swapaxes(1, 2); this is the inverse.
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def eos_ids(reader) -> int | list[int] | None:
     """The end-of-sequence id, with the end-of-turn one where the file names it (Gemma's
     <end_of_turn>, which its chat template closes each turn with)."""
@@ -185,7 +139,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(gguf_tensors(reader, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     # The quantized blocks stay in the GGUF: their index lets `quantization` serve them as they are.
-    from verifier.gguf_quant import INDEX_FILE, block_index
     (out_dir / INDEX_FILE).write_text(json.dumps(block_index(reader, gguf_path)))
     # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata.
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,

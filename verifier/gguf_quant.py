@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verifier.gguf_convert import ROPE_PERMUTED, hf_names, unpermute_rope_rows
+from verifier.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
 from verifier.quant import Int4Weight, Int8Weight, QuantWeight, int4_from_affine
 
 BLOCK = 32
@@ -108,7 +108,7 @@ def read_block_tensor(kind: str, data: np.ndarray, rows: int, cols: int) -> Quan
 
 
 def _unpermute(w: QuantWeight, heads: int) -> QuantWeight:
-    # Undo llama.cpp's RoPE row order (see gguf_convert); blocks run along a row, so each
+    # Undo llama.cpp's RoPE row order (see gguf_names); blocks run along a row, so each
     # field permutes its rows alike.
     fields = {name: unpermute_rope_rows(getattr(w, name), heads).contiguous()
               for name in w.__dataclass_fields__}

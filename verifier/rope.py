@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from verifier.config import RopeConfig
+from verifier.rope_config import RopeConfig
 
 
 def inv_freq_and_scale(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
