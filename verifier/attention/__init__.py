@@ -1,4 +1,19 @@
-"""Attention backends: a small interface, chosen by registry (torch on CPU, Triton on CUDA)."""
-from verifier.attention.base import AttentionBackend, get_backend, register_backend
+"""Attention backends: a small interface (`base.py`), one per device kind, chosen by name."""
+from verifier.attention.base import AttentionBackend
 
-__all__ = ["AttentionBackend", "get_backend", "register_backend"]
+BACKENDS = ("torch", "triton")
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new backend: "torch" (the CPU's) or "triton" (CUDA's), each imported when first asked
+    for, so that Triton is needed only where it runs."""
+    if name == "torch":
+        from verifier.attention.torch_backend import TorchBackend
+        return TorchBackend()
+    if name == "triton":
+        from verifier.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+
+
+__all__ = ["AttentionBackend", "BACKENDS", "get_backend"]

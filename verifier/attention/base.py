@@ -10,7 +10,7 @@ tensor ops only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,25 +35,3 @@ class AttentionBackend(ABC):
         Writes k/v into the cache, returns attention output [T, H, D]. `window` (the one given
         to plan): a query at position p sees only keys at positions > p - window. `softcap`:
         scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
-
-
-_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
-
-
-def register_backend(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-    return deco
-
-
-def get_backend(name: str) -> AttentionBackend:
-    if name not in _REGISTRY:
-        # Import lazily so that Triton is only needed when asked for.
-        if name == "torch":
-            import verifier.attention.torch_backend  # noqa: F401
-        elif name == "triton":
-            import verifier.attention.triton_backend  # noqa: F401
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; known: torch, triton")
-    return _REGISTRY[name]()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verifier.attention.base import AttentionBackend, register_backend
+from verifier.attention.base import AttentionBackend
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.kv_cache import slots_for
 
@@ -108,7 +108,6 @@ def _single(g: _Group, seq: SeqInput, block_size: int, device) -> _Group:
                   first, kv_len)
 
 
-@register_backend("torch")
 class TorchBackend(AttentionBackend):
     name = "torch"
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from verifier.attention import triton_kernels as tk
-from verifier.attention.base import AttentionBackend, register_backend
+import verifier.attention.triton_kernels as tk
+from verifier.attention.base import AttentionBackend
 from verifier.batch import ForwardBatch
 
 
-@register_backend("triton")
 class TritonBackend(AttentionBackend):
     name = "triton"
 
