@@ -66,7 +66,7 @@ def _report(args, rows, journal: Journal, settings: RunSettings) -> None:
 
 
 def _drafters(text: str) -> list[str]:
-    from drafters.base import check_drafter
+    from drafters.kinds import check_drafter
     names = [d.strip() for d in text.split(",") if d.strip() and d.strip() not in ("none", "plain")]
     for d in names:
         check_drafter(d)

@@ -1,4 +1,4 @@
-"""The drafter contract, the hand-off types, and the registry.
+"""The drafter contract and the hand-off types (kinds by name: drafters/registry.py, kinds.py).
 
 A drafter proposes, for each decoding request, one `TokenTree` whose root is the
 request's last token (chosen, not yet run through the target). The target verifies
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -194,39 +194,3 @@ class LookupDrafter(Drafter):
     @abstractmethod
     def propose_one(self, req: DraftRequest) -> Proposal:
         """One request's proposal; it may draft (max_depth and max_nodes are at least 1)."""
-
-
-_REGISTRY: dict[str, Callable[..., Drafter]] = {}
-_DEFAULT_SPECULATION: dict = {}     # kind -> the SpecConfig a drafter runs with unless told otherwise
-
-
-def register_drafter(kind: str, default_speculation=None):
-    def deco(factory):
-        _REGISTRY[kind] = factory
-        if default_speculation is not None:
-            _DEFAULT_SPECULATION[kind] = default_speculation
-        return factory
-    return deco
-
-
-def default_speculation(spec: str | None):
-    """The tree shape a drafter kind is tuned for (e.g. EAGLE-3's dynamic tree), else SpecConfig()."""
-    import drafters  # noqa: F401  (registers the built-in drafters)
-    kind = (spec or "").partition(":")[0]
-    return _DEFAULT_SPECULATION.get(kind, SpecConfig())
-
-
-def check_drafter(spec: str) -> None:
-    """ValueError unless `spec`'s kind is registered (nothing is loaded)."""
-    import drafters  # noqa: F401  (registers the built-in drafters)
-    kind = spec.partition(":")[0]
-    if kind not in _REGISTRY:
-        raise ValueError(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(_REGISTRY))}")
-
-
-def build_drafter(spec: str, target, speculation) -> Drafter:
-    """`spec` is `kind` or `kind:argument`: "ngram", "small:/path/to/model",
-    "tree:small:/path+ngram". The target supplies the tokenizer and device."""
-    check_drafter(spec)
-    kind, _, arg = spec.partition(":")
-    return _REGISTRY[kind](arg, target, speculation)

@@ -41,10 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters.base import DraftRequest, Proposal, register_drafter
+from drafters.base import DraftRequest, Proposal
 from drafters.config import SpecConfig
 from drafters.conversations import expand_paths, load_conversations
 from drafters.ngram import NgramConfig, NgramDrafter, NgramIndex
+from drafters.registry import register_drafter
 from tree.builders import best_first_scored
 
 log = logging.getLogger(__name__)

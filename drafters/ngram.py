@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from drafters.base import DraftRequest, LookupDrafter, Proposal, register_drafter
+from drafters.base import DraftRequest, LookupDrafter, Proposal
+from drafters.registry import register_drafter
 from tree.token_tree import TokenTree
 
 

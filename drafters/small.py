@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftDistributions, DraftRequest, Drafter, PrefillChunk, Proposal, register_drafter
+from drafters.base import DraftDistributions, DraftRequest, Drafter, PrefillChunk, Proposal
 from drafters.config import SpecConfig
+from drafters.registry import register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput

@@ -27,8 +27,9 @@ import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from drafters.base import DraftRequest, LookupDrafter, Proposal, register_drafter
+from drafters.base import DraftRequest, LookupDrafter, Proposal
 from drafters.config import SpecConfig
+from drafters.registry import register_drafter
 from drafters.suffix_index import DraftLimits, SuffixIndex, best_draft
 from tree.token_tree import TokenTree
 

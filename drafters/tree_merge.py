@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from drafters.base import DraftRequest, Drafter, Proposal, register_drafter
+from drafters.base import DraftRequest, Drafter, Proposal
 from drafters.ngram import NgramConfig, NgramDrafter
+from drafters.registry import register_drafter
 from drafters.small import SmallModelDrafter
 from drafters.suffix import SuffixConfig, SuffixDrafter
 from tree.builders import merge_trees

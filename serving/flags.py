@@ -36,7 +36,7 @@ def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | No
         return None
     from dataclasses import replace
 
-    from drafters.base import default_speculation
+    from drafters.kinds import default_speculation
     base = default_speculation(drafter)
     given = {k: v for k, v in (("num_speculative_tokens", gamma), ("topk", topk)) if v is not None}
     if budget is not None or given:

@@ -177,7 +177,7 @@ class LLMEngine:
         self._proposed = 0                  # draft nodes they proposed
         self.spec_config = config.speculation or SpecConfig()
         if config.drafter:
-            from drafters.base import build_drafter, default_speculation
+            from drafters.kinds import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
         # The warm-up and the cost curve run on the CPUs left free while the target loaded (the

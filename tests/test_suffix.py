@@ -137,7 +137,7 @@ def test_options_parse_and_are_checked():
 
 
 def test_suffix_joins_the_tree_merge_with_its_options():
-    from drafters.base import build_drafter
+    from drafters.kinds import build_drafter
     merged = build_drafter("tree:suffix:max_depth=8+ngram", None, None)
     assert [p.name for p in merged.parts] == ["suffix", "ngram"] and merged.parts[0].config.max_depth == 8
     tokens = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4]

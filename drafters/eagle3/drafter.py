@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden, register_drafter
+from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden
 from drafters.config import SpecConfig
 from drafters.eagle3.format import load_head
 from drafters.eagle3.head import Eagle3Head, attend
+from drafters.registry import register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.loader import DEFAULT_MODEL
