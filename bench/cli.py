@@ -18,7 +18,6 @@ exits with code 2 and a message.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 COMMANDS = ("accept", "grid", "speed", "serve", "kernels", "quality", "structured")
 
@@ -96,20 +95,3 @@ def run_bench(args) -> int:
         kept = f"; finished runs are in {args.json}: rerun with --resume" if args.json else ""
         print(f"\ntercel bench: interrupted{kept}", file=sys.stderr)
         return 130
-
-
-def split_names(text: str | None) -> list[str] | None:
-    return [t.strip() for t in text.split(",") if t.strip()] if text else None
-
-
-def write_plots(kind: str, rows, out_dir: str | None) -> None:
-    if not out_dir:
-        return
-    if kind == "serve":
-        from bench.serve_load import plot_latency
-        paths = plot_latency(rows, Path(out_dir))
-    else:
-        from bench.plots import plot_grid
-        paths = plot_grid(rows, out_dir)
-    for path in paths:
-        print(f"wrote {path}", file=sys.stderr)

@@ -4,10 +4,11 @@ from __future__ import annotations
 import sys
 
 from bench import report
-from bench.cli import split_names, write_plots
+from bench.cli_args import split_names, write_plots
 from bench.data import load_datasets
 from bench.grid import HF_GENERATE, HF_LOOKUP, LLAMACPP, Cell, build_cells, parse_floats, parse_range
 from bench.journal import Journal
+from bench.plots import plot_grid
 from bench.runner import RunSettings
 from bench.suite import run_suite
 from bench.summary import best_overall, best_per_task, summarise
@@ -62,7 +63,7 @@ def _report(args, rows, journal: Journal, settings: RunSettings) -> None:
             write_profile(args.profile_out, settings.model, default, best)
             print(f"wrote profile {args.profile_out}", file=sys.stderr)
     journal.save(summary)
-    write_plots(args.what, rows, args.plot)
+    write_plots(plot_grid, rows, args.plot)
 
 
 def _drafters(text: str) -> list[str]:

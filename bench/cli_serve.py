@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import sys
 
-from bench.cli import split_names, write_plots
+from bench.cli_args import split_names, write_plots
 from bench.data import Dataset, load_datasets
 from bench.grid import parse_floats, parse_range
 from bench.journal import Journal
 
 
 def run_serve_bench_cli(args) -> int:
-    from bench.serve_load import LoadConfig, markdown_table, run_serve_bench
+    from bench.serve_load import LoadConfig, markdown_table, plot_latency, run_serve_bench
     temps = parse_floats(args.temperature, "temperature")
     cfg = LoadConfig(url=args.url.rstrip("/"), concurrency=tuple(parse_range(args.concurrency, "concurrency")),
                      max_tokens=args.max_tokens, temperature=temps[0], requests_per_level=args.requests,
@@ -32,5 +32,5 @@ def run_serve_bench_cli(args) -> int:
     run_serve_bench(cfg, prompts, done=journal.done, on_result=journal.add)
     print(markdown_table(journal.results))
     journal.save({"levels": journal.results})
-    write_plots("serve", journal.results, args.plot)
+    write_plots(plot_latency, journal.results, args.plot)
     return 0

@@ -130,7 +130,7 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 
 def run_structured_bench(args) -> int:
-    from bench.cli import split_names
+    from bench.cli_args import split_names
     from verifier.loader import DEFAULT_MODEL
     from verifier.machine import machine_summary
     drafters = [d for d in split_names(args.drafter) or [] if d not in ("none", "off")]
