@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             return run_chat(args)
         if args.command == "serve":
-            from serving.server import run_serve
-            return run_serve(args)
+            return serve(args)
         if args.command == "bench":
             from bench.cli import run_bench
             return run_bench(args)
@@ -105,6 +104,17 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
     print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, "
           f"time to first token {out.ttft * 1000:.0f} ms{spec}, finish: {out.finish_reason}]",
           file=sys.stderr)
+
+
+def serve(args) -> int:
+    """`tercel serve`: one process, or replicas behind Ray Serve (--replicas, where Ray is there)."""
+    from serving.cluster import uses_ray
+    from serving.server import prepare_serve, run_serve
+    prepare_serve(args)
+    if uses_ray(args):
+        from serving.replicas import run_replicas
+        return run_replicas(args)
+    return run_serve(args)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,13 @@
-"""`tercel serve --replicas N`: the flags, the check that Ray Serve is installed, and the
-process that deploys serving/replicas.py's application and waits for a signal.
+"""`tercel serve --replicas N`: the flags and the check that Ray Serve is installed (the
+application and its deployment: serving/replicas.py).
 
-Nothing here imports Ray at module level: `tercel serve` without `--replicas` never needs it.
+Nothing here imports Ray: `tercel serve` without `--replicas` never needs it.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
-import signal
-import threading
 
 from serving.prefix_index import AffinityConfig
 
@@ -63,37 +60,3 @@ def uses_ray(args) -> bool:
 
 def affinity_config(args) -> AffinityConfig:
     return AffinityConfig(chunk_chars=args.affinity_chunk_chars, imbalance_threshold=args.affinity_imbalance)
-
-
-def run_replicas(args) -> int:
-    """Deploy on Ray (a local instance unless --ray-address) and serve until SIGTERM or SIGINT;
-    then Serve drains the replicas for --grace seconds and the process exits 0."""
-    import ray
-    from ray import serve
-
-    from serving.replicas import build_application
-    if args.ray_address:
-        ray.init(address=args.ray_address)
-    else:   # a replica reserves --replica-cpus: let a small machine hold them all
-        cpus = max(os.cpu_count() or 1, math.ceil(args.replicas * args.replica_cpus))
-        # No dashboard (its job API runs code; serve.run needs none). The node's agent still listens
-        # on the node's IP: Ray token-authenticates a new local instance unless RAY_AUTH_MODE=disabled.
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False)   # a new instance, even if one runs
-    stop = threading.Event()
-    before = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_application(args), name=APP_NAME, route_prefix="/")
-        log.info("serving %d replica(s) on http://%s:%d (routing: %s)", args.replicas, args.host, args.port,
-                 args.routing)
-        stop.wait()
-        log.info("stopping: Ray Serve drains the replicas (up to %gs)", args.grace)
-        if args.ray_address:
-            serve.delete(APP_NAME)   # a shared cluster's other applications keep running
-        else:
-            serve.shutdown()
-    finally:
-        ray.shutdown()
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-    return 0

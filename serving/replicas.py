@@ -21,6 +21,11 @@ Serve config file (deploy/serve_config.yaml); `tercel serve --replicas N` builds
 """
 import argparse
 import json   # no `from __future__ import annotations`: serve.ingress needs real annotations (Request)
+import logging
+import math
+import os
+import signal
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,7 +36,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from serving.asgi_call import REPLICA_HEADER, ForwardedRequest, FullResponse, call_asgi, full_response
-from serving.cluster import affinity_config
+from serving.cluster import APP_NAME, affinity_config
 from serving.errors import install_error_handlers, replica_lost
 from serving.metrics import merge_replica_metrics
 from serving.middleware import ServerErrors
@@ -39,6 +44,8 @@ from serving.prefix_index import prefix_text
 from serving import prefix_router   # a module: pickled by reference, so /metrics reads the live routers' counts
 from serving.prefix_router import PrefixAffinityRouter
 from serving.server import launch_app, parse_serve_args
+
+log = logging.getLogger("tercel.serve")
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError)   # the replica died or cannot be reached
 BROADCAST_TIMEOUT_S = 30.0
@@ -207,3 +214,35 @@ def app_builder(config: dict):
     if args.replicas is None:
         args.replicas = 1
     return build_application(args)
+
+
+def run_replicas(args) -> int:
+    """Deploy on Ray (a local instance unless --ray-address) and serve until SIGTERM or SIGINT;
+    then Serve drains the replicas for --grace seconds and the process exits 0."""
+    import ray
+
+    if args.ray_address:
+        ray.init(address=args.ray_address)
+    else:   # a replica reserves --replica-cpus: let a small machine hold them all
+        cpus = max(os.cpu_count() or 1, math.ceil(args.replicas * args.replica_cpus))
+        # No dashboard (its job API runs code; serve.run needs none). The node's agent still listens
+        # on the node's IP: Ray token-authenticates a new local instance unless RAY_AUTH_MODE=disabled.
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)   # a new instance, even if one runs
+    stop = threading.Event()
+    before = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(args), name=APP_NAME, route_prefix="/")
+        log.info("serving %d replica(s) on http://%s:%d (routing: %s)", args.replicas, args.host, args.port,
+                 args.routing)
+        stop.wait()
+        log.info("stopping: Ray Serve drains the replicas (up to %gs)", args.grace)
+        if args.ray_address:
+            serve.delete(APP_NAME)   # a shared cluster's other applications keep running
+        else:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return 0

@@ -189,20 +189,22 @@ def chat_template(path: str | None) -> str | None:
         raise ValueError(f"--chat-template {path}: {e.strerror or e}") from None
 
 
-def run_serve(args) -> int:
-    import uvicorn
-
-    from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
-
+def prepare_serve(args) -> None:
+    """What `tercel serve` checks and sets up before it serves, in one process or as replicas."""
     if args.grace < 0:
         raise ValueError(f"--grace must be >= 0 seconds, got {args.grace}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without --api-key (or TERCEL_API_KEY): anyone who reaches it can use it",
                     args.host)
-    from serving.cluster import run_replicas, uses_ray
-    if uses_ray(args):
-        return run_replicas(args)
+
+
+def run_serve(args) -> int:
+    """Serve from this process until SIGTERM or SIGINT (`prepare_serve` first)."""
+    import uvicorn
+
+    from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
+
     bridge, app = launch_app(args)
 
     # SIGTERM: uvicorn stops accepting and waits for open requests. sse-starlette would cut

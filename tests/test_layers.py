@@ -1,5 +1,5 @@
-"""Imports between the top-level folders run one way, downward (README, "Layout"), and no module
-imports another's private names.
+"""Imports between the top-level folders run one way, downward (README, "Layout"), no modules
+import each other in a circle, and no module imports another's private names.
 
 Every module of the seven packages is parsed with ast (nothing is imported), and every import
 counts: module level, inside functions, under TYPE_CHECKING, relative, and
@@ -112,6 +112,21 @@ def folder_cycle(edges) -> list[str] | None:
     return None
 
 
+def module_name(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def module_edges(imports: list[Import], modules: set[str]) -> set[tuple[str, str]]:
+    """(importing module, imported module) within `modules`; `from package import module`
+    counts as an import of both."""
+    edges = set()
+    for imp in imports:
+        src = module_name(imp.path)
+        targets = [imp.module] + [f"{imp.module}.{n}" for n in imp.names]
+        edges |= {(src, dst) for dst in targets if dst in modules and dst != src}
+    return edges
+
+
 def private_imports(imports: list[Import]) -> list[str]:
     return [f"{imp.path}:{imp.line}: from {imp.module} import {name}"
             for imp in imports for name in imp.names
@@ -133,6 +148,16 @@ def test_the_folder_graph_has_no_cycle():
     cycle = folder_cycle(edges)
     assert cycle is None, (" -> ".join(cycle) + ": " + "; ".join(
         f"{a} -> {b} at {', '.join(edges[a, b][:3])}" for a, b in zip(cycle, cycle[1:])))
+
+
+def test_no_import_circle_between_modules():
+    """Inside a folder too, lazy imports included: a function-level import that closes a circle
+    is a layering the code does not state."""
+    modules = {module_name(f.relative_to(ROOT).as_posix()) for folder in FOLDERS
+               for f in (ROOT / folder).rglob("*.py")}
+    edges = module_edges(IMPORTS, modules)
+    cycle = folder_cycle(edges)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
 def test_no_module_imports_a_private_name_of_another():
@@ -166,3 +191,8 @@ def test_the_checks_catch_lazy_guarded_relative_dynamic_and_private_imports():
     assert layer_violations(imports_of("from bench.cli import run_bench\n", "serving/cli.py")) == []
     assert layer_violations(imports_of("from bench.cli import run_bench\n", "serving/app.py"))
     assert folder_cycle({("serving", "bench"), ("bench", "serving")})
+    # modules: a lazy import back, and `from package import module`, close circles as well
+    lazy = imports_of("from verifier import b\n", "verifier/a.py") + imports_of("def f():\n    import verifier.a\n",
+                                                                              "verifier/b.py")
+    assert folder_cycle(module_edges(lazy, {"verifier", "verifier.a", "verifier.b"})) == [
+        "verifier.a", "verifier.b", "verifier.a"]
