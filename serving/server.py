@@ -12,7 +12,7 @@ from serving.tools.formats import FORMATS
 from verifier.loader import DEFAULT_MODEL
 
 log = logging.getLogger("tercel.serve")
-DEFAULT_DRAFTER = "ngram"   # becomes EAGLE-3 once a trained default head meets its figures (issue 4)
+DEFAULT_DRAFTER = "ngram"   # a lookup: no model or corpus to load (`make serve` passes suffix)
 
 
 def add_serve_args(sub) -> None:
