@@ -27,7 +27,7 @@ from bench.random_model import SHAPES, random_target
 from tree.token_tree import TokenTree
 from verifier.attention import get_backend
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 from verifier.target import TargetModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,4 +1,4 @@
-"""The fused CPU attention (`verifier/csrc/decode_ops.c:attend`) of this checkout against a
+"""The fused CPU attention (`verifier/cpu/csrc/decode_ops.c:attend`) of this checkout against a
 git revision's, by context and tree size, interleaved in one process.
 
     python -m bench.attention_kernel --against HEAD~1 [--contexts 300,1500] [--rows 1,2,4,8]
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from tree.token_tree import TokenTree
-from verifier import cpu_ops
+from verifier.cpu import cpu_ops
 from verifier.batch import SeqInput
-from verifier.cpu_forward import row_plan
-from verifier.machine import machine_summary, march
+from verifier.quantized.cpu_forward import row_plan
+from verifier.cpu.machine import machine_summary, march
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +38,11 @@ def library_at(rev: str, into: Path) -> ctypes.CDLL:
     for src in [*cpu_ops.SOURCES, *cpu_ops.HEADERS]:
         rel = src.relative_to(ROOT)
         out = into / rel.name
-        out.write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, check=True,
-                                       capture_output=True).stdout)
+        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True)
+        if shown.returncode:        # a revision from before verifier/cpu/: the sources sat in verifier/csrc
+            shown = subprocess.run(["git", "show", f"{rev}:verifier/csrc/{rel.name}"], cwd=ROOT, check=True,
+                                   capture_output=True)
+        out.write_bytes(shown.stdout)
         files.append(out)
     n = len(cpu_ops.SOURCES)
     path = cpu_ops.compile_library(files[:n], [*cpu_ops.FLAGS, "-lm"], ("CC", "cc", "gcc"), salt=rev,

@@ -12,7 +12,7 @@ from bench.plots import plot_grid
 from bench.runner import RunSettings
 from bench.suite import run_suite
 from bench.summary import best_overall, best_per_task, summarise
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 HF_LOOKUP_TOKENS = 10     # transformers' own default for prompt_lookup_num_tokens
 
@@ -111,5 +111,5 @@ def _fingerprint(settings: RunSettings, args, data) -> dict:
 
 
 def _threads() -> int:
-    from verifier.machine import default_threads
+    from verifier.cpu.machine import default_threads
     return default_threads()

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 
 def run_model_bench(args) -> int:
-    from verifier.machine import machine_summary
+    from verifier.cpu.machine import machine_summary
     model = args.model or DEFAULT_MODEL
     modes = [q.strip() for q in args.quantization.split(",") if q.strip()]
     print(f"bench {args.what}: {model}, {machine_summary()}", file=sys.stderr)
@@ -30,8 +30,8 @@ def run_model_bench(args) -> int:
 
 
 def kernels_report(model: str, mode: str, args) -> str:
-    from verifier.kernels import engine_rows
-    from verifier.quantized_runner import QuantizedRunner
+    from verifier.quantized.matmul_paths import engine_rows
+    from verifier.quantized.runner import QuantizedRunner
     from verifier.target import TargetModel
     target = TargetModel(model, quantization=mode, kernel_rows=engine_rows(512), retime_kernels=True)
     if not isinstance(target.runner, QuantizedRunner):
@@ -58,7 +58,7 @@ def kernels_report(model: str, mode: str, args) -> str:
 
 def attention_report(a) -> str:
     """The fused attention's calls on one thread and on all, and the threshold chosen."""
-    from verifier.attention_tuning import NEVER
+    from verifier.quantized.attention_tuning import NEVER
     lines = ["Attention of one layer, us per call: one thread / all threads", "",
              "| rows | " + " | ".join(f"{k} keys" for k in sorted({k for _, k in a.serial})) + " |",
              "|---|" + "---|" * len({k for _, k in a.serial})]

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
@@ -202,9 +202,9 @@ class Offline:
 class LlamaCpp:
     def __init__(self, args):
         from bench.llamacpp import LlamaCppGenerator, check_llamacpp
-        from verifier.cpus import cpu_budget
-        from verifier.loader import DEFAULT_MODEL, resolve_model_dir
-        from verifier.tokenizer import Tokenizer
+        from verifier.cpu.cpus import cpu_budget
+        from verifier.model.loader import DEFAULT_MODEL, resolve_model_dir
+        from verifier.model.tokenizer import Tokenizer
         check_llamacpp(DEFAULT_MODEL)
         self.tokenizer = Tokenizer(resolve_model_dir(DEFAULT_MODEL))      # the same chat template
         self.gen = LlamaCppGenerator(DEFAULT_MODEL, args.max_tokens, False, args.threads or cpu_budget().threads,
@@ -396,8 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         return child(json.loads(args.child))
     from bench.data import mtbench_first_turns
-    from verifier.cpus import cpu_budget
-    from verifier.machine import machine_summary
+    from verifier.cpu.cpus import cpu_budget
+    from verifier.cpu.machine import machine_summary
     machine = f"{machine_summary()}; CPU budget {cpu_budget().describe()}"
     prompts = mtbench_first_turns(args.limit)
     if args.quota is not None:

@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 
 @dataclass
@@ -52,8 +52,8 @@ class Tercel:
 class LlamaCpp:
     def __init__(self, model: str, threads: int, max_tokens: int):
         from bench.llamacpp import LlamaCppGenerator, check_llamacpp
-        from verifier.loader import resolve_model_dir
-        from verifier.tokenizer import Tokenizer
+        from verifier.model.loader import resolve_model_dir
+        from verifier.model.tokenizer import Tokenizer
         check_llamacpp(model)
         self.tokenizer = Tokenizer(resolve_model_dir(model))          # the same chat template
         self.gen = LlamaCppGenerator(model, max_tokens, True, threads, self.tokenizer)
@@ -67,7 +67,7 @@ class LlamaCpp:
 
 
 def engines(args, files: list[str]) -> dict[tuple[str, str], object]:
-    from verifier.cpus import cpu_budget
+    from verifier.cpu.cpus import cpu_budget
     threads = args.threads or cpu_budget().threads
     out = {}
     for f in files:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from bench.data import mtbench_first_turns
-    from verifier.machine import machine_summary
+    from verifier.cpu.machine import machine_summary
     prompts = mtbench_first_turns(args.limit)
     cells = measure(engines(args, args.files.split(",")), prompts, args.repeats)
     print(f"{machine_summary()}; {len(prompts)} MT-bench prompts x {args.max_tokens} tokens, {args.repeats} rounds")

@@ -117,7 +117,7 @@ for name in ("triton", "transformers", "tokenizers", "fastapi", "sse_starlette",
         print(name, importlib.metadata.version(name.replace("_", "-")))
     except Exception as e:          # the summary says which import failed and why
         print(name, "MISSING:", type(e).__name__, e)
-from verifier.loader import DEFAULT_MODEL, ALIASES
+from verifier.model.loader import DEFAULT_MODEL, ALIASES
 print("default model:", ALIASES[DEFAULT_MODEL]())
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)

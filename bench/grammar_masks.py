@@ -1,5 +1,5 @@
 """The cost of a draft tree's grammar masks: xgrammar's `traverse_draft_tree` (what the engine
-uses, `verifier/grammar.py:Matcher.tree_masks`) against walking each path from Python with the
+uses, `verifier/sampling/grammar.py:Matcher.tree_masks`) against walking each path from Python with the
 matcher's `accept_token` and `rollback`, and against a fork (a fresh matcher fed the path) per
 node.
 
@@ -21,7 +21,7 @@ import torch
 
 from bench.structured import load_tasks
 from tree.token_tree import TokenTree
-from verifier.grammar import Matcher, allowed_tokens
+from verifier.sampling.grammar import Matcher, allowed_tokens
 
 
 def python_walk(m: Matcher, tree: TokenTree) -> torch.Tensor:

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 
 def poll(url: str, stop: threading.Event, out: list[float]) -> None:

@@ -35,7 +35,7 @@ class HFModel:
     def __init__(self, model: str):
         from transformers import AutoModelForCausalLM
 
-        from verifier.loader import resolve_model_dir
+        from verifier.model.loader import resolve_model_dir
         path = resolve_model_dir(model)
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         self.eos = self.model.generation_config.eos_token_id

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wide", action="store_true")
     args = ap.parse_args(argv)
     from bench.llamacpp import check_llamacpp
-    from verifier.loader import DEFAULT_MODEL
+    from verifier.model.loader import DEFAULT_MODEL
     shipped = check_llamacpp(DEFAULT_MODEL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def check_llamacpp(model: str) -> Path:
 
 
 def gguf_file(model: str) -> Path:
-    from verifier.loader import ALIASES
+    from verifier.model.loader import ALIASES
     if model in ALIASES:
         return ALIASES[model]()
     path = Path(model).expanduser()

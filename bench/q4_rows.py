@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from verifier import cpu_ops
-from verifier.machine import machine_summary
-from verifier.qlinear import QuantLinear
-from verifier.quant import quantize_int4
+from verifier.cpu import cpu_ops
+from verifier.cpu.machine import machine_summary
+from verifier.quantized.qlinear import QuantLinear
+from verifier.model.quant import quantize_int4
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))

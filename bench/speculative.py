@@ -36,7 +36,7 @@ from bench.data import mtbench_first_turns, specbench_prompts
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from verifier.machine import machine_summary
+from verifier.cpu.machine import machine_summary
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 

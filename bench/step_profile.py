@@ -5,7 +5,7 @@
 One request decodes greedily past a `--context`-token prompt (held-out text), `--rounds` x
 `--steps` steps after a warm-up; medians. Where the target runs the native decode loop (the
 quantized default), every step is timed by the wall clock and by the loop's own clocks
-(`verifier.cpu_loop.step_clock`: its time in matmul calls, each whole with its output
+(`verifier.quantized.cpu_loop.step_clock`: its time in matmul calls, each whole with its output
 allocation, and in attention), so both figures come from the same step; a profiler's
 overhead and its window (profiled steps alternated with timed ones) moved the share by +-4
 points between runs on a shared 2-vCPU machine. Elsewhere (`none`, or with --ops, which prints
@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.prefill import long_prompt
 from spec import LLM, SamplingParams
-from verifier.cpu_loop import step_clock
+from verifier.quantized.cpu_loop import step_clock
 
 MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "tercel::q4_matmul",
               "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
@@ -60,7 +60,7 @@ def _stop(engine) -> None:
 
 
 def clocked_step(llm: LLM, prompt: list[int], steps: int, rounds: int) -> dict:
-    """Each step's wall time and, from the native loop's own clocks (verifier.cpu_loop.step_clock),
+    """Each step's wall time and, from the native loop's own clocks (verifier.quantized.cpu_loop.step_clock),
     its time in matmul calls and in attention, read for that same step; medians."""
     engine, cols = llm.engine, {"step_ms": [], "matmul_ms": [], "attention_ms": []}
     _start(engine, prompt, rounds * steps)

@@ -33,7 +33,7 @@ class Generators:
     """Builds the generator of each cell; the HF model, llama.cpp and the tokenizer load once."""
 
     def __init__(self, settings: RunSettings):
-        from verifier.loader import resolve_model_dir
+        from verifier.model.loader import resolve_model_dir
         from verifier.target import load_tokenizer
         self.settings = settings
         self.tokenizer = load_tokenizer(resolve_model_dir(settings.model))
@@ -57,7 +57,7 @@ class Generators:
     def _llama(self):
         if self._llamacpp is None:
             from bench.llamacpp import LlamaCppGenerator
-            from verifier.machine import default_threads
+            from verifier.cpu.machine import default_threads
             s = self.settings
             self._llamacpp = LlamaCppGenerator(s.model, s.max_tokens, s.ignore_eos, default_threads(),
                                                self.tokenizer)

@@ -31,7 +31,7 @@ import torch
 
 from drafters.config import SpecConfig
 from tree.token_tree import TokenTree
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class DraftRequest:
     num_prompt: int = 0             # token_ids[:num_prompt] is the prompt, the rest the output
     prediction: Prediction | None = None    # the reply the client expects, if it sent one
     # The ids min_tokens masks while the output is shorter (EOS, stop tokens); a sampling
-    # drafter draws from the target's transform (verifier/sampler.py:transform_logits) with them.
+    # drafter draws from the target's transform (verifier/sampling/sampler.py:transform_logits) with them.
     held_back: frozenset[int] = frozenset()
 
     @property

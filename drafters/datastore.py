@@ -232,7 +232,7 @@ def _build(arg: str, target, speculation) -> DatastoreDrafter:
     """"datastore:PATH[,PATH...]": conversation .jsonl files or directories of them."""
     if not arg:
         raise ValueError("the datastore drafter needs conversation files: 'datastore:PATH[,PATH...]'")
-    from verifier.loader import cache_root
+    from verifier.cpu.cache import cache_root
     config = DatastoreConfig()
     table = load_or_build(arg.split(","), target.tokenizer, config, cache_root() / "datastores")
     return DatastoreDrafter(table, config, NgramConfig(max_branches=speculation.topk))

@@ -26,9 +26,9 @@ from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.loader import resolve_model_dir
-from verifier.quantize import auto_quantization
-from verifier.sampler import target_probs, transform_logits
+from verifier.model.loader import resolve_model_dir
+from verifier.quantized.quantize import auto_quantization
+from verifier.sampling.sampler import target_probs, transform_logits
 from verifier.target import TargetModel
 
 

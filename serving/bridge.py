@@ -46,7 +46,7 @@ from spec.engine import LLMEngine
 from spec.faults import RequestError
 from spec.request import RequestOutput
 from spec.stats import EngineLimits, EngineStats
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 from serving.metrics import Metrics
 
 log = logging.getLogger("tercel.serve")
@@ -86,7 +86,7 @@ class Submission:
     params: SamplingParams
     speculate: bool = True
     speculation: SpecConfig | None = None
-    grammar: object | None = None     # params.structured compiled (verifier.grammar), or None
+    grammar: object | None = None     # params.structured compiled (verifier.sampling.grammar), or None
     prediction: Prediction | None = None    # the reply the client expects (Predicted Outputs), or None
 
 

@@ -11,7 +11,7 @@ from serving.tools.prompt import template_messages
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    tokenizer: object                   # verifier/tokenizer.py:Tokenizer (or a copy with the server's template)
+    tokenizer: object                   # verifier/model/tokenizer.py:Tokenizer (or a copy with the server's template)
     tool_format: ToolFormat             # how the model writes tool calls (--tool-call-parser)
     special_tokens_in_content: bool     # parse `<|im_start|>` in messages as a token (unsafe)
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("tercel.serve")
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -36,7 +36,7 @@ def load_sampling_defaults(setting: str, model: str) -> SamplingDefaults:
     if setting == "none":
         return SamplingDefaults(source="--generation-config none")
     if setting == "auto":
-        from verifier.loader import resolve_model_dir
+        from verifier.model.loader import resolve_model_dir
         folder = resolve_model_dir(model)
     else:
         folder = Path(setting)

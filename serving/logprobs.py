@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from verifier.logprobs import TokenLogprob
+from verifier.sampling.logprobs import TokenLogprob
 
 IMPOSSIBLE = -9999.0
 

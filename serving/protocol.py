@@ -16,7 +16,7 @@ from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculatio
 from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import ToolFormat
 from serving.tools.request import Refused, chat_messages, tool_request
-from verifier.structured import StructuredOutputs
+from verifier.sampling.structured import StructuredOutputs
 
 FIELD_NAMES = request_field_names()
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from verifier.sampling_params import MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
+from verifier.sampling.sampling_params import MAX_LOGIT_BIAS, MIN_REPETITION_PENALTY
 
 MAX_N = 16                      # choices per request (OpenAI's limit is 128; ours is the batch)
 MAX_LOGIT_BIAS_TOKENS = 1024    # logit_bias entries: each row of a step adds them

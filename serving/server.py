@@ -9,7 +9,7 @@ from pathlib import Path
 from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
                            speculation_from_args)
 from serving.tools.formats import FORMATS
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 log = logging.getLogger("tercel.serve")
 DEFAULT_DRAFTER = "ngram"   # a lookup: no model or corpus to load (`make serve` passes suffix)
@@ -65,7 +65,7 @@ def add_limit_args(p) -> None:
                    help="outputs a stream holds unread before its client is dropped and its request aborted")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
                    help="seconds one SSE write may block before the client is dropped")
-    from verifier.grammar_limits import GrammarLimits
+    from verifier.sampling.grammar_limits import GrammarLimits
     g = GrammarLimits()
     p.add_argument("--grammar-timeout", type=float, default=10.0,
                    help="seconds a constraint may take to compile (in a child process, killed past it)")
@@ -87,7 +87,7 @@ def add_limit_args(p) -> None:
 
 
 def grammar_limits(args):
-    from verifier.grammar_limits import GrammarLimits
+    from verifier.sampling.grammar_limits import GrammarLimits
     return GrammarLimits(max_bytes=args.max_grammar_bytes, max_depth=args.max_grammar_depth,
                          cache_bytes=args.grammar_cache_bytes, xgrammar_cache_bytes=args.grammar_cache_bytes,
                          timeout_s=args.grammar_timeout)

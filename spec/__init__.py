@@ -3,7 +3,7 @@ from drafters.base import Prediction
 from spec.config import EngineConfig
 from spec.llm import LLM
 from spec.request import RequestOutput
-from verifier.sampling_params import SamplingParams
-from verifier.structured import StructuredOutputs
+from verifier.sampling.sampling_params import SamplingParams
+from verifier.sampling.structured import StructuredOutputs
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "EngineConfig", "RequestOutput", "Prediction"]

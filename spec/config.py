@@ -7,9 +7,9 @@ from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
 from spec.threads import ThreadConfig
 from verifier.checks import positive_int
-from verifier.grammar_limits import GrammarLimits
-from verifier.loader import DEFAULT_MODEL
-from verifier.shard import check_tp_quantization
+from verifier.sampling.grammar_limits import GrammarLimits
+from verifier.model.loader import DEFAULT_MODEL
+from verifier.model.shard import check_tp_quantization
 
 QUANTIZATION_CHOICES = ("auto", "int4", "int8", "gguf", "none")
 
@@ -26,7 +26,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True      # share KV of identical full-block prompt prefixes
     seed: int = 0                         # seeds the generators of requests without a seed
     # CPU threads at most; None: as many as the affinity mask and the cgroup's CPU quota allow
-    # (verifier/cpus.py), or torch's count where that is lower. Steps run on fewer while that
+    # (verifier/cpu/cpus.py), or torch's count where that is lower. Steps run on fewer while that
     # measures faster (spec/threads.py).
     num_threads: int | None = None
     thread_tuning: ThreadConfig = ThreadConfig()   # adaptive=False: always num_threads
@@ -34,7 +34,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     # CPU weights: "int4" / "int8" kernels, "gguf" (each GGUF tensor on its own blocks), "none"
     # (dense, the checkpoint's dtype) or "auto": int4 for a Q4 GGUF, gguf for other quantized
-    # GGUFs (K-quants, Q5_0, Q8_0), none otherwise and on CUDA (verifier/quantize.py)
+    # GGUFs (K-quants, Q5_0, Q8_0), none otherwise and on CUDA (verifier/quantized/quantize.py)
     quantization: str = "auto"
     # Ranks (devices) sharing every layer of the target (verifier/parallel.py): NCCL on CUDA,
     # gloo on CPU. Above 1 the target runs dense weights: quantization "auto" picks "none".
@@ -49,7 +49,7 @@ class EngineConfig:
     # child process): the server sets a time limit, the offline API compiles in-process.
     grammar: GrammarLimits = GrammarLimits()
     # What a request's logprobs are: "raw" (the forward's logits, as vLLM's default) or
-    # "processed" (the distribution sampled from); verifier/logprobs.py
+    # "processed" (the distribution sampled from); verifier/sampling/logprobs.py
     logprobs_mode: str = "raw"
 
     def __post_init__(self):

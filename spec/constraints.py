@@ -28,7 +28,7 @@ import torch
 from drafters.base import DraftDistributions, Proposal
 from spec.faults import NO_TOKEN_ALLOWED, RequestFault
 from tree.token_tree import TokenTree
-from verifier.grammar import Matcher, allowed_tokens, allows
+from verifier.sampling.grammar import Matcher, allowed_tokens, allows
 
 MAX_FORCED = 16      # forced tokens per step: each is a verify row (and a KV slot reserved ahead)
 

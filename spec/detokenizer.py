@@ -12,7 +12,7 @@ output is longer than min_tokens (they search the text that arrives from then on
 """
 from __future__ import annotations
 
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

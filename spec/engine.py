@@ -39,17 +39,17 @@ from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
-from verifier.cpus import IdleMeter, cpu_budget, free_cpus
-from verifier.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
-from verifier.kernels import engine_rows
-from verifier.kv_cache import slot_of
-from verifier.logprobs import TokenLogprob, decided, row_logprob
-from verifier.machine import default_threads, on_threads
+from verifier.cpu.cpus import IdleMeter, cpu_budget, free_cpus
+from verifier.sampling.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
+from verifier.quantized.matmul_paths import engine_rows
+from verifier.attention.kv_cache import slot_of
+from verifier.sampling.logprobs import TokenLogprob, decided, row_logprob
+from verifier.cpu.machine import default_threads, on_threads
 from verifier.parallel import open_target
-from verifier.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
+from verifier.sampling.sampling_params import SamplingParams
 from verifier.target import TargetModel, generation_eos_ids
-from verifier.tokenizer import prompt_ids
+from verifier.model.tokenizer import prompt_ids
 
 if TYPE_CHECKING:
     from drafters.base import Proposal

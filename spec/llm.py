@@ -14,7 +14,7 @@ from drafters.base import Prediction
 from spec.config import EngineConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

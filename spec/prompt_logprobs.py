@@ -10,7 +10,7 @@ The pass runs in chunks (a row of logits is a vocabulary of floats), every row a
 from __future__ import annotations
 
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.logprobs import TokenLogprob, row_logprob
+from verifier.sampling.logprobs import TokenLogprob, row_logprob
 
 CHUNK = 256     # prompt rows per forward: logits of CHUNK x vocabulary floats at a time
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import RequestError
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -64,12 +64,12 @@ class Request:
         self.speculation = None                  # a per-request SpecConfig cap (None: the engine's)
         self.history = None                      # spec.adaptive.SpecHistory: what its drafts have shown
         self.draft_cap: int | None = None        # draft nodes it may propose this step (None: its tree's)
-        self.grammar = None                      # verifier.grammar.Matcher of params.structured, or None
+        self.grammar = None                      # verifier.sampling.grammar.Matcher of params.structured, or None
         self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
         self.prediction = None                   # drafters.base.Prediction: the reply the client expects, or None
         self.fault: Exception | None = None      # raised for this request alone in schedule (it then fails)
         self.error: RequestError | None = None   # why it failed alone (finish_reason "error")
-        self.logprobs: list = []                 # verifier.logprobs.TokenLogprob per output token, if asked
+        self.logprobs: list = []                 # verifier.sampling.logprobs.TokenLogprob per output token, if asked
         self.prompt_logprobs: list | None = None  # per prompt token (the first None), once computed, if asked
 
     @property
@@ -120,6 +120,6 @@ class RequestOutput:
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     stats: SpecStats = field(default_factory=SpecStats)
     error: RequestError | None = None  # finish_reason "error": this request failed alone, and why
-    # per output token (params.logprobs set): a verifier.logprobs.TokenLogprob, aligned with token_ids
+    # per output token (params.logprobs set): a verifier.sampling.logprobs.TokenLogprob, aligned with token_ids
     logprobs: list | None = None
     prompt_logprobs: list | None = None   # per prompt token (params.prompt_logprobs set), the first None

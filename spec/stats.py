@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from drafters.base import Prediction
 from drafters.config import SpecConfig
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

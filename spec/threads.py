@@ -26,7 +26,7 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   steps of its shape (a neighbour arrived: the probe tries one thread fewer, that step as the
   first of its first pair), and, below the budget, idle CPUs appearing where
   there were none (a neighbour left: at least `idle_cpus` of the process's CPUs sat idle over the
-  last `idle_every` steps, after a check that found fewer; verifier/cpus.py:IdleMeter). Only the
+  last `idle_every` steps, after a check that found fewer; verifier/cpu/cpus.py:IdleMeter). Only the
   change probes, so a machine with idle CPUs the governor does not use (a quota) is not probed
   again and again. After a switch probes start again at `first_interval`, next in the same
   direction (from 8 threads to 7, then to 6 if that pays too).
@@ -39,7 +39,7 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   prompt's and the longest, before any probe: after `gap_s` without steps the governor reads
   the CPUs that sat idle meanwhile (the engine used none) and runs on at most that many. The
   first steps after the engine's load run on the CPUs other processes left free during it
-  (`start`; verifier/cpus.py:free_cpus).
+  (`start`; verifier/cpu/cpus.py:free_cpus).
 
 Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
 so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifier.machine import on_threads
+from verifier.cpu.machine import on_threads
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class ThreadGovernor:
     def __init__(self, max_threads: int, config: ThreadConfig = ThreadConfig(),
                  idle: Callable[[], float | None] | None = None, gap_idle: Callable[[], float | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, start: int | None = None):
-        """`max_threads`: the budget (verifier/cpus.py, or the configured count); the governor
+        """`max_threads`: the budget (verifier/cpu/cpus.py, or the configured count); the governor
         starts there (or at `start`, where that is fewer: other processes hold CPUs) and never
         goes above it. `idle()`: the process's CPUs that sat idle on average since the last call
         (None: unknown); without it only probes find a quiet machine. `gap_idle()`: the same, a

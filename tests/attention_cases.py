@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.kv_cache import slots_for
+from verifier.attention.kv_cache import slots_for
 
 
 def tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -23,7 +23,7 @@ def _threads_left_by_neighbours():
     at each barrier for a thread the kernel has descheduled (docs/performance.md, "Shared CPUs")."""
     import torch
 
-    from verifier.cpus import cpu_budget, free_cpus
+    from verifier.cpu.cpus import cpu_budget, free_cpus
     torch.set_num_threads(free_cpus(cpu_budget().threads))
     yield
 
@@ -65,7 +65,7 @@ def load_jsonl_prompts(path: Path, n: int) -> list[str]:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model, converted from its GGUF into the cache once."""
-    from verifier.loader import DEFAULT_MODEL, resolve_model_dir
+    from verifier.model.loader import DEFAULT_MODEL, resolve_model_dir
     return resolve_model_dir(DEFAULT_MODEL)
 
 

@@ -9,7 +9,7 @@ from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate, RankAcceptance, ScoreAcceptance, \
     best_prefixes
 from spec.step_cost import CostCurve, StepCost, StepSample
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 def linear(base: float, per_row: float) -> CostCurve:

@@ -1,4 +1,4 @@
-"""When attention runs on all threads is measured at load (verifier/attention_tuning.py):
+"""When attention runs on all threads is measured at load (verifier/quantized/attention_tuning.py):
 the rule that turns timings into a threshold, and the cache that keeps it per machine."""
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 
 import torch
 
-from verifier import attention_tuning, cpu_ops
-from verifier.attention_tuning import NEVER, choose, tune
+from verifier.quantized import attention_tuning
+from verifier.cpu import cpu_ops
+from verifier.quantized.attention_tuning import NEVER, choose, tune
 
 _NO_ROPE = torch.zeros(1, 1)
 

@@ -222,8 +222,8 @@ def test_speed_measures_each_quantization_against_the_first(tmp_path, tiny_llama
 def test_kernels_prints_the_timings_and_the_choice(tiny_llama_dir, capsys):
     rc = tercel(["bench", "kernels", "--model", str(tiny_llama_dir), "--quantization", "int4"])
     out = capsys.readouterr().out
-    from verifier import cpu_ops
-    from verifier.qlinear import DENSE_PATHS
+    from verifier.cpu import cpu_ops
+    from verifier.quantized.qlinear import DENSE_PATHS
     owns = "int4 | q4x16" if cpu_ops.q4_isa() else "int4"        # q4x16 where AVX2 or VNNI builds it
     assert rc == 0 and f"| rows | {owns} | {' | '.join(DENSE_PATHS)} |" in out and "row-invariant" in out
     assert re.search(r"Decode and verify rows take (int4|q4x16)\. Prefill rows take", out)

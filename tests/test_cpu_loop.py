@@ -1,5 +1,5 @@
-"""The native decode loop (verifier/cpu_loop.py, csrc/decode_loop.cpp) computes what the
-Python loop of verifier/cpu_forward.py computes, bit for bit: logits (through the final norm
+"""The native decode loop (verifier/quantized/cpu_loop.py, csrc/decode_loop.cpp) computes what the
+Python loop of verifier/quantized/cpu_forward.py computes, bit for bit: logits (through the final norm
 and the head, which it runs too where the head's table is int8), tapped hidden states and the
 KV it writes, for decode rows, tree nodes and a prompt's last token in one forward."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.cpu_loop import native_layers
+from verifier.quantized.cpu_loop import native_layers
 from verifier.target import TargetModel
 
 BLOCK = 16
@@ -83,7 +83,7 @@ def test_a_layer_with_a_bias_outside_qkv_stays_on_the_python_loop(tiny_llama_dir
 def test_the_step_clocks_time_a_native_forward_only_while_on(smollm2_dir):
     """bench/step_profile.py reads matmul and attention time from the loop's own clocks: they
     add up within the call's time while on, and stay at zero while off."""
-    from verifier.cpu_loop import step_clock
+    from verifier.quantized.cpu_loop import step_clock
     target = TargetModel(str(smollm2_dir), quantization="int4")
     target.allocate_kv(16, BLOCK)
     prompt = ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3])])

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verifier import cpu_ops
-from verifier.attention_tuning import NEVER
+from verifier.cpu import cpu_ops
+from verifier.quantized.attention_tuning import NEVER
 from verifier.batch import SeqInput
-from verifier.cpu_forward import row_plan
-from verifier.rope import apply_rotary
+from verifier.quantized.cpu_forward import row_plan
+from verifier.model.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the fused CPU kernels")
 G = torch.Generator().manual_seed(0)
@@ -163,7 +163,7 @@ def test_row_plan_gives_each_row_its_position_slot_and_visible_keys():
     """A causal chunk after 20 cached tokens and a 4-node tree after 33, in one plan: every
     row's KV slot, and its key list (the cached prefix then what its mask lets it see), as
     KV slots in logical order."""
-    from verifier.kv_cache import slots_for
+    from verifier.attention.kv_cache import slots_for
     bs, chain_table, tree_table = 16, [3, 0, 5], [7, 8, 9]
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     seqs = [SeqInput([1, 2, 3], 20, chain_table),

@@ -1,4 +1,4 @@
-"""The CPUs a process may use (verifier/cpus.py): its affinity mask and its cgroup's CPU quota,
+"""The CPUs a process may use (verifier/cpu/cpus.py): its affinity mask and its cgroup's CPU quota,
 read from fake cgroup trees (v1 and v2, nested, inside a container) and, where this machine lets
 the test make a cgroup, from a real one; the engine's default thread count follows both."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.contention import make_cgroup
-from verifier.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
+from verifier.cpu.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
@@ -67,7 +67,7 @@ def test_threads_are_the_mask_or_the_quota_rounded_down():
     assert "a CPU quota of 1.5" in CpuBudget(8, 1.5).describe()
 
 
-BUDGET = "import json; from verifier.cpus import cpu_budget; print(json.dumps(cpu_budget().as_json()))"
+BUDGET = "import json; from verifier.cpu.cpus import cpu_budget; print(json.dumps(cpu_budget().as_json()))"
 
 
 def run_python(code: str, **kw) -> str:
@@ -115,7 +115,7 @@ class FakeStat:
     def __init__(self, path: Path, monkeypatch):
         self.path, self.now, self.own, self.idle_ticks = path, 100.0, 0.0, 0
         self.cpus = sorted(os.sched_getaffinity(0))
-        monkeypatch.setattr("verifier.cpus.time.monotonic", lambda: self.now)
+        monkeypatch.setattr("verifier.cpu.cpus.time.monotonic", lambda: self.now)
         self.write()
 
     def write(self):
@@ -133,7 +133,7 @@ class FakeStat:
 def test_idle_and_neighbour_meters_read_the_mask_cpus(tmp_path, monkeypatch):
     """Idle CPUs over each window; a neighbour's share is what neither idled nor this process
     used, and a thread count leaves it its CPU (the budget caps it; never below 1)."""
-    from verifier.cpus import FreeCpus, IdleMeter, NeighbourMeter
+    from verifier.cpu.cpus import FreeCpus, IdleMeter, NeighbourMeter
     stat = FakeStat(tmp_path / "stat", monkeypatch)
     n = len(stat.cpus)
     idle = IdleMeter(tmp_path / "stat")
@@ -150,7 +150,7 @@ def test_idle_and_neighbour_meters_read_the_mask_cpus(tmp_path, monkeypatch):
 
 
 def test_meters_without_proc_stat_say_unknown(tmp_path):
-    from verifier.cpus import FreeCpus, IdleMeter, NeighbourMeter
+    from verifier.cpu.cpus import FreeCpus, IdleMeter, NeighbourMeter
     assert IdleMeter(tmp_path / "missing")() is None
     assert FreeCpus(NeighbourMeter(tmp_path / "missing"), min_window=0)(3) == 3
 
@@ -160,7 +160,7 @@ def test_readers_in_turn_share_one_window_and_a_short_one_gives_the_last_answer(
     """The process-wide reading (the engine's load, the test suite's thread counts): the budget
     before any window closes, and within min_window of a reading its answer again, since a window
     that short is mostly the rounding of /proc/stat's ticks."""
-    from verifier.cpus import FreeCpus, NeighbourMeter
+    from verifier.cpu.cpus import FreeCpus, NeighbourMeter
     stat = FakeStat(tmp_path / "stat", monkeypatch)
     n = len(stat.cpus)
     free = FreeCpus(NeighbourMeter(tmp_path / "stat", own=lambda: stat.own), min_window=0.25,
@@ -180,7 +180,7 @@ def test_cached_timings_are_measured_on_the_count_they_are_for(tmp_path):
     count, cached under that count, and the caller's count set back."""
     import torch
 
-    from verifier.machine import cached_measurement
+    from verifier.cpu.machine import cached_measurement
     seen = []
 
     def measure() -> dict:
@@ -205,7 +205,7 @@ def test_the_engine_loads_on_the_free_cpus_and_leaves_the_callers_count(tiny_lla
 
     from spec.llm import LLM
     from spec.threads import ThreadConfig
-    from verifier.sampling_params import SamplingParams
+    from verifier.sampling.sampling_params import SamplingParams
     from verifier.target import TargetModel
     loads, forwards = [], []
     init, forward = TargetModel.__init__, TargetModel.forward

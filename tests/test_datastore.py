@@ -12,7 +12,7 @@ import pytest
 
 from drafters.base import DraftRequest
 from drafters.datastore import DatastoreConfig, DatastoreDrafter, NgramTable, load_or_build
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 def brute_force(seqs, max_n, min_count, fanout):

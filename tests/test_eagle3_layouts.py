@@ -18,7 +18,7 @@ from drafters.base import DraftRequest, TargetHidden
 from drafters.eagle3 import Eagle3Config, HeadMismatchError, load_head, save_head
 from drafters.eagle3.drafter import Eagle3Drafter
 from spec import SamplingParams
-from verifier.config import ModelConfig
+from verifier.model.config import ModelConfig
 
 # A 32-layer target shape (only its config: the drafter is fed hidden states directly).
 TARGET = ModelConfig("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=32,

@@ -126,7 +126,7 @@ def write_gemma_gguf(path, arch: str, model_dir, fields: dict):
     import numpy as np
     from safetensors.torch import load_file
 
-    from verifier.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
+    from verifier.model.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
     layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES["gemma2"]}.items()}
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in fields.items():
@@ -169,7 +169,7 @@ def test_a_gemma_gguf_reads_back_to_hf_logits(tmp_path, model_type):
 
     from safetensors.torch import save_file
 
-    from verifier.gguf_convert import gguf_config, gguf_tensors
+    from verifier.model.gguf_convert import gguf_config, gguf_tensors
     # the file can only say what llama.cpp reads: scale by head size, Gemma 3's layers alternating here
     hf_dir = make_gemma(tmp_path / "hf", model_type, query_pre_attn_scalar=32,
                         **({} if model_type == "gemma2" else {"layer_types": None, "sliding_window_pattern": 2,
@@ -196,8 +196,8 @@ def test_config_reads_hf_defaults_and_old_forms():
     import transformers
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    from verifier.config import ModelConfig
-    from verifier.rope import inv_freq_and_scale
+    from verifier.model.config import ModelConfig
+    from verifier.model.rope import inv_freq_and_scale
     old2 = dict(model_type="gemma2", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=5,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=4096,
                 max_position_embeddings=8192)
@@ -233,15 +233,15 @@ BASE = dict(model_type="gemma2", vocab_size=8, hidden_size=64, intermediate_size
     (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
 ])
 def test_unsupported_gemma_configs_are_refused_by_name(change, match):
-    from verifier.config import ModelConfig
+    from verifier.model.config import ModelConfig
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**BASE, **change})
 
 
 def test_tensor_parallelism_refuses_gemma_by_name():
-    from verifier.config import ModelConfig
-    from verifier.gemma import GemmaForCausalLM
-    from verifier.shard import TensorShard
+    from verifier.model.config import ModelConfig
+    from verifier.model.gemma import GemmaForCausalLM
+    from verifier.model.shard import TensorShard
     with torch.device("meta"), pytest.raises(ValueError, match="tensor parallelism does not split gemma2"):
         GemmaForCausalLM(ModelConfig.from_hf(BASE), TensorShard(0, 2))
 
@@ -251,7 +251,7 @@ def test_geglu_and_soft_cap_kernels_match_torch_and_keep_bits_per_element():
     torch, -inf kept masked, and an element's bits the same wherever it sits (tail or not)."""
     import torch.nn.functional as F
 
-    from verifier import cpu_ops
+    from verifier.cpu import cpu_ops
     gen = torch.Generator().manual_seed(0)
     gu = (torch.randn(3, 2 * 64, generator=gen) * 3).to(torch.bfloat16)
     out = torch.empty(3, 64, dtype=torch.bfloat16)

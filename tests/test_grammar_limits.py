@@ -1,4 +1,4 @@
-"""Grammar compilation limits (verifier/grammar_limits.py, verifier/grammar_worker.py): size and
+"""Grammar compilation limits (verifier/sampling/grammar_limits.py, verifier/sampling/grammar_worker.py): size and
 depth refused before compiling, a time limit and cancellation that stop the compile (in a
 child process), caches bounded, and grammars with no output refused. Each fails without its
 limit; the worker's grammars give the same masks as an in-process compile."""
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from verifier.grammar import GrammarBackend
-from verifier.grammar_limits import GrammarCancelled, GrammarLimits, GrammarTimeout
-from verifier.structured import StructuredOutputs
-from verifier.tokenizer import Tokenizer
+from verifier.sampling.grammar import GrammarBackend
+from verifier.sampling.grammar_limits import GrammarCancelled, GrammarLimits, GrammarTimeout
+from verifier.sampling.structured import StructuredOutputs
+from verifier.model.tokenizer import Tokenizer
 
 
 def nested(depth: int) -> str:

@@ -15,7 +15,7 @@ from conftest import make_tiny_model
 from test_model_families import BLOCK, converted, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from verifier import cpu_ops
+from verifier.cpu import cpu_ops
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel
 
@@ -48,7 +48,7 @@ def test_q5_0_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
     import gguf
     from gguf.quants import dequantize, quantize
 
-    from verifier.gguf_quant import read_block_tensor
+    from verifier.model.gguf_quant import read_block_tensor
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
     for kind, data in (("Q5_0", quantize(w, gguf.GGMLQuantizationType.Q5_0)), ("Q6_K", q6_k_bytes(w))):
         want = dequantize(data, getattr(gguf.GGMLQuantizationType, kind))
@@ -128,8 +128,8 @@ def test_greedy_speculation_gives_plain_decoding_tokens(mixed_gguf):
 
 
 def test_one_fused_projection_in_two_formats_takes_the_finer_one():
-    from verifier.quant import Int4Weight, Int8Weight, quantize_int4, quantize_int8
-    from verifier.quantize import _one_form
+    from verifier.model.quant import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+    from verifier.quantized.quantize import _one_form
     w = torch.randn(32, 64) * 0.1
     q4, q8_32, q8_16 = quantize_int4(w, 32), quantize_int8(w, 32), quantize_int8(w, 16)
     parts = _one_form([q4, q8_32, q8_16])

@@ -24,6 +24,17 @@ MAY_IMPORT = {
     "verifier": set(),
 }
 FOLDERS = tuple(MAY_IMPORT)
+# verifier/'s floors, bottom first: a module imports only from its own floor or those below.
+VERIFIER_FLOORS = (
+    ("cpu", ("verifier/cpu/", "verifier/__init__.py")),       # the probe, the C kernels, the cache
+    ("hand-off", ("verifier/batch.py", "verifier/checks.py", "verifier/block_manager.py")),
+    ("attention", ("verifier/attention/",)),                   # the backends and the KV cache
+    ("model", ("verifier/model/",)),                           # config, modules, weights, loaders, tokenizer
+    ("sampling", ("verifier/sampling/",)),                     # parameters, sampler, grammars
+    ("runner", ("verifier/runner.py",)),                       # the runners' contract, the dense runner
+    ("quantized", ("verifier/quantized/",)),                   # the quantized CPU runner
+    ("target", ("verifier/target.py", "verifier/parallel.py")),
+)
 # The `tercel` entry dispatches `tercel bench`, so it alone in serving/ may import bench/. Its
 # edge still enters the cycle check: bench/ can never import serving/.
 ENTRY_POINTS = {"serving/cli.py": {"bench"}}
@@ -112,6 +123,35 @@ def folder_cycle(edges) -> list[str] | None:
     return None
 
 
+def verifier_floor(path: str) -> int:
+    """The floor of a verifier/ file ("verifier/x/__init__.py" for the package verifier.x)."""
+    for i, (_, prefixes) in enumerate(VERIFIER_FLOORS):
+        if any(path == p or p.endswith("/") and path.startswith(p) for p in prefixes):
+            return i
+    raise KeyError(f"{path} is on no floor of VERIFIER_FLOORS")
+
+
+def module_path(module: str) -> str | None:
+    """The file of a repository module (a package's __init__.py), or None."""
+    for path in (module.replace(".", "/") + ".py", module.replace(".", "/") + "/__init__.py"):
+        if (ROOT / path).is_file():
+            return path
+    return None
+
+
+def verifier_violations(imports: list[Import]) -> list[str]:
+    bad = []
+    for imp in imports:
+        if not imp.path.startswith("verifier/"):
+            continue
+        for module in [imp.module] + [f"{imp.module}.{n}" for n in imp.names]:
+            dst = module_path(module) if module.startswith("verifier") else None
+            if dst and verifier_floor(dst) > verifier_floor(imp.path):
+                bad.append(f"{imp.path}:{imp.line}: imports {module}, on the {VERIFIER_FLOORS[verifier_floor(dst)][0]} "
+                           f"floor above its own ({VERIFIER_FLOORS[verifier_floor(imp.path)][0]})")
+    return bad
+
+
 def module_name(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
 
@@ -148,6 +188,15 @@ def test_the_folder_graph_has_no_cycle():
     cycle = folder_cycle(edges)
     assert cycle is None, (" -> ".join(cycle) + ": " + "; ".join(
         f"{a} -> {b} at {', '.join(edges[a, b][:3])}" for a, b in zip(cycle, cycle[1:])))
+
+
+def test_verifier_floors_import_only_downward():
+    """verifier/ in floors (VERIFIER_FLOORS): cpu, hand-off types, attention, model, sampling, the
+    runners' contract, the quantized runner, the target; every verifier/ file is on one."""
+    for file in (ROOT / "verifier").rglob("*.py"):
+        verifier_floor(file.relative_to(ROOT).as_posix())
+    bad = verifier_violations(IMPORTS)
+    assert not bad, "upward imports inside verifier/:\n" + "\n".join(bad)
 
 
 def test_no_import_circle_between_modules():
@@ -196,3 +245,7 @@ def test_the_checks_catch_lazy_guarded_relative_dynamic_and_private_imports():
                                                                               "verifier/b.py")
     assert folder_cycle(module_edges(lazy, {"verifier", "verifier.a", "verifier.b"})) == [
         "verifier.a", "verifier.b", "verifier.a"]
+    # verifier/'s floors: the model reaching up into the quantized runner is refused, down is not
+    assert verifier_violations(imports_of("from verifier.quantized import qlinear\n", "verifier/model/moe.py"))
+    assert not verifier_violations(imports_of("from verifier.model.moe import SparseMoeBlock\n",
+                                              "verifier/quantized/quantize.py"))

@@ -1,11 +1,11 @@
-"""verifier.linear.Linear picks a CPU matmul path by row count, from the count timed at load
-(verifier.linear_tuning); every path must agree with F.linear, follow weight updates, and leave
+"""verifier.model.linear.Linear picks a CPU matmul path by row count, from the count timed at load
+(verifier.model.linear_tuning); every path must agree with F.linear, follow weight updates, and leave
 autograd working."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from verifier.linear import ONEDNN_MIN_ROWS, Linear, onednn_available
+from verifier.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_available
 
 
 @pytest.mark.parametrize("rows", [1, 2, ONEDNN_MIN_ROWS, 8, 37])
@@ -48,7 +48,7 @@ def test_gradients_flow_when_training():
 
 
 def test_choose_takes_onednn_from_the_first_count_where_it_wins_at_every_larger_one():
-    from verifier.linear_tuning import choose
+    from verifier.model.linear_tuning import choose
     mkl = {1: 10.0, 2: 11.0, 3: 14.0, 4: 18.0}
     assert choose(mkl, {1: 12.0, 2: 13.0, 3: 12.0, 4: 12.0}) == 3          # MKL for thin inputs (an EPYC)
     assert choose(mkl, {1: 7.0, 2: 7.5, 3: 8.0, 4: 9.0}) == 1              # oneDNN everywhere (a Xeon)
@@ -58,7 +58,7 @@ def test_choose_takes_onednn_from_the_first_count_where_it_wins_at_every_larger_
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN not built into this torch")
 def test_tune_sets_every_linear_and_caches_per_machine(tmp_path, monkeypatch):
-    from verifier import linear_tuning
+    from verifier.model import linear_tuning
     net = torch.nn.Sequential(Linear(64, 128), Linear(128, 64, bias=False))
     first = linear_tuning.tune(net, tmp_path)
     assert sorted(first.mkl_ms) == sorted(first.onednn_ms) == list(linear_tuning.ROWS)
@@ -70,7 +70,7 @@ def test_tune_sets_every_linear_and_caches_per_machine(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN not built into this torch")
 def test_the_tuned_count_decides_the_path(monkeypatch):
-    import verifier.linear as linear
+    import verifier.model.linear as linear
     calls = []
     real = linear.onednn_linear
     monkeypatch.setattr(linear, "onednn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))

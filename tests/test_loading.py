@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_tiny_model
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.loader import resolve_model_dir
+from verifier.model.loader import resolve_model_dir
 from verifier.target import TargetModel
 
 

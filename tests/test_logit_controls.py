@@ -10,7 +10,7 @@ from conftest import mtbench_prompts, slow_marked, spec_drafters
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
 from spec.detokenizer import IncrementalDetokenizer
-from verifier.sampler import sample_token, transform_logits
+from verifier.sampling.sampler import sample_token, transform_logits
 
 V = 64
 
@@ -73,7 +73,7 @@ def test_bad_values_are_refused(kwargs, message):
 
 
 def test_min_tokens_with_a_constraint_is_refused():
-    from verifier.structured import StructuredOutputs
+    from verifier.sampling.structured import StructuredOutputs
     with pytest.raises(ValueError, match="output constraint"):
         SamplingParams(min_tokens=1, structured=StructuredOutputs(regex="a+"))
 
@@ -93,7 +93,7 @@ def test_the_bias_is_frozen_into_sorted_pairs():
 # ---- the text ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok(smollm2_dir):
-    from verifier.tokenizer import Tokenizer
+    from verifier.model.tokenizer import Tokenizer
     return Tokenizer(smollm2_dir)
 
 

@@ -20,7 +20,7 @@ from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
 from test_speculative_exactness import N_SAMPLES, V, other_draft_dir, prompt, tiny_vocab_dir  # noqa: F401 (fixtures)
 from tree.token_tree import TokenTree
-from verifier.sampler import target_probs, transform_logits
+from verifier.sampling.sampler import target_probs, transform_logits
 
 EOS = 2                       # the tiny model's eos_token_id
 BASE = dict(temperature=0.9, top_k=12, top_p=0.9, max_tokens=3)

@@ -10,7 +10,7 @@ import pytest
 from conftest import IDENTITY_ALONE as ALONE, slow_marked, spec_drafters, write_reply_corpus
 from spec import LLM, SamplingParams, StructuredOutputs
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.logprobs import row_logprob
+from verifier.sampling.logprobs import row_logprob
 
 DRAFTERS = spec_drafters()
 QUESTIONS = ["Name three fruits and say why each is good.", "Explain what a prime number is.",

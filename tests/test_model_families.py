@@ -79,7 +79,7 @@ def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False,
     import gguf
     from gguf.quants import quantize
 
-    from verifier.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
+    from verifier.model.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
     layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(arch, {})}.items()}
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in fields.items():
@@ -112,8 +112,8 @@ def converted(reader, path, out):
     """The converted checkpoint directory convert_gguf writes, less the tokenizer files."""
     from safetensors.torch import save_file
 
-    from verifier.gguf_convert import gguf_config, gguf_tensors
-    from verifier.gguf_quant import INDEX_FILE, block_index
+    from verifier.model.gguf_convert import gguf_config, gguf_tensors
+    from verifier.model.gguf_quant import INDEX_FILE, block_index
     cfg = gguf_config(reader)
     out.mkdir()
     save_file(gguf_tensors(reader, cfg), str(out / "model.safetensors"))
@@ -132,7 +132,7 @@ def test_a_qwen3_gguf_loads_by_its_own_names(qwen3_dir, tmp_path):
     attn_k_norm) gives back the checkpoint's config and tensors."""
     from safetensors.torch import load_file
 
-    from verifier.gguf_convert import gguf_config, gguf_tensors
+    from verifier.model.gguf_convert import gguf_config, gguf_tensors
     tensors = load_file(str(qwen3_dir / "model.safetensors"))
     reader = write_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3", tensors,
                         {**TINY_FIELDS, "attention.key_length": 32, "rope.freq_base": 1e6})
@@ -148,8 +148,8 @@ def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
     from safetensors.torch import load_file
 
     from test_model_parity import hf_logits
-    from verifier.gguf_convert import gguf_config
-    from verifier.gguf_quant import INDEX_FILE, read_quantized
+    from verifier.model.gguf_convert import gguf_config
+    from verifier.model.gguf_quant import INDEX_FILE, read_quantized
     hf_dir = jitter_norms(make_tiny_model(tmp_path / "hf", None, **FAMILIES["phi3"]))
     path = tmp_path / "tiny-phi3.gguf"
     reader = write_gguf(path, "phi3", load_file(str(hf_dir / "model.safetensors")),
@@ -159,7 +159,7 @@ def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
     model = converted(reader, path, tmp_path / "converted")
     blocks = read_quantized(json.loads((model / INDEX_FILE).read_text()), cfg)
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= set(blocks)
-    from verifier.quantize import _projection          # the file's fused blocks, not a requantized copy
+    from verifier.quantized.quantize import _projection          # the file's fused blocks, not a requantized copy
     fused = blocks["model.layers.0.self_attn.qkv_proj.weight"]
     assert _projection(blocks, "model.layers.0.self_attn", "qkv_proj", torch.zeros(1), "int8") is fused
     ids = list(range(10, 40))

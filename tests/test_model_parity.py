@@ -87,8 +87,8 @@ def test_rope_scaling_matches_transformers():
     transformers' own rope initialisation."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from verifier.config import ModelConfig
-    from verifier.rope import inv_freq_and_scale
+    from verifier.model.config import ModelConfig
+    from verifier.model.rope import inv_freq_and_scale
     cases = [
         {"rope_type": "linear", "factor": 4.0},
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -107,7 +107,7 @@ def test_rope_scaling_matches_transformers():
 
 def test_unsupported_rope_is_refused():
     """A rope type Tercel does not implement is an error naming it, never silently ignored."""
-    from verifier.config import ModelConfig
+    from verifier.model.config import ModelConfig
     cfg = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                num_attention_heads=2, rope_scaling={"rope_type": "longrope", "factor": 2.0})
     with pytest.raises(ValueError, match="longrope"):
@@ -116,7 +116,7 @@ def test_unsupported_rope_is_refused():
 
 def test_old_rope_scaling_form_is_read():
     """Pre-v5 configs (`rope_theta` + `rope_scaling` with `type`) read the same as `rope_parameters`."""
-    from verifier.config import ModelConfig
+    from verifier.model.config import ModelConfig
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
@@ -127,7 +127,7 @@ def test_old_rope_scaling_form_is_read():
 def test_unsupported_families_and_sliding_windows_are_refused_by_name():
     """A model type not served (a bare gemma3), Qwen3 with sliding-window layers and Phi-4-mini's partial rotary
     embeddings fail at load, naming what; a whole-model window caps the positions served."""
-    from verifier.config import ModelConfig
+    from verifier.model.config import ModelConfig
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="'gemma3'.*llama, mistral, qwen2, qwen3, phi3"):
         ModelConfig.from_hf({**base, "model_type": "gemma3"})

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE (top-k routed SwiGLU experts, verifier/moe.py) on tiny random checkpoints
+"""Mixtral and Qwen3-MoE (top-k routed SwiGLU experts, verifier/model/moe.py) on tiny random checkpoints
 built with transformers' own classes: HF's logits and router, the quantized CPU kernels close to
 the dense weights with a row's bits independent of its batch (whose other rows route to other
 experts), T=0 speculation equal to plain decoding, GGUFs of both read back, and the refusals.
@@ -20,11 +20,11 @@ from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
 from test_model_families import BLOCK, TINY_FIELDS, converted, logits
 from test_model_parity import hf_logits, jitter_norms, own_logits_chunked
-from verifier import moe
+from verifier.model import moe
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.config import ModelConfig
-from verifier.quantize import timed_linears
-from verifier.shard import TensorShard
+from verifier.model.config import ModelConfig
+from verifier.quantized.quantize import timed_linears
+from verifier.model.shard import TensorShard
 from verifier.target import TargetModel, load_config
 
 FAMILIES = {
@@ -240,7 +240,7 @@ def llama_cpp_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def gguf_tensors_of(tensors: dict, model_type: str) -> dict[str, torch.Tensor]:
     """HF-named tensors under GGUF names, each layer's experts stacked into ffn_*_exps [E, rows, cols]."""
-    from verifier.gguf_names import _LAYER_NAMES, _MOE_LAYER_NAMES, _TOP_NAMES
+    from verifier.model.gguf_names import _LAYER_NAMES, _MOE_LAYER_NAMES, _TOP_NAMES
     layer = {hf: g for g, hf in {**_LAYER_NAMES, **_MOE_LAYER_NAMES[model_type]}.items()}
     out, stacks = {}, {}
     for name, t in tensors.items():
@@ -307,7 +307,7 @@ def test_a_qwen3moe_gguf_serves_its_q8_0_expert_blocks(tmp_path, mode):
     them, and the logits stay close to HF's."""
     from safetensors.torch import load_file
 
-    from verifier.gguf_quant import INDEX_FILE, read_quantized
+    from verifier.model.gguf_quant import INDEX_FILE, read_quantized
     hf_dir = jitter_norms(make_tiny_moe(tmp_path / "hf", **FAMILIES["qwen3_moe"]))
     path = tmp_path / "tiny-qwen3moe.gguf"
     reader = write_moe_gguf(path, "qwen3moe", "qwen3_moe", load_file(str(hf_dir / "model.safetensors")),

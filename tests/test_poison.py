@@ -16,7 +16,7 @@ import pytest
 from serving.limits import ServerLimits
 from server_util import LiveServer
 from spec.config import EngineConfig
-from verifier.grammar_limits import GrammarLimits
+from verifier.sampling.grammar_limits import GrammarLimits
 
 POISON = 4242        # a prompt token whose forward the test makes raise
 GOOD = ["Name three rivers.", "Why is the sky blue?", "Write a haiku.", "Count to five.",

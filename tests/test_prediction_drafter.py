@@ -9,7 +9,7 @@ import torch
 from drafters.base import DraftDistributions, DraftRequest, Prediction, Proposal
 from drafters.prediction import PredictionDrafter, PredictionIndex, chain_nodes, join_prediction
 from tree.token_tree import TokenTree
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 PROMPT = [900, 901, 902]
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from verifier import cpu_ops
-from verifier.gguf_quant import read_block_tensor
-from verifier.kernels import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
-from verifier.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, served_weights
-from verifier.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
+from verifier.cpu import cpu_ops
+from verifier.model.gguf_quant import read_block_tensor
+from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
+from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, served_weights
+from verifier.model.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
                             quantize_int4, quantize_int8)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verifier import cpu_ops
+from verifier.cpu import cpu_ops
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.kv_cache import slots_for
+from verifier.attention.kv_cache import slots_for
 from verifier.target import TargetModel
 
 BLOCK = 16
@@ -119,7 +119,7 @@ def test_int4_serves_the_gguf_blocks(int4, smollm2_dir):
 
 
 def test_default_quantization_is_int4_for_the_q4_gguf_and_none_for_hf(smollm2_dir, tiny_llama_dir):
-    from verifier.quantize import auto_quantization
+    from verifier.quantized.quantize import auto_quantization
     assert auto_quantization(smollm2_dir, torch.device("cpu")) == "int4"
     assert auto_quantization(tiny_llama_dir, torch.device("cpu")) == "none"
     assert auto_quantization(smollm2_dir, torch.device("meta")) == "none"
@@ -132,8 +132,8 @@ def test_default_quantization_serves_a_mixed_file_on_its_own_blocks(tmp_path):
     not multiples of 256 stores most matrices as Q5_0 and Q6_K, which int4 would requantize;
     such files (and Q8_0 ones) take "gguf", each tensor on its own kernel."""
     import json
-    from verifier.gguf_quant import INDEX_FILE
-    from verifier.quantize import auto_quantization
+    from verifier.model.gguf_quant import INDEX_FILE
+    from verifier.quantized.quantize import auto_quantization
 
     def auto(kinds, others):
         d = tmp_path / f"{'-'.join(kinds)}_{'-'.join(others)}"
@@ -180,7 +180,7 @@ def _logits(target, ids):
 def test_sampled_from_marks_rows_without_logits_as_sampled_rows():
     """A chunk splits at its first sampled row: the first with logits, or `sampled_from` (a
     decode step whose grammar allows one token has no logits and is still a sampled row)."""
-    from verifier.quantized_runner import split_at_first_sample
+    from verifier.quantized.runner import split_at_first_sample
     assert split_at_first_sample(SeqInput([1], 5, [0], logits_indices=[])) == (SeqInput([1], 5, [0], logits_indices=[]),
                                                                             None)
     head, tail = split_at_first_sample(SeqInput([1, 2, 3], 5, [0], logits_indices=[], sampled_from=2))

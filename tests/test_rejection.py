@@ -441,7 +441,7 @@ def test_empty_chain_samples_target():
 
 def test_greedy_token_is_the_first_argmax():
     """The fast argmax (C, or chunked) returns torch.argmax's index, ties included (the first maximum)."""
-    from verifier.sampler import greedy_token
+    from verifier.sampling.sampler import greedy_token
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         x = torch.randint(0, 50, (49152,), generator=g).float()     # many ties at the maximum

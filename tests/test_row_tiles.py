@@ -1,8 +1,8 @@
-"""verifier/row_tiles.py: row-wise ops in fixed tiles of rows (CUDA's rule for row-invariant
+"""verifier/model/row_tiles.py: row-wise ops in fixed tiles of rows (CUDA's rule for row-invariant
 bits; tests/gpu checks the bits on a GPU). Here: what each call sees and what comes back."""
 import torch
 
-from verifier.row_tiles import TILE_ROWS, in_row_tiles
+from verifier.model.row_tiles import TILE_ROWS, in_row_tiles
 
 
 def test_every_call_sees_exactly_the_tile_size_and_rows_come_back_in_order():

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from verifier.sampler import sample_token, target_probs
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampler import sample_token, target_probs
+from verifier.sampling.sampling_params import SamplingParams
 
 
 def logits(seed: int = 0, vocab: int = 512) -> torch.Tensor:

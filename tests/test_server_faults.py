@@ -17,7 +17,7 @@ from spec.config import EngineConfig
 from spec.engine import LLMEngine
 from spec.request import RequestOutput
 from server_util import LiveServer
-from verifier.sampling_params import SamplingParams
+from verifier.sampling.sampling_params import SamplingParams
 
 
 @pytest.fixture()

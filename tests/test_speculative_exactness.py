@@ -18,7 +18,7 @@ from conftest import make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
-from verifier.sampler import target_probs
+from verifier.sampling.sampler import target_probs
 
 V = 32
 N_SAMPLES = 10_000

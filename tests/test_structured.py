@@ -1,4 +1,4 @@
-"""Structured outputs (verifier/grammar.py, spec/constraints.py) on SmolLM2: constraints are
+"""Structured outputs (verifier/sampling/grammar.py, spec/constraints.py) on SmolLM2: constraints are
 compiled and refused as they should be, tree masks and pruning follow the grammar, and at
 T=0 jump-forward and every drafter give exactly the tokens of plain constrained decoding,
 alone and batched. T > 0 exactness: test_structured_exactness.py."""
@@ -16,7 +16,7 @@ from conftest import IDENTITY_ALONE as ALONE, spec_drafters, write_reply_corpus
 from spec import LLM, SamplingParams, StructuredOutputs
 from spec.constraints import kept_nodes
 from tree.token_tree import TokenTree
-from verifier.grammar import GrammarBackend, allowed_tokens, sole_tokens
+from verifier.sampling.grammar import GrammarBackend, allowed_tokens, sole_tokens
 
 TASKS = load_tasks(8)
 DRAFTERS = spec_drafters()
@@ -78,7 +78,7 @@ def test_compiled_grammars_are_cached(backend):
 
 
 def test_a_model_without_a_vocabulary_refuses_constraints():
-    from verifier.tokenizer import NullTokenizer
+    from verifier.model.tokenizer import NullTokenizer
     with pytest.raises(ValueError, match="no tokenizer"):
         GrammarBackend(NullTokenizer(), 256, [2]).compile(StructuredOutputs(regex="a"))
 
@@ -171,7 +171,7 @@ def test_rows_whose_mask_allows_few_tokens_ask_for_those_logits_alone(plain, pro
     """few_allowed lists a row's tokens where they are at most 1/64 of the vocabulary; a
     constrained request sends them with its forwards (the target then skips the vocabulary
     scan for those rows), and its output stays plain constrained decoding's (the reference)."""
-    from verifier.grammar import few_allowed
+    from verifier.sampling.grammar import few_allowed
     masks = torch.zeros(3, 4, dtype=torch.int32)
     masks[0, 1] = 0b1001                                   # tokens 32 and 35
     masks[1] = -1                                          # all 128

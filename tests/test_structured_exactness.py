@@ -28,8 +28,8 @@ from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import ToolFormat
 from spec import LLM, SamplingParams, StructuredOutputs
 from stats import chi_square_pvalue, total_variation
-from verifier.grammar import allowed_tokens
-from verifier.sampler import target_probs
+from verifier.sampling.grammar import allowed_tokens
+from verifier.sampling.sampler import target_probs
 
 V = 32
 CHARS = "abcdefghijklmnopqrstuvwxyz012"          # token 3 + i; 0-2 are <unk>, <s>, </s>
@@ -247,7 +247,7 @@ def test_a_row_taken_as_decided_when_it_is_not_fails_the_same_test(target_dir, e
 
 
 def test_sole_tokens_finds_rows_that_allow_exactly_one_token():
-    from verifier.grammar import sole_tokens
+    from verifier.sampling.grammar import sole_tokens
     masks = torch.zeros(5, 4, dtype=torch.int32)
     masks[0, 1] = 1 << 5                       # token 37 alone
     masks[1, 0] = 0b11                         # two tokens
@@ -257,9 +257,10 @@ def test_sole_tokens_finds_rows_that_allow_exactly_one_token():
 
 
 def test_the_c_bitmask_masks_what_the_torch_one_masks(monkeypatch):
-    """verifier.grammar.apply_bitmask's C path against its torch path, a vocabulary that is not
+    """verifier.sampling.grammar.apply_bitmask's C path against its torch path, a vocabulary that is not
     a multiple of 32 included."""
-    from verifier import cpu_ops, grammar
+    from verifier.cpu import cpu_ops
+    from verifier.sampling import grammar
     g = torch.Generator().manual_seed(2)
     for v in (49152, 1000):
         masks = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, (v + 31) // 32), dtype=torch.int32, generator=g)

@@ -28,7 +28,7 @@ from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from spec.config import EngineConfig
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.shard import TensorShard
+from verifier.model.shard import TensorShard
 from verifier.target import load_config
 
 LOGIT_ATOL = 1e-4

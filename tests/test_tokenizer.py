@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from verifier.tokenizer import Tokenizer
+from verifier.model.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -10,7 +10,7 @@ from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import HERMES, LLAMA3_JSON
 from serving.tools.parser import Arguments, CallStart, Content, ToolCallParser, parse_reply
 from serving.tools.prompt import template_messages
-from verifier.structured import StructuredOutputs
+from verifier.sampling.structured import StructuredOutputs
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -113,7 +113,7 @@ def test_llama3_json_offers_the_tools_before_the_first_user_turn():
 def language(constraint: StructuredOutputs):
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string
-    from verifier.grammar_worker import compact_json_contents
+    from verifier.sampling.grammar_worker import compact_json_contents
     grammar = xgr.Grammar.from_structural_tag(compact_json_contents(constraint.structural_tag))
     return lambda s: _is_grammar_accept_string(grammar, s)
 

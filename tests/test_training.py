@@ -15,7 +15,7 @@ from training.config import TrainConfig
 from training.data import tokenize_conversation
 from training.loop import plan_batches
 from training.vocab import select_draft_vocab
-from verifier.tokenizer import Tokenizer
+from verifier.model.tokenizer import Tokenizer
 
 
 def write_jsonl(path, rows):

@@ -21,7 +21,7 @@ from spec import LLM, SamplingParams  # noqa: E402
 from spec.adaptive import AdaptiveConfig  # noqa: E402
 from stats import chi_square_pvalue, total_variation  # noqa: E402
 from verifier.attention import triton_kernels as tk  # noqa: E402
-from verifier.sampler import target_probs  # noqa: E402
+from verifier.sampling.sampler import target_probs  # noqa: E402
 
 assert tk.INTERPRETED, "triton_kernels was imported before TRITON_INTERPRET=1 was set"
 

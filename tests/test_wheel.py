@@ -33,6 +33,6 @@ def test_the_wheel_holds_every_source_and_data_file_of_the_packages(tmp_path):
                           check=True).stdout.split()[-1]
     inside = set(zipfile.ZipFile(dist / name).namelist())
     wanted = {f for f in files if f.split("/")[0] in PACKAGES and not f.endswith(".py")}
-    assert wanted and {"verifier/csrc/bf16.h", "bench/data/structured_tasks.jsonl"} <= wanted
+    assert wanted and {"verifier/cpu/csrc/bf16.h", "bench/data/structured_tasks.jsonl"} <= wanted
     assert wanted - inside == set()
     assert {f for f in files if f.endswith(".py") and f.split("/")[0] in PACKAGES} - inside == set()

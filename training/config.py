@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verifier.checks import positive_ints
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def evaluate_drafter(target: str, drafter: str, prompts: list[list[dict]], new_t
     """`prompts`: chat turns (see `training.data.load_prompts`)."""
     from spec.adaptive import AdaptiveConfig
     from spec.llm import LLM
-    from verifier.sampling_params import SamplingParams
+    from verifier.sampling.sampling_params import SamplingParams
     # Whole trees: τ measures the drafter, not what the cost model would verify on this machine.
     llm = llm or LLM(target, drafter=drafter, adaptive=AdaptiveConfig(enabled=False),
                      **({"speculation": speculation} if speculation else {}))

@@ -27,7 +27,7 @@ def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
                max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 32,
                seed: int = 0, llm=None) -> list[Conversation]:
     from spec.llm import LLM
-    from verifier.sampling_params import SamplingParams
+    from verifier.sampling.sampling_params import SamplingParams
 
     out = Path(out_path)
     done = _read_done(out)

@@ -1,2 +1,2 @@
 """The target side: model, kernels, KV cache, sampling."""
-from verifier import machine as _machine  # noqa: F401  (applies TERCEL_CPU_ISA before torch's first kernel)
+from verifier.cpu import machine as _machine  # noqa: F401  (applies TERCEL_CPU_ISA before torch's first kernel)

@@ -5,7 +5,7 @@ of ints (physical block ids, in token order; token t of a sequence lives in slot
 ``t % block_size`` of block ``block_table[t // block_size]``).
 
 It lives in verifier/, next to the paged KV cache whose blocks it hands out
-(verifier/kv_cache.py): every owner of such a cache keeps one, the engine's scheduler (spec/)
+(verifier/attention/kv_cache.py): every owner of such a cache keeps one, the engine's scheduler (spec/)
 for the target and the small drafter (drafters/) for its own model, and both sit above
 verifier/.
 

@@ -4,7 +4,7 @@ Rank 0 runs the whole engine (scheduler, block manager, drafters) once, as vLLM'
 worker does. Its target is a `ParallelTarget`: each operation the engine asks of the target
 (`allocate_kv`, `forward`, `copy_slots`) is first sent to every worker, then run on rank 0's
 own shard; the workers run the same operation on theirs, and the forward's collectives
-(`verifier/parallel_layers.py`) join the ranks. Only rank 0 gets the logits.
+(`verifier/model/parallel_layers.py`) join the ranks. Only rank 0 gets the logits.
 
 Two channels, for two jobs:
 - the plan of each operation (a `ForwardBatch`: ints, lists and small bool masks) goes over a
@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verifier.batch import ForwardBatch, ForwardOutput
-from verifier.shard import TensorShard, check_tp_quantization
-from verifier.loader import resolve_model_dir
+from verifier.model.shard import TensorShard, check_tp_quantization
+from verifier.model.loader import resolve_model_dir
 from verifier.target import TargetModel, default_device, load_config
 
 log = logging.getLogger("tercel.parallel")
@@ -182,7 +182,7 @@ def open_target(model: str, tensor_parallel_size: int = 1, device: str | None = 
                 backend: str | None = None, quantization: str = "none",
                 kernel_rows: tuple[int, ...] | None = None, num_threads: int | None = None) -> TargetModel:
     """The engine's target: one TargetModel, or rank 0 of a tensor-parallel one (dense weights;
-    `quantization` must then be "auto" or "none", `verifier/shard.py:check_tp_quantization`)."""
+    `quantization` must then be "auto" or "none", `verifier/model/shard.py:check_tp_quantization`)."""
     if tensor_parallel_size == 1:
         return TargetModel(model, device=device, backend=backend, quantization=quantization,
                            kernel_rows=kernel_rows, tune_threads=num_threads)

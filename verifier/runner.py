@@ -1,5 +1,5 @@
 """What runs a target's forwards: `TargetModel` chooses one runner at load, the dense one
-here or the quantized CPU one (`verifier/quantized_runner.py`), and hands every forward to it.
+here or the quantized CPU one (`verifier/quantized/runner.py`), and hands every forward to it.
 
 The contract the engine relies on, whichever runs (`Runner.forward`):
 - Rows: a forward covers every sequence of the batch; each sequence's new tokens are written
@@ -24,10 +24,10 @@ from torch import nn
 
 from verifier.attention import get_backend
 from verifier.batch import ForwardBatch, ForwardOutput
-from verifier.gemma import planned_window
-from verifier.kv_cache import KVCache
-from verifier.linear_tuning import LinearTimings
-from verifier.linear_tuning import tune as tune_linear
+from verifier.model.gemma import planned_window
+from verifier.attention.kv_cache import KVCache
+from verifier.model.linear_tuning import LinearTimings
+from verifier.model.linear_tuning import tune as tune_linear
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 class DenseRunner:
     """The checkpoint's weights as they are: the model's modules over the attention backend
     (torch's on the CPU, Triton's on CUDA, or the one named). On the CPU, where MKL gives way to
-    oneDNN by row count is timed on this machine at load (`verifier/linear_tuning.py`)."""
+    oneDNN by row count is timed on this machine at load (`verifier/model/linear_tuning.py`)."""
 
     @staticmethod
     def dtypes(device: torch.device, dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:

@@ -8,17 +8,18 @@ import torch
 from torch import nn
 
 from verifier.batch import ForwardBatch, ForwardOutput
-from verifier.config import ModelConfig
-from verifier.gemma import GemmaForCausalLM
-from verifier.kv_cache import KVCache
-from verifier.loader import cache_root, resolve_model_dir
-from verifier.model import LlamaForCausalLM, uninitialized
-from verifier.quantize import auto_quantization, check_quantization
-from verifier.quantized_runner import QuantizedRunner
+from verifier.model.config import ModelConfig
+from verifier.model.gemma import GemmaForCausalLM
+from verifier.attention.kv_cache import KVCache
+from verifier.cpu.cache import cache_root
+from verifier.model.loader import resolve_model_dir
+from verifier.model.llama import LlamaForCausalLM, uninitialized
+from verifier.quantized.quantize import auto_quantization, check_quantization
+from verifier.quantized.runner import QuantizedRunner
 from verifier.runner import DenseRunner, RunnerSettings
-from verifier.shard import TensorShard, check_tp_quantization
-from verifier.tokenizer import NullTokenizer, Tokenizer
-from verifier.weights import load_safetensors, load_tensor
+from verifier.model.shard import TensorShard, check_tp_quantization
+from verifier.model.tokenizer import NullTokenizer, Tokenizer
+from verifier.model.weights import load_safetensors, load_tensor
 
 
 def default_device() -> torch.device:
@@ -59,12 +60,12 @@ class TargetModel:
     """Owns the Llama module, its KV cache and its attention backend.
 
     `quantization`: "none" (the checkpoint's weights, dense), "int4" or "int8" (CPU
-    kernels, see `verifier.quantize`), or "auto" (int4 for a Q4 GGUF, else none).
+    kernels, see `verifier.quantized.quantize`), or "auto" (int4 for a Q4 GGUF, else none).
     `kernel_rows`: the row counts at which the quantized matmul paths are timed (cached per
     machine; `retime_kernels` times them again) on `tune_threads` threads (the most its forwards
     run on; None: the current count, on which the rest loads). `shard`: this process's rank of a
     tensor-parallel target (`verifier/parallel.py` starts the ranks); its modules and KV cache
-    hold one slice (`verifier/shard.py`), dense weights only.
+    hold one slice (`verifier/model/shard.py`), dense weights only.
 
     What the engine calls (the target interface; `verifier/parallel.py:ParallelTarget` sends
     each of them to every rank): `allocate_kv`, `kv_bytes_per_block`, `forward`, `copy_slots`,

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifier.config import ModelConfig
-from verifier.rope_config import RopeConfig, rope_from_hf
+from verifier.model.config import ModelConfig
+from verifier.model.rope_config import RopeConfig, rope_from_hf
 
 STYLES = ("eagle", "speculators")
 

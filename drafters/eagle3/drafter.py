@@ -27,7 +27,7 @@ from drafters.eagle3.head import Eagle3Head, attend
 from drafters.registry import register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
-from verifier.loader import DEFAULT_MODEL
+from verifier.model.loader import DEFAULT_MODEL
 
 CATCH_UP_CHUNK = 512
 SHIPPED_HEADS = Path(__file__).parent / "heads"

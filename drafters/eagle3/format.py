@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.head import Eagle3Head
-from verifier.config import ModelConfig
+from verifier.model.config import ModelConfig
 
 LAYER_PREFIX = {"eagle": "midlayer.", "speculators": "layers.0."}
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.eagle3.config import Eagle3Config
-from verifier.linear import Linear
-from verifier.model import RMSNorm
-from verifier.rope import RotaryEmbedding, apply_rotary
+from verifier.model.linear import Linear
+from verifier.model.llama import RMSNorm
+from verifier.model.rope import RotaryEmbedding, apply_rotary
 
 
 class Eagle3Attention(nn.Module):

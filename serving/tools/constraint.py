@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from serving.tools.formats import ToolFormat
-from verifier.structured import StructuredOutputs
+from verifier.sampling.structured import StructuredOutputs
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 

@@ -11,8 +11,8 @@ import torch
 from attention_cases import decoded_after_commit, make_case, snapshot_commit
 from verifier.attention.torch_backend import TorchBackend
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.linear import Linear
-from verifier.model import RMSNorm
+from verifier.model.linear import Linear
+from verifier.model.llama import RMSNorm
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=4e-3, rtol=4e-3)}

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from verifier.attention.base import AttentionBackend
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.kv_cache import slots_for
+from verifier.attention.kv_cache import slots_for
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -1,6 +1,6 @@
 """Triton kernels over the paged KV cache: store new K/V, paged tree attention, tree commit.
 
-Cache layout (verifier/kv_cache.py), per layer: [num_blocks, block_size, KVH, D]; the
+Cache layout (verifier/attention/kv_cache.py), per layer: [num_blocks, block_size, KVH, D]; the
 token at logical position p of a sequence lives at block block_table[p // bs], offset
 p % bs ("slot" block * bs + offset of the flattened pool). The kernels address the cache
 through its strides, with the last dim contiguous.

@@ -1,0 +1,146 @@
+"""Convert a GGUF checkpoint (llama.cpp format) into an HF-style directory.
+
+Quantized tensors are dequantized to fp32 (the `quantization="none"` weights); an index of
+their blocks in the file is written beside them for the quantized paths (`gguf_quant`). llama.cpp stores the Llama q/k projections
+with rows permuted for its interleaved RoPE; we undo that (`gguf_names`) so the weights match the HF
+half-split convention our forward uses. Mixture-of-experts files (Mixtral as llama with
+`llama.expert_count`, Qwen3-MoE as qwen3moe) hold each layer's experts in 3-D tensors
+(`ffn_*_exps`: [experts, rows, cols]), written back as one HF tensor per expert. Gemma files keep
+q/k as HF has them, but store every norm weight with 1 added (llama.cpp's norm is x * w, Gemma's
+x * (1 + w)): we subtract it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verifier.model.config import GEMMA_TYPES
+from verifier.model.gemma_config import gguf_fields
+from verifier.model.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
+from verifier.model.gguf_quant import INDEX_FILE, block_index
+
+# GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama; a
+# llama GGUF with experts is a Mixtral)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}   # GGUF architecture -> model_type
+def eos_ids(reader) -> int | list[int] | None:
+    """The end-of-sequence id, with the end-of-turn one where the file names it (Gemma's
+    <end_of_turn>, which its chat template closes each turn with)."""
+    eos, eot = _field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")
+    return eos if eot is None or eot == eos else [i for i in (eos, eot) if i is not None]
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not one Tercel serves "
+                         f"({', '.join(GGUF_ARCHITECTURES)})")
+    a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(a("attention.head_count"))
+    hidden = int(a("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    if any(n.startswith("rope_factors") for n in tensor_names):
+        raise ValueError(f"GGUF architecture {arch!r} with LongRoPE factors (rope_factors_*) is not supported")
+    experts = int(a("expert_count", 0))
+    cfg = {
+        "architectures": ["MixtralForCausalLM" if experts else GGUF_ARCHITECTURES[arch]],
+        "model_type": "mixtral" if arch == "llama" and experts else _MODEL_TYPES.get(arch, arch),
+        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": int(a("feed_forward_length", a("expert_feed_forward_length"))),
+        "num_hidden_layers": int(a("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+        "head_dim": int(a("attention.key_length", a("rope.dimension_count", hidden // heads))),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(a("context_length", 4096)),
+        "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids(reader),
+        "torch_dtype": "float32",
+    }
+    if experts:
+        cfg.update(_moe_fields(cfg["model_type"], a, experts, tensor_names))
+    if a("attention.sliding_window"):
+        cfg["sliding_window"] = int(a("attention.sliding_window"))
+    if cfg["model_type"] in GEMMA_TYPES:
+        cfg.update(gguf_fields(arch, a, cfg))
+    scaling = a("rope.scaling.type")
+    if scaling and scaling != "none":
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(a("rope.scaling.factor", 1.0)),
+                               "original_max_position_embeddings":
+                                   int(a("rope.scaling.original_context_length", cfg["max_position_embeddings"]))}
+    return cfg
+
+
+def _moe_fields(model_type: str, a, experts: int, tensor_names: set[str]) -> dict:
+    """config.json's expert keys. llama.cpp renormalises Qwen3-MoE's top-k weights unless the
+    file says otherwise; a layer without a router (ffn_gate_inp) is a dense one."""
+    if int(a("expert_shared_count", 0)):
+        raise ValueError(f"GGUF {model_type} with shared experts (expert_shared_count) is not supported")
+    if int(a("expert_gating_func", 1)) != 1 or float(a("expert_weights_scale", 1.0)) != 1.0:
+        raise ValueError(f"GGUF {model_type}: only softmax routing with unscaled weights is supported "
+                         "(expert_gating_func, expert_weights_scale)")
+    if a("expert_used_count") is None:
+        raise ValueError(f"GGUF {model_type} with experts lacks expert_used_count")
+    fields = {"num_experts_per_tok": int(a("expert_used_count"))}
+    if model_type == "mixtral":
+        return {**fields, "num_local_experts": experts}
+    layers = int(a("block_count"))
+    return {**fields, "num_experts": experts, "moe_intermediate_size": int(a("expert_feed_forward_length")),
+            "norm_topk_prob": bool(a("expert_weights_norm", True)),
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
+
+
+def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+    unpermute = cfg["model_type"] in ROPE_PERMUTED
+    gemma = cfg["model_type"] in GEMMA_TYPES
+    out = {}
+    for t in reader.tensors:
+        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+        w = torch.from_numpy(arr).reshape([int(x) for x in reversed(t.shape)])
+        if unpermute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_rope_rows(w, cfg["num_attention_heads"])
+        elif unpermute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
+        elif gemma and t.name.endswith("norm.weight"):
+            w = w - 1.0                                 # back to HF's x * (1 + w)
+        names = hf_names(t.name, cfg["model_type"], w.shape[0] if w.dim() == 3 else 0)
+        parts = w.unbind(0) if w.dim() == 3 else (w,)
+        if len(names) != len(parts):
+            raise ValueError(f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}: one slice per expert "
+                             "only for ffn_*_exps")
+        out.update({name: part.contiguous() for name, part in zip(names, parts)})
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors (fp32) and tokenizer files into out_dir."""
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    cfg = gguf_config(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(gguf_tensors(reader, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    # The quantized blocks stay in the GGUF: their index lets `quantization` serve them as they are.
+    (out_dir / INDEX_FILE).write_text(json.dumps(block_index(reader, gguf_path)))
+    # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata.
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                        local_files_only=True)
+    tok.save_pretrained(str(out_dir))

@@ -1,0 +1,116 @@
+"""Quantized weights as plain tensors: the two forms Tercel serves, and conversions.
+
+    Int4Weight: w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g],  q in 0..15
+    Int8Weight: w[n, k] = q[n, k] * scale[n, k // g],                          q in -127..127
+
+The int4 form is the one torch's CPU kernel `_weight_int4pack_mm_for_cpu` computes with
+(group size g of 32 to 256). GGUF's Q4_1 blocks (w = d * q + m, 32 weights per block) map
+onto it exactly: scale d and zero m + 8d; Q4_0 (w = d * (q - 8)) is zero 0. Int8 with
+g = K is torch's per-channel `_weight_int8pack_mm`; GGUF's Q8_0 is g = 32, which that
+kernel cannot take, so a Q8_0 matmul weight is requantized per channel (`per_channel`).
+
+Everything here is CPU tensor maths at load time, with no kernel layout: `verifier.quantized.qlinear`
+packs these for the kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUPS = (32, 64, 128, 256)    # group sizes the int4 kernel takes
+
+
+class _Grouped:
+    """q [N, K] with one scale per `group` columns of a row."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+
+@dataclass(frozen=True)
+class Int4Weight(_Grouped):
+    q: torch.Tensor        # uint8 [N, K], values 0..15
+    scale: torch.Tensor    # fp32 [N, K // group]
+    zero: torch.Tensor     # fp32 [N, K // group]
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group
+        return ((self.q.float() - 8) * self.scale.repeat_interleave(g, 1)
+                + self.zero.repeat_interleave(g, 1))
+
+
+@dataclass(frozen=True)
+class Int8Weight(_Grouped):
+    q: torch.Tensor        # int8 [N, K]
+    scale: torch.Tensor    # fp32 [N, K // group]; group == K is per channel
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.repeat_interleave(self.group, 1)
+
+
+QuantWeight = Int4Weight | Int8Weight
+
+
+def int4_from_affine(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4Weight:
+    """Q4_1-style blocks, w = d * q + m (q 0..15; d, m [N, K / group]) -> the kernel's
+    (q - 8) * scale + zero form: the same weights, scale d and zero m + 8d."""
+    d, m = d.float(), m.float()
+    return Int4Weight(q.to(torch.uint8), d, m + 8 * d)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
+    """Asymmetric min/max quantization per group of `group` columns (as GGUF's Q4_1)."""
+    n, k = w.shape
+    if group not in INT4_GROUPS or k % group:
+        raise ValueError(f"int4 group size {group} must be one of {INT4_GROUPS} and divide {k}")
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
+    return int4_from_affine(q, d, lo)
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> Int8Weight:
+    """Symmetric int8, one scale per `group` columns (None: per channel)."""
+    n, k = w.shape
+    group = group or k
+    if k % group:
+        raise ValueError(f"int8 group size {group} must divide {k}")
+    g = w.float().reshape(n, k // group, group)
+    scale = g.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (g / safe[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return Int8Weight(q, scale)
+
+
+def per_channel(w: Int8Weight) -> Int8Weight:
+    """Blockwise int8 (Q8_0) requantized with one scale per output channel."""
+    return w if w.group == w.q.shape[1] else quantize_int8(w.dequantize())
+
+
+def int4_group(in_features: int) -> int:
+    """The group size for quantizing a dense weight: 32 (GGUF's block, the most accurate the
+    kernel takes), which must divide the input width."""
+    if in_features % INT4_GROUPS[0]:
+        raise ValueError(f"int4 needs input widths divisible by {INT4_GROUPS[0]}, got {in_features}; "
+                         "use quantization 'int8' or 'none' for this model")
+    return INT4_GROUPS[0]
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack the output rows of several weights of one kind (q, k, v -> qkv)."""
+    first = parts[0]
+    if any(type(p) is not type(first) or p.group != first.group for p in parts):
+        raise ValueError("fused projections need one quantization kind and group size")
+    if isinstance(first, Int4Weight):
+        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+    return Int8Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale")))

@@ -1,0 +1,135 @@
+"""From how much work a forward's attention runs on all threads: measured on this machine, once.
+
+The fused attention (`csrc/decode_ops.c:attend`) spreads its work items (chunks of keys of a
+KV head's query vectors) over the threads; a small forward runs on the calling thread alone,
+because an OpenMP region costs a few microseconds and a single decode row at a short context
+has only a few items (3 for SmolLM2's 3 KV heads) to share. Where spreading starts to pay
+depends on the machine (cores, SMT, vector width, caches, how busy it is) and on the model's
+heads, so it is timed at load: one row and a 4-row unit at 32 to 2048 keys, on one thread and
+on all, alternated; `parallel_from` is the smallest work (rows x keys x query heads) from
+which all threads win at that size and every larger one. The choice never changes a row's
+bits: the chunks and the order they merge in are the same either way.
+
+Each call is timed as a decode step makes it: its KV cold (a step's weights stream through
+the caches between one layer's attention and the next step's), requested by `prefetch_kv`
+just before. Timed hot, back to back, one thread won at every size on a machine where all
+threads were 1.3x faster inside the step at 300 keys.
+
+Cached per (CPU model and flags, torch version, threads, heads, kernel source) under the Tercel cache folder,
+beside the matmul timings; `tercel bench kernels` prints the table.
+"""
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verifier.cpu import cpu_ops
+from verifier.batch import SeqInput
+from verifier.quantized.cpu_forward import row_plan
+from verifier.cpu.machine import cache_bytes, cached_measurement
+
+FORMAT = 2                   # 2: calls timed with their KV cold (1: hot)
+KEYS = (32, 64, 128, 256, 512, 1024, 2048)
+ROWS = (1, 4)
+NEVER = 1 << 62              # parallel_from when one thread always won
+MARGIN = 0.95                # all threads win where they take under 95% of one thread's time
+_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class AttentionTimings:
+    """Microseconds per attention call on one thread and on all, per (rows, keys), and the
+    threshold chosen from them."""
+    serial: dict[tuple[int, int], float]
+    parallel: dict[tuple[int, int], float]
+    parallel_from: int
+
+    def to_json(self) -> dict:
+        return {"cells": [[r, k, self.serial[r, k], self.parallel[r, k]] for r, k in self.serial],
+                "parallel_from": self.parallel_from}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AttentionTimings":
+        cells = {(r, k): (s, p) for r, k, s, p in d["cells"]}
+        return cls({c: v[0] for c, v in cells.items()}, {c: v[1] for c, v in cells.items()}, d["parallel_from"])
+
+
+def choose(serial: dict[tuple[int, int], float], parallel: dict[tuple[int, int], float], heads: int) -> int:
+    """The smallest work (rows x keys x heads) from which all threads win at every larger
+    measured size too; NEVER if the largest size is not won. A win is by MARGIN: where the two
+    are within timing noise (small sizes), one thread leaves the other free."""
+    best = NEVER
+    for rows, keys in sorted(serial, key=lambda c: (c[0] * c[1], c), reverse=True):
+        if parallel[rows, keys] >= MARGIN * serial[rows, keys]:
+            break
+        best = rows * keys * heads
+    return best
+
+
+def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator):
+    """Random q and two sets of caches for one sequence of `rows` new rows after `keys` - rows
+    cached ones: the second set warms everything but the first's KV (see _cold_call)."""
+    blocks = -(-keys // _BLOCK)
+    seq = SeqInput([0] * rows, keys - rows, list(range(blocks)))
+    plan = row_plan([seq], _BLOCK, hd.nh // hd.nkv)
+    caches = [torch.randn(blocks * _BLOCK, hd.nkv, hd.d, generator=gen).bfloat16() for _ in range(4)]
+    q = torch.randn(rows, hd.nh, hd.d, generator=gen)
+    return plan, q, caches[:2], caches[2:], torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
+
+
+def _evictor() -> torch.Tensor:
+    """A buffer twice the last-level cache (at least 32 MiB): reading it pushes the caches'
+    lines out, as a step's weights do."""
+    return torch.ones(max(2 * cache_bytes(3), 32 << 20) // 4)
+
+
+def _cold_call(hd: cpu_ops.Heads, case, evict: torch.Tensor) -> float:
+    """Microseconds of one prefetch_kv + attend call as a decode step makes it: the caches are
+    flushed, then a call over the second KV set brings back the code, the plan, q and the
+    output (hot in a step: the layer before used them), and the timed call reads the first
+    KV set from memory."""
+    plan, q, (k, v), warm, out = case
+    evict.sum()
+    cpu_ops.attend(hd, plan, q, *warm, out)
+    start = time.perf_counter()
+    cpu_ops.prefetch_kv(hd, plan, k, v)
+    cpu_ops.attend(hd, plan, q, k, v, out)
+    return (time.perf_counter() - start) * 1e6
+
+
+def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 3) -> AttentionTimings:
+    """Time attend on one thread and on all, alternated per round, each call cold; medians.
+    Leaves hd.parallel_from as it found it."""
+    gen, saved, evict = torch.Generator().manual_seed(0), hd.parallel_from, _evictor()
+    samples: dict[str, dict[tuple[int, int], list[float]]] = {"serial": {}, "parallel": {}}
+    try:
+        for rows in ROWS:
+            for keys in KEYS:
+                case = _case(hd, rows, keys, gen)
+                for _ in range(rounds):
+                    for mode, threshold in (("serial", NEVER), ("parallel", 0)):
+                        hd.parallel_from = threshold
+                        _cold_call(hd, case, evict)                     # warm: code, threads
+                        samples[mode].setdefault((rows, keys), []).extend(
+                            _cold_call(hd, case, evict) for _ in range(calls))
+    finally:
+        hd.parallel_from = saved
+    med = {m: {c: round(statistics.median(s), 2) for c, s in cells.items()} for m, cells in samples.items()}
+    return AttentionTimings(med["serial"], med["parallel"], choose(med["serial"], med["parallel"], hd.nh))
+
+
+def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False,
+         threads: int | None = None) -> AttentionTimings:
+    """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
+    are cached; sets hd.parallel_from from them."""
+    kernels = hashlib.sha256(cpu_ops.DECODE_OPS.read_bytes()).hexdigest()[:16]   # a new kernel is timed anew
+    key = {"format": FORMAT, "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
+    timings = cached_measurement(cache_dir, "attention-", key, lambda: measure(hd), AttentionTimings.to_json,
+                                 AttentionTimings.from_json, refresh, threads)
+    hd.parallel_from = timings.parallel_from
+    return timings

@@ -1,0 +1,220 @@
+"""Serve a loaded Llama on quantized CPU kernels: `quantization="int4" | "int8" | "gguf" | "none"`.
+
+What each weight becomes (the model file's own weights wherever a kernel can take them):
+
+| weight | int4 | int8 | gguf |
+|---|---|---|---|
+| projections, GGUF Q4_0 / Q4_1 / Q4_K | the file's blocks (group 32) | requantized per channel | the file's blocks |
+| projections, GGUF Q5_0 / Q6_K / Q8_0 | requantized, int4 groups of 32 | the file's blocks | the file's blocks |
+| projections, dense (HF, F16/F32; GGUF kinds read dense) | int4 groups of 32 | per channel | int8 groups of 32 |
+| embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same | the same |
+| LM head | scan: the head requantized to int4 groups; rescoring: its file blocks | scan: int8 | as int4 |
+| MoE router (Mixtral, Qwen3-MoE) | int8, its own kernel for every row | the same | the same |
+
+`gguf` serves each tensor in its own format, as llama.cpp does: a Q4_K_M file mixes Q4_K with
+Q6_K, Q5_0 and Q8_0, which the int4 kernels take and csrc/q8_matmul.c takes respectively. Parts
+of one fused projection stored in two formats share the more precise one (`_one_form`).
+
+Each expert's projections are decoder projections like the dense MLP's (`verifier/model/moe.py`).
+
+The LM head is a `RescoredHead`: torch's kernels cannot take the default GGUF's Q8_0 head
+as it is (the int8 kernel has one scale per output channel, Q8_0 one per 32 weights), and
+a requantized head alone cost 1.4 points of top-1 agreement on held-out text (per
+channel: 97.9% against 99.3% for the exact head). So a requantized copy scans the
+vocabulary and the 32 best candidates are rescored with the file's weights in fp32: the
+exact head's agreement at the scan's cost. The figures and the command that measures
+them are in docs/quantization.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verifier.cpu import cpu_ops
+from verifier.model.config import ModelConfig
+from verifier.model.gguf_quant import INDEX_FILE, read_quantized
+from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
+from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
+from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
+from verifier.model.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, int4_group, quantize_int4,
+                            quantize_int8)
+
+log = logging.getLogger("tercel.quantize")
+QUANTIZATIONS = ("int4", "int8", "gguf", "none")
+INT4_NATIVE = frozenset({"Q4_0", "Q4_1", "Q4_K"})      # GGUF blocks the int4 kernels take as they are
+EMBED_GROUP = 32
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def auto_quantization(model_dir: Path, device: torch.device) -> str:
+    """The fastest setting that keeps the file's weights: int4 for a GGUF whose decoder is all
+    Q4_0 / Q4_1 / Q4_K blocks, gguf (each tensor on its own blocks) for other quantized GGUFs
+    where the integer kernels are built (AVX2 or AVX-512 VNNI), else int8 for one with Q8_0
+    blocks; dense checkpoints, CUDA, and machines where the fused CPU kernels cannot be built
+    (no C compiler) stay unquantized."""
+    index = Path(model_dir) / INDEX_FILE
+    if device.type != "cpu" or not index.is_file() or not cpu_ops.available():
+        return "none"
+    meta = json.loads(index.read_text())
+    kinds = {t["kind"] for t in meta["tensors"] if t["name"].startswith("blk.")}
+    if kinds and kinds <= INT4_NATIVE and not meta.get("other_kinds"):
+        return "int4"
+    if kinds and cpu_ops.q4_isa() > 0:
+        if meta.get("other_kinds"):
+            log.info("decoder weights stored as %s have no kernel of their own: dequantized, then served as "
+                     "int8 blocks of 32", ", ".join(meta["other_kinds"]))
+        return "gguf"
+    return "int8" if "Q8_0" in kinds else "none"
+
+
+def check_quantization(mode: str, device: torch.device) -> None:
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {mode!r} runs on CPU kernels; on {device.type} use 'none'")
+    if mode != "none" and not cpu_ops.available():
+        raise ValueError(f"quantization {mode!r} needs Tercel's fused CPU kernels, which are compiled on "
+                         "first use and could not be (is a C compiler, cc or gcc, installed?)")
+
+
+def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path) -> list[QuantLinear]:
+    """Swap the decoder's Linears, the LM head and the embedding of a loaded `net` for
+    quantized modules; returns the decoder's QuantLinears (the plan routes their bulk rows)."""
+    if cfg.head_dim % 16 or cfg.head_dim > 256:
+        raise ValueError(f"quantization {mode!r} needs a head size that is a multiple of 16 and at most 256 "
+                         f"(the fused decode kernels), got {cfg.head_dim}; use 'none'")
+    index = Path(model_dir) / INDEX_FILE
+    blocks = read_quantized(json.loads(index.read_text()), _hf_config(model_dir)) if index.is_file() else {}
+    decoder = []
+    for i, layer in enumerate(net.model.layers):
+        moe = isinstance(layer.mlp, SparseMoeBlock)
+        for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                            *(() if moe else (("mlp", "gate_up_proj"), ("mlp", "down_proj")))):
+            parent = getattr(layer, block)
+            dense = getattr(parent, name)
+            weight = _projection(blocks, f"model.layers.{i}.{block}", name, dense.weight, mode)
+            setattr(parent, name, QuantLinear(weight, dense.bias, None))
+            decoder.append(getattr(parent, name))
+        if moe:
+            decoder += _quantize_experts(layer.mlp, blocks, cfg.model_type, i, mode)
+    embed = _table(blocks.get("model.embed_tokens.weight"), net.model.embed_tokens.weight)
+    head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
+    net.model.embed_tokens = QuantEmbedding(embed)
+    table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
+    scan = _to_mode(head, "int4" if mode == "gguf" else mode)     # it picks candidates: see RescoredHead
+    net.lm_head = RescoredHead(QuantLinear(scan, None, None), table)
+    return decoder
+
+
+def _quantize_experts(moe: SparseMoeBlock, blocks: dict, model_type: str, layer: int, mode: str) -> list[QuantLinear]:
+    """Each expert's projections in `mode` (the file's blocks where they fit), returned for the
+    plan; the router as int8 per channel: its own kernel serves every row alike, so a token's
+    routing never depends on the rows beside it, and int8 keeps near-ties as the file has them."""
+    prefix = block_prefix(model_type, layer)
+    moe.gate = QuantLinear(_projection(blocks, prefix, "gate", moe.gate.weight, "int8"), None, None)
+    moe.gate.release_source()
+    gate, up, down = CHECKPOINT_NAMES[model_type][1]
+    out = []
+    for e, expert in enumerate(moe.experts):
+        for name, parts in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+            weight = _projection(blocks, f"{prefix}.experts.{e}", name, getattr(expert, name).weight, mode, parts)
+            setattr(expert, name, QuantLinear(weight, None, None))
+            out.append(getattr(expert, name))
+    return out
+
+
+def _hf_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode: str,
+                parts: tuple[str, ...] | None = None) -> QuantWeight:
+    """`parts`: the file's names of the pieces fused into `name` (default: HF's, `_FUSED`)."""
+    if f"{prefix}.{name}.weight" in blocks:              # a file that stores it fused (Phi-3)
+        return _to_mode(blocks[f"{prefix}.{name}.weight"], mode)
+    parts = [blocks.get(f"{prefix}.{p}.weight") for p in parts or _FUSED.get(name, (name,))]
+    if all(p is not None for p in parts):
+        return concat_rows(_one_form([_to_mode(p, mode) for p in parts]))
+    return _to_mode(dense.detach(), mode)
+
+
+def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """Parts of one fused projection in one form: int4 parts beside int8 ones requantized to int8
+    groups of 32 (the finer grid), int8 scale groups split to the smallest group (exact)."""
+    if all(isinstance(p, Int4Weight) for p in parts) or all(isinstance(p, Int8Weight) and p.group == parts[0].group
+                                                             for p in parts):
+        return parts
+    parts = [quantize_int8(p.dequantize(), EMBED_GROUP) if isinstance(p, Int4Weight) else p for p in parts]
+    g = min(p.group for p in parts)
+    return [Int8Weight(p.q, p.scale.repeat_interleave(p.group // g, 1)) for p in parts]
+
+
+def _to_mode(w: QuantWeight | torch.Tensor, mode: str) -> QuantWeight:
+    if mode == "gguf":
+        return quantize_int8(w.detach(), EMBED_GROUP) if isinstance(w, torch.Tensor) else w
+    if mode == "int4":
+        if isinstance(w, Int4Weight):
+            return w
+        dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+        return quantize_int4(dense, int4_group(dense.shape[1]))
+    if isinstance(w, Int8Weight):
+        return w                               # QuantLinear makes it per channel
+    return quantize_int8(w if isinstance(w, torch.Tensor) else w.dequantize())
+
+
+def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
+    """The file's own blocks, else a dense table as int8 blocks of 32 (as GGUF's Q8_0)."""
+    return block if block is not None else quantize_int8(dense.detach(), EMBED_GROUP)
+
+
+def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:
+    """Set the plan's own kernel for sampled rows (the head's scan too), keep the dense copies
+    its bulk path needs, drop the rest and the sources."""
+    plan = timings.plan(choosable_owns(decoder))
+    for lin in [*decoder, head.scan]:
+        lin.use_own(plan.own if plan.own in lin.own_paths() else lin.own)
+        lin.drop_other_owns()
+        for path in set(lin.paths()) - set(lin.own_paths()) - {plan.bulk}:
+            lin.drop_dense(path)
+        if plan.bulk in DENSE_PATHS and lin is not head.scan:
+            lin.add_dense(plan.bulk)
+        lin.plan = plan
+        lin.release_source()
+    return plan
+
+
+def timed_linears(net: nn.Module) -> list[QuantLinear]:
+    """The decoder's QuantLinears one token runs through, in forward order: a MoE layer's first
+    top_k experts stand for the k a token reaches (all have the same shapes), not all of them."""
+    out = []
+    for layer in net.model.layers:
+        mlp = layer.mlp
+        mlps = mlp.experts[:mlp.moe.top_k] if isinstance(mlp, SparseMoeBlock) else [mlp]
+        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        out += [lin for m in mlps for lin in (m.gate_up_proj, m.down_proj)]
+    return out
+
+
+def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
+         cache_dir: Path | None, refresh: bool = False,
+         timed: list[QuantLinear] | None = None, threads: int | None = None) -> tuple[KernelPlan, KernelTimings]:
+    """Time every path over `timed` (default: the whole decoder) or read the timings this
+    machine cached, then keep what the fastest choice per row count needs in all of `decoder`."""
+    def measure() -> KernelTimings:
+        for lin in timed or decoder:
+            for path in DENSE_PATHS:
+                lin.add_dense(path)
+        return time_paths(timed or decoder, rows)
+
+    sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
+               for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, *cpu_ops.HEADERS)}
+    timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh, threads)
+    plan = apply_plan(decoder, head, timings)
+    log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,
+             f" in tiles of {plan.tile} rows" if plan.tile else "")
+    return plan, timings
