@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from tree.token_tree import TokenTree
-from verifier.cpu import cpu_ops
 from verifier.batch import SeqInput
-from verifier.quantized.cpu_forward import row_plan
+from verifier.cpu import cpu_ops
 from verifier.cpu.machine import machine_summary, march
+from verifier.quantized.cpu_forward import row_plan
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 ROOT = Path(__file__).resolve().parent.parent

@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from drafters.config import SpecConfig
     from spec import LLM
-    from verifier.model.loader import DEFAULT_MODEL
     from verifier.cpu.machine import cpu_flags, machine_summary
+    from verifier.model.loader import DEFAULT_MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--drafter", default=None, help="the server's drafter beside the prediction (default: none)")

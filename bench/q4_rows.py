@@ -18,8 +18,8 @@ import torch
 
 from verifier.cpu import cpu_ops
 from verifier.cpu.machine import machine_summary
-from verifier.quantized.qlinear import QuantLinear
 from verifier.model.quant import quantize_int4
+from verifier.quantized.qlinear import QuantLinear
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))

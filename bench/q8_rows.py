@@ -19,8 +19,8 @@ import torch
 from bench.q4_rows import HIDDEN, INTER, LAYERS, SHAPES
 from verifier.cpu import cpu_ops
 from verifier.cpu.machine import machine_summary
-from verifier.quantized.qlinear import QuantLinear, served_weights
 from verifier.model.quant import Int8Weight, quantize_int4
+from verifier.quantized.qlinear import QuantLinear, served_weights
 
 FORMATS = {"q4x16 (4 bits)": None, "q8x16 5 bits": (5, 32), "q8x16 6 bits": (6, 16), "q8x16 8 bits": (8, 32)}
 

@@ -36,9 +36,9 @@ from bench.data import mtbench_first_turns, specbench_prompts
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from verifier.cpu.machine import machine_summary
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu.machine import machine_summary
 
 
 def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats: int = 15) -> dict[int, float]:

@@ -131,8 +131,8 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 def run_structured_bench(args) -> int:
     from bench.cli_args import split_names
-    from verifier.model.loader import DEFAULT_MODEL
     from verifier.cpu.machine import machine_summary
+    from verifier.model.loader import DEFAULT_MODEL
     drafters = [d for d in split_names(args.drafter) or [] if d not in ("none", "off")]
     tasks = load_tasks(args.limit)
     repeats = args.repeats or 3

@@ -36,8 +36,8 @@ from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, C
 from serving.streaming import Reply, full_reply, sse_events
 from serving.tools.formats import HERMES, ToolFormat
 from serving.utility_routes import UtilityRoutes, model_card
-from verifier.sampling.sampling_params import SamplingParams
 from verifier.model.tokenizer import prompt_ids
+from verifier.sampling.sampling_params import SamplingParams
 
 OPEN_PATHS = {"/health"}
 

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 
 from drafters.base import Prediction
 from drafters.config import SpecConfig
+from serving.metrics import Metrics
 from spec.engine import LLMEngine
 from spec.faults import RequestError
 from spec.request import RequestOutput
 from spec.stats import EngineLimits, EngineStats
 from verifier.sampling.sampling_params import SamplingParams
-from serving.metrics import Metrics
 
 log = logging.getLogger("tercel.serve")
 

@@ -35,13 +35,13 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from serving import prefix_router   # a module: pickled by reference, so /metrics reads the live routers' counts
 from serving.asgi_call import REPLICA_HEADER, ForwardedRequest, FullResponse, call_asgi, full_response
 from serving.cluster import APP_NAME, affinity_config
 from serving.errors import install_error_handlers, replica_lost
 from serving.metrics import merge_replica_metrics
 from serving.middleware import ServerErrors
 from serving.prefix_index import prefix_text
-from serving import prefix_router   # a module: pickled by reference, so /metrics reads the live routers' counts
 from serving.prefix_router import PrefixAffinityRouter
 from serving.server import launch_app, parse_serve_args
 

@@ -7,11 +7,12 @@ from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
 from spec.threads import ThreadConfig
 from verifier.checks import positive_int
-from verifier.sampling.grammar_limits import GrammarLimits
 from verifier.model.loader import DEFAULT_MODEL
 from verifier.model.shard import check_tp_quantization
+from verifier.quantized import MODES
+from verifier.sampling.grammar_limits import GrammarLimits
 
-QUANTIZATION_CHOICES = ("auto", "int4", "int8", "gguf", "none")
+QUANTIZATION_CHOICES = ("auto", *MODES, "none")
 
 
 @dataclass(frozen=True)

@@ -30,26 +30,26 @@ from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import NO_TOKEN_ALLOWED, RequestError, RequestFault
-from spec.rejection import accept_greedy, accept_tree
 from spec.prompt_logprobs import prompt_logprobs
+from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes, ThreadSteps
 from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
+from verifier.attention.kv_cache import slot_of
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.cpu.cpus import IdleMeter, cpu_budget, free_cpus
-from verifier.sampling.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
-from verifier.quantized.matmul_paths import engine_rows
-from verifier.attention.kv_cache import slot_of
-from verifier.sampling.logprobs import TokenLogprob, decided, row_logprob
 from verifier.cpu.machine import default_threads, on_threads
+from verifier.model.tokenizer import prompt_ids
 from verifier.parallel import open_target
+from verifier.quantized.matmul_paths import engine_rows
+from verifier.sampling.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
+from verifier.sampling.logprobs import TokenLogprob, decided, row_logprob
 from verifier.sampling.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
 from verifier.sampling.sampling_params import SamplingParams
 from verifier.target import TargetModel, generation_eos_ids
-from verifier.model.tokenizer import prompt_ids
 
 if TYPE_CHECKING:
     from drafters.base import Proposal

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from verifier.batch import ForwardBatch, SeqInput
 from verifier.attention.kv_cache import slots_for
+from verifier.batch import ForwardBatch, SeqInput
 
 
 def tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:

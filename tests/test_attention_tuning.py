@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from verifier.quantized import attention_tuning
 from verifier.cpu import cpu_ops
+from verifier.quantized import attention_tuning
 from verifier.quantized.attention_tuning import NEVER, choose, tune
 
 _NO_ROPE = torch.zeros(1, 1)

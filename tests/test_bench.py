@@ -13,8 +13,8 @@ from bench.data import SPECBENCH_TASKS, load_datasets
 from bench.grid import Cell, build_cells, parse_range
 from bench.stats import acceptance
 from bench.summary import best_per_task, summarise
-from spec import LLM, SamplingParams
 from serving.cli import main as tercel
+from spec import LLM, SamplingParams
 from spec.profile import load_profile
 
 TINY_GRID = ["--tasks", "qa,rag", "--limit", "1", "--max-tokens", "16", "--ignore-eos", "--repeats", "1"]

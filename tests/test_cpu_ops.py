@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verifier.cpu import cpu_ops
-from verifier.quantized.attention_tuning import NEVER
 from verifier.batch import SeqInput
-from verifier.quantized.cpu_forward import row_plan
+from verifier.cpu import cpu_ops
 from verifier.model.rope import apply_rotary
+from verifier.quantized.attention_tuning import NEVER
+from verifier.quantized.cpu_forward import row_plan
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for the fused CPU kernels")
 G = torch.Generator().manual_seed(0)

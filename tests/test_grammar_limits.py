@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
+from verifier.model.tokenizer import Tokenizer
 from verifier.sampling.grammar import GrammarBackend
 from verifier.sampling.grammar_limits import GrammarCancelled, GrammarLimits, GrammarTimeout
 from verifier.sampling.structured import StructuredOutputs
-from verifier.model.tokenizer import Tokenizer
 
 
 def nested(depth: int) -> str:

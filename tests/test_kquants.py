@@ -15,8 +15,8 @@ from conftest import make_tiny_model
 from test_model_families import BLOCK, converted, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from verifier.cpu import cpu_ops
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu import cpu_ops
 from verifier.target import TargetModel
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),

@@ -20,11 +20,11 @@ from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
 from test_model_families import BLOCK, TINY_FIELDS, converted, logits
 from test_model_parity import hf_logits, jitter_norms, own_logits_chunked
-from verifier.model import moe
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.model import moe
 from verifier.model.config import ModelConfig
-from verifier.quantized.quantize import timed_linears
 from verifier.model.shard import TensorShard
+from verifier.quantized.quantize import timed_linears
 from verifier.target import TargetModel, load_config
 
 FAMILIES = {

@@ -11,10 +11,10 @@ import torch
 
 from verifier.cpu import cpu_ops
 from verifier.model.gguf_quant import read_block_tensor
+from verifier.model.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
+                                  quantize_int4, quantize_int8)
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
 from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, served_weights
-from verifier.model.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
-                            quantize_int4, quantize_int8)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])

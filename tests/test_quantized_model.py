@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verifier.cpu import cpu_ops
-from verifier.batch import ForwardBatch, SeqInput
 from verifier.attention.kv_cache import slots_for
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu import cpu_ops
 from verifier.target import TargetModel
 
 BLOCK = 16

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from verifier.attention.kv_cache import slots_for
 from verifier.attention.torch_backend import TorchBackend, contiguous_range_start, new_token_mask
 from verifier.batch import ForwardBatch, SeqInput
-from verifier.attention.kv_cache import slots_for
 
 H, KVH, D, BS = 6, 2, 16, 4
 

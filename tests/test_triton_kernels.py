@@ -14,10 +14,10 @@ pytest.importorskip("triton", reason="triton is not installed, so its kernels ca
 
 from verifier.attention import get_backend  # noqa: E402
 from verifier.attention import triton_kernels as tk  # noqa: E402
+from verifier.attention.kv_cache import KVCache, slots_for  # noqa: E402
 from verifier.attention.torch_backend import TorchBackend  # noqa: E402
 from verifier.attention.triton_backend import TritonBackend  # noqa: E402
 from verifier.batch import ForwardBatch, SeqInput  # noqa: E402
-from verifier.attention.kv_cache import KVCache, slots_for  # noqa: E402
 from attention_cases import decoded_after_commit, make_case, snapshot_commit  # noqa: E402
 
 assert tk.INTERPRETED, "triton_kernels was imported before TRITON_INTERPRET=1 was set"

@@ -4,10 +4,9 @@ Plain Python, no torch: the only thing that crosses to the model is a block tabl
 of ints (physical block ids, in token order; token t of a sequence lives in slot
 ``t % block_size`` of block ``block_table[t // block_size]``).
 
-It lives in verifier/, next to the paged KV cache whose blocks it hands out
-(verifier/attention/kv_cache.py): every owner of such a cache keeps one, the engine's scheduler (spec/)
-for the target and the small drafter (drafters/) for its own model, and both sit above
-verifier/.
+It sits low in verifier/, beside the hand-off types, because every owner of a paged KV cache
+keeps one: the engine's scheduler (spec/) for the target and the small drafter (drafters/) for
+its own model, and drafters/ cannot import spec/.
 
 Block states. Every physical block is in exactly one of three states:
 

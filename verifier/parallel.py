@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verifier.batch import ForwardBatch, ForwardOutput
-from verifier.model.shard import TensorShard, check_tp_quantization
 from verifier.model.loader import resolve_model_dir
+from verifier.model.shard import TensorShard, check_tp_quantization
 from verifier.target import TargetModel, default_device, load_config
 
 log = logging.getLogger("tercel.parallel")

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from verifier.attention import get_backend
+from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput
 from verifier.model.gemma import planned_window
-from verifier.attention.kv_cache import KVCache
 from verifier.model.linear_tuning import LinearTimings
 from verifier.model.linear_tuning import tune as tune_linear
 

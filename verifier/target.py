@@ -7,19 +7,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput
+from verifier.cpu.cache import cache_root
 from verifier.model.config import ModelConfig
 from verifier.model.gemma import GemmaForCausalLM
-from verifier.attention.kv_cache import KVCache
-from verifier.cpu.cache import cache_root
-from verifier.model.loader import resolve_model_dir
 from verifier.model.llama import LlamaForCausalLM, uninitialized
-from verifier.quantized.quantize import auto_quantization, check_quantization
-from verifier.quantized.runner import QuantizedRunner
-from verifier.runner import DenseRunner, RunnerSettings
+from verifier.model.loader import resolve_model_dir
 from verifier.model.shard import TensorShard, check_tp_quantization
 from verifier.model.tokenizer import NullTokenizer, Tokenizer
 from verifier.model.weights import load_safetensors, load_tensor
+from verifier.quantized.quantize import auto_quantization, check_quantization
+from verifier.quantized.runner import QuantizedRunner
+from verifier.runner import DenseRunner, RunnerSettings
 
 
 def default_device() -> torch.device:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from verifier.attention.base import AttentionBackend
-from verifier.batch import ForwardBatch, SeqInput
 from verifier.attention.kv_cache import slots_for
+from verifier.batch import ForwardBatch, SeqInput
 
 
 def _cdiv(a: int, b: int) -> int:

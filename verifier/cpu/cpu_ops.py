@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from verifier.cpu.machine import cache_bytes, machine_key, march
 from verifier.cpu.cache import cache_root
+from verifier.cpu.machine import cache_bytes, machine_key, march
 
 log = logging.getLogger("tercel.cpu_ops")
 CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on first use

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verifier.attention.base import AttentionBackend
-from verifier.model.config import ModelConfig
 from verifier.attention.kv_cache import KVCache
+from verifier.model.config import ModelConfig
 from verifier.model.linear import Linear
 from verifier.model.llama import MLP, Attention, RMSNorm, sharded
 from verifier.model.rope import RotaryEmbedding

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from verifier.model.linear import Linear, cpu_linear, onednn_available, onednn_linear
 from verifier.cpu.machine import cached_measurement
+from verifier.model.linear import Linear, cpu_linear, onednn_available, onednn_linear
 
 FORMAT = 1
 ROWS = (1, 2, 3, 4, 6, 8)

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verifier.attention.base import AttentionBackend
-from verifier.model.config import ModelConfig
 from verifier.attention.kv_cache import KVCache
+from verifier.model.config import ModelConfig
 from verifier.model.linear import Linear
 from verifier.model.moe import SparseMoeBlock
 from verifier.model.parallel_layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from verifier.cpu import cpu_ops
 from verifier.batch import SeqInput
-from verifier.quantized.cpu_forward import row_plan
+from verifier.cpu import cpu_ops
 from verifier.cpu.machine import cache_bytes, cached_measurement
+from verifier.quantized.cpu_forward import row_plan
 
 FORMAT = 2                   # 2: calls timed with their KV cold (1: hot)
 KEYS = (32, 64, 128, 256, 512, 1024, 2048)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.cpu import cpu_ops
+from verifier.attention.kv_cache import KVCache
 from verifier.batch import SeqInput
+from verifier.cpu import cpu_ops
+from verifier.model.moe import SparseMoeBlock, cpu_moe
 from verifier.quantized.cpu_loop import NativeLayers
 from verifier.quantized.gemma_cpu import gemma_cpu_layers, gemma_forward_rows, gemma_heads
-from verifier.attention.kv_cache import KVCache
-from verifier.model.moe import SparseMoeBlock, cpu_moe
 from verifier.quantized.qlinear import QuantLinear
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from verifier.cpu import cpu_ops
 from verifier.attention.kv_cache import KVCache
+from verifier.cpu import cpu_ops
 from verifier.quantized.qlinear import QuantLinear, RescoredHead
 
 log = logging.getLogger("tercel.cpu_loop")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from verifier.cpu import cpu_ops
 from verifier.attention.kv_cache import KVCache
+from verifier.cpu import cpu_ops
 from verifier.model.llama import norm_qk
 from verifier.quantized.qlinear import QuantLinear
 

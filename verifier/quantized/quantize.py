@@ -38,14 +38,15 @@ from torch import nn
 from verifier.cpu import cpu_ops
 from verifier.model.config import ModelConfig
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
-from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
 from verifier.model.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, int4_group, quantize_int4,
-                            quantize_int8)
+                                  quantize_int8)
+from verifier.quantized import MODES
+from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
+from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
 
 log = logging.getLogger("tercel.quantize")
-QUANTIZATIONS = ("int4", "int8", "gguf", "none")
+QUANTIZATIONS = (*MODES, "none")
 INT4_NATIVE = frozenset({"Q4_0", "Q4_1", "Q4_K"})      # GGUF blocks the int4 kernels take as they are
 EMBED_GROUP = 32
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

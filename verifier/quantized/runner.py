@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verifier.attention.kv_cache import KVCache
+from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.quantized.attention_tuning import AttentionTimings
 from verifier.quantized.attention_tuning import tune as tune_attention
-from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
 from verifier.quantized.cpu_loop import native_layers
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows
-from verifier.attention.kv_cache import KVCache
 from verifier.quantized.quantize import quantize_model, timed_linears, tune
 from verifier.runner import RunnerSettings, flatten
 

@@ -1,10 +1,6 @@
 """The logits transform and plain sampling. Speculative acceptance reuses `target_probs`,
 so the distribution it preserves is exactly the one sampled here.
 
-It lives in verifier/, next to the model that produces the logits it transforms: the engine
-(spec/) samples and accepts with it, and the small drafter (drafters/) draws its proposals
-with it; both sit above verifier/, so neither imports the other for it.
-
 Order of operations (as vLLM v1): logit_bias and min_tokens on raw logits -> penalties ->
 temperature -> top-k -> top-p -> min-p -> renormalise. The first three depend on the tokens
 before the row (`transform_logits`); a tree node's row is transformed with its own path, so

@@ -1,9 +1,5 @@
-"""Per-request sampling parameters (the same knobs as vLLM and the OpenAI API).
-
-They live in verifier/ with the logits transform they drive (verifier/sampling/sampler.py): together
-they turn the target's logits into the distribution every generated token follows. spec/
-(the engine, acceptance) and drafters/ (a sampling drafter draws with the same transform)
-both read them, and both sit above verifier/. `from spec import SamplingParams` is the
+"""Per-request sampling parameters (the same knobs as vLLM and the OpenAI API), which drive the
+logits transform (`verifier/sampling/sampler.py`). `from spec import SamplingParams` is the
 offline API's name for this class."""
 from __future__ import annotations
 
