@@ -146,7 +146,7 @@ def test_the_isa_cap_runs_this_machine_as_an_avx2_one():
     import sys
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
-    code = ("import torch; from verifier import cpu_ops; from verifier.cpu.machine import machine_summary; "
+    code = ("import torch; from verifier.cpu import cpu_ops; from verifier.cpu.machine import machine_summary; "
             "print(cpu_ops.q4_isa(), torch.backends.cpu.get_cpu_capability(), machine_summary())")
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "TERCEL_CPU_ISA": "avx2"},

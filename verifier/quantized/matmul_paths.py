@@ -72,7 +72,7 @@ class KernelTimings:
         torch's int4 kernel works in blocks of 4 rows: past 4 rows its cost jumps, on AVX-512
         and AVX2 machines alike (figures: docs/performance.md, "Matmul paths and quantized
         kernels"), so a verify step of 4 rows is much cheaper than one of 5. A count alone that
-        timed high (a noisy host: q4x16 measured 3.4, 5.1, 3.8 ms at 1, 2, 3 rows) is no cliff."""
+        timed high (a noisy host) is no cliff."""
         t = self.ms.get(path, {})
         for r in self.rows:
             later = [t.get(m) for m in self.rows if r <= m <= SAMPLED_ROWS]

@@ -1,7 +1,7 @@
 /* What the integer matmuls (q4_matmul.c, q8_matmul.c) share: the instruction set they are built
  * for, its vector helpers, and the activations quantized to integers: each row of x (bf16 [M, K])
  * per 32 values, X = round(x / d) with d = max |x| / 32512, held as two int8 digits
- * X = 256 hi + lo (lo in -128..127, hi in -127..127). verifier/cpu_ops.py keys the compiled
+ * X = 256 hi + lo (lo in -128..127, hi in -127..127). verifier/cpu/cpu_ops.py keys the compiled
  * library on this file too. */
 #ifndef TERCEL_ACT_QUANT_H
 #define TERCEL_ACT_QUANT_H

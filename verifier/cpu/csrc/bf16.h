@@ -1,5 +1,5 @@
 /* bf16 as its uint16 bit pattern, and the two conversions every CPU kernel uses (decode_ops.c,
- * q4_matmul.c). verifier/cpu_ops.py keys the compiled library on this file too. */
+ * q4_matmul.c). verifier/cpu/cpu_ops.py keys the compiled library on this file too. */
 #ifndef TERCEL_BF16_H
 #define TERCEL_BF16_H
 

@@ -1,7 +1,7 @@
 /* The decoder layers of a quantized CPU target for its sampled rows (decode steps, tree
  * nodes, a prompt's last token), as one native call per forward.
  *
- * Why C++: the loop in verifier/cpu_forward.py makes about 240 calls per forward (four
+ * Why C++: the loop in verifier/quantized/cpu_forward.py makes about 240 calls per forward (four
  * matmuls and four fused kernels a layer), and driving them from Python cost about as much
  * as everything but the matmuls together (figures: docs/quantization.md). Here the same calls
  * run in the same order on the same data: the matmuls are the plan's own kernels (torch's
@@ -109,7 +109,7 @@ struct Layer {
     Linear qkv, o, gate_up, down;
 };
 
-/* The final norm and the LM head as verifier.qlinear.RescoredHead computes them: a quantized
+/* The final norm and the LM head as verifier.quantized.qlinear.RescoredHead computes them: a quantized
  * scan of the whole vocabulary picks each row's k candidates, whose logits the int8 table
  * (q [V, H], scale [V, H / g]) gives exactly. */
 struct Head {
@@ -148,7 +148,7 @@ int64_t fail(const std::exception &e, char *err, int64_t cap) {
 
 extern "C" {
 
-/* A Linear's weights, as verifier/cpu_loop.py describes them. */
+/* A Linear's weights, as verifier/quantized/cpu_loop.py describes them. */
 typedef struct {
     int64_t kind, w, s, group, n, bits;   /* w, s: TensorImpl addresses (s 0 for kinds 16 and 32); bits: kind 32's */
 } LinearSpec;

@@ -11,7 +11,7 @@
  *   activations   x fp32 [T, H]; bf16 tensors are uint16 bit patterns
  *   qkv           bf16 [T, (NH + 2 * NKV) * D]   (q heads, then k heads, then v heads)
  *   KV cache      bf16 [slots, NKV, D]            (slot = block * block_size + offset)
- *   rope tables   fp32 [positions, D]; sin has its first half negated (see verifier/rope.py)
+ *   rope tables   fp32 [positions, D]; sin has its first half negated (see verifier/model/rope.py)
  * Invariance comes from structure, not from the compiler: every loop's trip count is a
  * model dimension or a key count whose remainder is padded, never the batch.
  */
@@ -605,9 +605,9 @@ static void merge_chunks(const float *part, int64_t chunks, int64_t stride, int6
     for (int64_t e = 0; e < D; e++) out[e] = f32_to_bf16(o[e] * inv);
 }
 
-/* The attention heads of a model (mirrored by verifier.cpu_ops.Heads). parallel_from: the work
+/* The attention heads of a model (mirrored by verifier.cpu.cpu_ops.Heads). parallel_from: the work
  * (rows x longest key list x query heads) from which a forward's attention is spread over the
- * threads, measured at load (verifier/attention_tuning.py); below it one thread is faster.
+ * threads, measured at load (verifier/quantized/attention_tuning.py); below it one thread is faster.
  * prefetch_bytes: how much of a layer's KV prefetch_kv requests (a quarter of L2). softcap:
  * scores become softcap * tanh(score / softcap) before the softmax where > 0 (Gemma 2). */
 typedef struct {
@@ -618,7 +618,7 @@ typedef struct {
     float softcap;
 } Heads;
 
-/* The rows of one forward, shared by all its layers (mirrored by verifier.cpu_ops.Rows).
+/* The rows of one forward, shared by all its layers (mirrored by verifier.cpu.cpu_ops.Rows).
  * A unit is up to `per_unit` consecutive rows of one sequence, attended together. */
 typedef struct {
     int64_t rows, units, longest;
