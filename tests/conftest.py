@@ -16,17 +16,6 @@ SHARED_DATA = Path(os.environ.get("TERCEL_DATA", ROOT.parent / "shared" / "data"
 GPU_SUITE = ROOT / "tests" / "gpu"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unfrozen_after_each_module():
-    """Engines move every live object out of the cyclic collector's reach at load (gc.freeze):
-    after a module, what its tests left in reference cycles (spies closing over an engine's
-    methods) is collected instead of held for the rest of the session."""
-    yield
-    import gc
-    gc.unfreeze()
-    gc.collect()
-
-
 @pytest.fixture(autouse=True)
 def _threads_left_by_neighbours():
     """Each test's torch work, engines' loads and steps included, on the CPUs of the budget other
