@@ -48,7 +48,7 @@ def test_q5_0_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
     import gguf
     from gguf.quants import dequantize, quantize
 
-    from verifier.model.gguf_quant import read_block_tensor
+    from verifier.model.gguf_blocks import read_block_tensor
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
     for kind, data in (("Q5_0", quantize(w, gguf.GGMLQuantizationType.Q5_0)), ("Q6_K", q6_k_bytes(w))):
         want = dequantize(data, getattr(gguf.GGMLQuantizationType, kind))

@@ -8,7 +8,8 @@ import torch
 
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4Weight, quantize_int4
-from verifier.quantized.qlinear import QuantLinear, pack_q4, q4_offered, served_weights
+from verifier.quantized.own_kernels.q4x16 import offered as q4_offered, pack_q4
+from verifier.quantized.qlinear import QuantLinear, served_weights
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="q4x16 is built for AVX2 or AVX-512 VNNI")

@@ -11,7 +11,8 @@ import torch
 from test_q4 import _activations, extreme_activations
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int8Weight, quantize_int8
-from verifier.quantized.qlinear import QuantLinear, pack_q8, q8_bits, q8_offered, served_weights
+from verifier.quantized.own_kernels.q8x16 import offered as q8_offered, pack_q8, q8_bits
+from verifier.quantized.qlinear import QuantLinear, served_weights
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="q8x16 is built for AVX2 or AVX-512 VNNI")

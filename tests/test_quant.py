@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verifier.cpu import cpu_ops
-from verifier.model.gguf_quant import read_block_tensor
+from verifier.model.gguf_blocks import read_block_tensor
 from verifier.model.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
                                   quantize_int4, quantize_int8)
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths

@@ -279,8 +279,9 @@ def q4_isa() -> int:
 
 
 def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
-    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W as `verifier.quantized.qlinear.pack_q4`
-    lays it out; `reference`: through the scalar code every path must match bit for bit."""
+    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W as
+    `verifier.quantized.own_kernels.q4x16.pack_q4` lays it out; `reference`: through the scalar
+    code every path must match bit for bit."""
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"q4_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
     m, k = x.shape
@@ -294,8 +295,8 @@ def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = F
 def q8_matmul(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tensor,
               reference: bool = False) -> torch.Tensor:
     """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W of `bits` (5, 6 or 8) with a scale per
-    `group` (16 or 32) weights as `verifier.quantized.qlinear.pack_q8` lays it out; `reference`: through the
-    scalar code."""
+    `group` (16 or 32) weights as `verifier.quantized.own_kernels.q8x16.pack_q8` lays it out;
+    `reference`: through the scalar code."""
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"q8_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
     m, k = x.shape

@@ -32,10 +32,9 @@ _ERR = 512                      # bytes for a C++ exception's message
 
 
 class LinearSpec(ctypes.Structure):
-    """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): kind 4 (torch's
-    int4: packed weight, group, bf16 scale_zero), 16 (q4x16: the packed weight alone), 32 (q8x16:
-    the packed weight, weights per scale as `group`, and `bits`) or 8 (int8: q, bf16 scale), tensors
-    as TensorImpl addresses, n the output features."""
+    """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): its own kernel's
+    fields (`verifier.quantized.own_kernels.base.LoopFields`: kind 4 torch's int4, 16 q4x16,
+    8 torch's int8, 32 q8x16), tensors as TensorImpl addresses, n the output features."""
     _fields_ = [("kind", _I), ("w", _I), ("s", _I), ("group", _I), ("n", _I), ("bits", _I)]
 
 
@@ -84,17 +83,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _spec(lin: QuantLinear) -> LinearSpec:
-    if lin.own == "q4x16":
-        packed, n = lin.own_mm[1]
-        return LinearSpec(16, packed._cdata, 0, 0, n)
-    if lin.own == "q8x16":
-        packed, bits, group, n = lin.own_mm[1]
-        return LinearSpec(32, packed._cdata, 0, group, n, bits)
-    if lin.own == "int4":
-        packed, group, scale_zero = lin.own_mm[1]
-        return LinearSpec(4, packed._cdata, scale_zero._cdata, group, lin.out_features)
-    q, scale = lin.own_mm[1]
-    return LinearSpec(8, q._cdata, scale._cdata, 0, lin.out_features)
+    f = lin.loop_fields()
+    return LinearSpec(f.kind, f.w._cdata, 0 if f.s is None else f.s._cdata, f.group, lin.out_features, f.bits)
 
 
 def _kernels(*names: str) -> list[ctypes.c_void_p]:

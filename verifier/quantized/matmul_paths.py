@@ -32,7 +32,8 @@ from typing import Callable
 import torch
 
 from verifier.cpu.machine import cached_measurement
-from verifier.quantized.qlinear import OWN_PATHS, QuantLinear
+from verifier.quantized.own_kernels import OWN_PATHS
+from verifier.quantized.qlinear import QuantLinear
 
 FORMAT = 6           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at

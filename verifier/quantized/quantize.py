@@ -1,4 +1,4 @@
-"""Serve a loaded Llama on quantized CPU kernels: `quantization="int4" | "int8" | "gguf" | "none"`.
+"""Serve a loaded Llama on quantized CPU kernels: `quantization=` one of `verifier.quantized.modes.MODES`.
 
 What each weight becomes (the model file's own weights wherever a kernel can take them):
 
@@ -36,27 +36,25 @@ from torch import nn
 
 from verifier.cpu import cpu_ops
 from verifier.model.config import ModelConfig
+from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.model.quant import (Int4Weight, Int8Weight, QuantWeight, concat_rows, int4_group, quantize_int4,
-                                  quantize_int8)
-from verifier.quantized import MODES
+from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, concat_rows, quantize_int8
+from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
 from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
 
 log = logging.getLogger("tercel.quantize")
 QUANTIZATIONS = (*MODES, "none")
-INT4_NATIVE = frozenset({"Q4_0", "Q4_1", "Q4_K"})      # GGUF blocks the int4 kernels take as they are
-EMBED_GROUP = 32
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def auto_quantization(model_dir: Path, device: torch.device) -> str:
     """The fastest setting that keeps the file's weights: int4 for a GGUF whose decoder is all
-    Q4_0 / Q4_1 / Q4_K blocks, gguf (each tensor on its own blocks) for other quantized GGUFs
-    where the integer kernels are built (AVX2 or AVX-512 VNNI), else int8 for one with Q8_0
-    blocks; dense checkpoints, CUDA, and machines where the fused CPU kernels cannot be built
-    (no C compiler) stay unquantized."""
+    in formats of int4 form (`INT4_NATIVE`: Q4_0, Q4_1, Q4_K), gguf (each tensor on its own
+    blocks) for other quantized GGUFs where the integer kernels are built (AVX2 or AVX-512
+    VNNI), else int8 for one with Q8_0 blocks; dense checkpoints, CUDA, and machines where the
+    fused CPU kernels cannot be built (no C compiler) stay unquantized."""
     index = Path(model_dir) / INDEX_FILE
     if device.type != "cpu" or not index.is_file() or not cpu_ops.available():
         return "none"
@@ -106,7 +104,7 @@ def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path)
     head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
     net.model.embed_tokens = QuantEmbedding(embed)
     table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
-    scan = _to_mode(head, "int4" if mode == "gguf" else mode)     # it picks candidates: see RescoredHead
+    scan = _to_mode(head, REGISTRY[mode].scan)     # it picks candidates: see RescoredHead
     net.lm_head = RescoredHead(QuantLinear(scan, None, None), table)
     return decoder
 
@@ -149,27 +147,18 @@ def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
     if all(isinstance(p, Int4Weight) for p in parts) or all(isinstance(p, Int8Weight) and p.group == parts[0].group
                                                              for p in parts):
         return parts
-    parts = [quantize_int8(p.dequantize(), EMBED_GROUP) if isinstance(p, Int4Weight) else p for p in parts]
+    parts = [quantize_int8(p.dequantize(), Q8_GROUP) if isinstance(p, Int4Weight) else p for p in parts]
     g = min(p.group for p in parts)
     return [Int8Weight(p.q, p.scale.repeat_interleave(p.group // g, 1)) for p in parts]
 
 
 def _to_mode(w: QuantWeight | torch.Tensor, mode: str) -> QuantWeight:
-    if mode == "gguf":
-        return quantize_int8(w.detach(), EMBED_GROUP) if isinstance(w, torch.Tensor) else w
-    if mode == "int4":
-        if isinstance(w, Int4Weight):
-            return w
-        dense = w if isinstance(w, torch.Tensor) else w.dequantize()
-        return quantize_int4(dense, int4_group(dense.shape[1]))
-    if isinstance(w, Int8Weight):
-        return w                               # QuantLinear makes it per channel
-    return quantize_int8(w if isinstance(w, torch.Tensor) else w.dequantize())
+    return REGISTRY[mode].serve(w)
 
 
 def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
     """The file's own blocks, else a dense table as int8 blocks of 32 (as GGUF's Q8_0)."""
-    return block if block is not None else quantize_int8(dense.detach(), EMBED_GROUP)
+    return block if block is not None else quantize_int8(dense.detach(), Q8_GROUP)
 
 
 def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:

@@ -9,8 +9,8 @@
  * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd): the weight stream, which bounds a decode step,
  * is read once for all of them.
  *
- * Weights, packed at load by verifier/quantized/qlinear.py:pack_q4 (w = (q - 8) * scale + zero per 32
- * weights of a row, q in 0..15): tiles of Q4_TILE = 16 output channels, a tile's K / 32
+ * Weights, packed at load by verifier/quantized/own_kernels/q4x16.py:pack_q4 (w = (q - 8) *
+ * scale + zero per 32 weights of a row, q in 0..15): tiles of Q4_TILE = 16 output channels, a tile's K / 32
  * blocks in order, each Q4_BLOCK_BYTES = 320 bytes:
  *   bytes 0..255    4 groups j of 64 bytes; byte 4 r + b of group j holds channel r's
  *                   weight 4 j + b in its low nibble and weight 16 + 4 j + b in its high one

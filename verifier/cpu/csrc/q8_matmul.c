@@ -5,8 +5,8 @@
  * 256); requantizing those to 4 bits, or to int8 per channel, loses the file's accuracy, and
  * dequantizing them to fp32 makes the model several times slower than its int4 neighbours.
  *
- * Weights, packed at load by verifier/quantized/qlinear.py:pack_q8 (w = q * scale per `group` = 16 or 32
- * weights of a row, q in -2^(bits-1) .. 2^(bits-1) - 1, bits 5, 6 or 8), held as
+ * Weights, packed at load by verifier/quantized/own_kernels/q8x16.py:pack_q8 (w = q * scale
+ * per `group` = 16 or 32 weights of a row, q in -2^(bits-1) .. 2^(bits-1) - 1, bits 5, 6 or 8), held as
  * u = q + 2^(bits-1): tiles of Q8_TILE = 16 output channels, a tile's K / 32 blocks in order,
  * each 256 + 64 (bits - 4) + 32 (32 / group) bytes. Vector v (0..7, 64 bytes: byte 4 c + e for channel c) holds
  * the weights 16 (v / 4) + 4 (v % 4) + e, so vectors 0..3 are the first half-block:

@@ -1,0 +1,69 @@
+"""Tercel's kernel for int8 weights in groups of 16 or 32 (csrc/q8_matmul.c): GGUF's Q5_0, Q6_K
+and Q8_0 blocks as stored, held in 5, 6 or 8 bits; the only kernel for such weights (torch's
+int8 kernel would need them requantized per channel). Built for AVX2 or AVX-512 VNNI, as q4x16."""
+import torch
+import torch.nn.functional as F
+
+from verifier.cpu import cpu_ops
+from verifier.model.quant import Int8Weight, QuantWeight
+from verifier.quantized.own_kernels.base import Q4_BLOCK, Q4_TILE, LoopFields, OwnKernel, Packed
+
+
+def offered(w: QuantWeight) -> bool:
+    """Int8 groups of 16 or 32 (one scale per channel goes to torch's kernel), on a CPU the
+    kernel is built for."""
+    return (isinstance(w, Int8Weight) and w.group in (16, 32) and w.group != w.shape[1]
+            and w.shape[1] % Q4_BLOCK == 0 and cpu_ops.available() and cpu_ops.q4_isa() > 0)
+
+
+def q8_bits(w: Int8Weight) -> int:
+    """The fewest bits (5, 6 or 8) that hold every q of `w` (Q5_0: 5, Q6_K: 6, Q8_0: 8)."""
+    lo, hi = int(w.q.min()), int(w.q.max())
+    return next(b for b in (5, 6, 8) if -(1 << (b - 1)) <= lo and hi < 1 << (b - 1))
+
+
+def pack_q8(w: Int8Weight) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K / 32, 256 + 64 (bits - 4) + 32 (32 / group)]: `w` (its scales in bf16)
+    in the layout csrc/q8_matmul.c describes, u = q + 2^(bits - 1). Per tile of 16 channels and
+    block of 32 weights: for 5 and 6 bits u's low nibbles as q4x16's `pack_q4` lays them out and
+    one 64-byte plane per higher bit (bit v of byte 4 c + e: the bit of the weight vector v holds
+    there), for 8 bits the 8 vectors' bytes; then the 16 channels' scales of each group in the block."""
+    bits, (n, k) = q8_bits(w), w.shape
+    pad = -n % Q4_TILE
+    u = F.pad(w.q.to(torch.int32) + (1 << (bits - 1)), (0, 0, 0, pad))     # padded channels: scale 0
+    tiles, blocks = (n + pad) // Q4_TILE, k // Q4_BLOCK
+    u = u.view(tiles, Q4_TILE, blocks, 2, 4, 4)                 # weight 16 h + 4 g + e of a block
+    if bits == 8:                                               # vector v = 4 h + g, byte 4 c + e
+        vectors = u.permute(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 512)
+        return torch.cat([vectors, _group_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
+    nib = u & 15
+    nibbles = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
+    vector_bit = (1 << torch.arange(8, dtype=torch.int32)).view(2, 4, 1)      # vector v = 4 h + g
+    planes = [(((u >> p) & 1) * vector_bit).sum((3, 4)).permute(0, 2, 1, 3).reshape(tiles, blocks, 64)
+              for p in range(4, bits)]
+    return torch.cat([nibbles, *planes, _group_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
+
+
+def _group_scales(w: Int8Weight, tiles: int, blocks: int, pad: int) -> torch.Tensor:
+    """bytes [tiles, blocks, 32 per group]: per block the 16 channels' bf16 scales of each of its
+    groups (weights 0..15 then 16..31, or all 32)."""
+    per = Q4_BLOCK // w.group
+    scales = F.pad(w.scale, (0, 0, 0, pad)).to(torch.bfloat16).view(tiles, Q4_TILE, blocks, per)
+    return scales.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, 32 * per)
+
+
+def pack(w: Int8Weight) -> Packed:
+    bits = q8_bits(w)
+    return Packed((pack_q8(w), bits, w.group, w.shape[0]), bits)
+
+
+def _mm(x: torch.Tensor, packed: torch.Tensor, bits: int, group: int, n: int) -> torch.Tensor:
+    return cpu_ops.q8_matmul(packed, bits, group, n, x)
+
+
+def loop(p: Packed) -> LoopFields:
+    packed, bits, group, _ = p.args
+    return LoopFields(32, packed, None, group, bits)
+
+
+KERNEL = OwnKernel("q8x16", Int8Weight, offered, pack, _mm, loop)
