@@ -13,7 +13,7 @@ bits: the chunks and the order they merge in are the same either way.
 Each call is timed as a decode step makes it: its KV cold (a step's weights stream through
 the caches between one layer's attention and the next step's), requested by `prefetch_kv`
 just before. Timed hot, back to back, one thread won at every size on a machine where all
-threads were 1.3x faster inside the step at 300 keys.
+threads won inside the step (docs/quantization.md, "Attention").
 
 Cached per (CPU model and flags, torch version, threads, heads, kernel source) under the Tercel cache folder,
 beside the matmul timings; `tercel bench kernels` prints the table.
