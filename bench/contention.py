@@ -271,7 +271,7 @@ class Setting:
 def measure(engine, name: str, levels: list[tuple[int, str]], prompts: list[str], repeats: int) -> list[Setting]:
     """Each (concurrency, speculation) level, each repeat and prompt group, quiet and busy in
     alternating order."""
-    settings = [Setting(name, c, spec) for c, spec in levels]
+    settings = [Setting(name, c, level) for c, level in levels]
     engine.run(prompts[:1], levels[0][1])                   # warm: caches, first shapes
     k = 0
     for _ in range(repeats):
@@ -364,15 +364,15 @@ def quota_runs(args, prompts: list[str]) -> list[dict]:
             for v in variants]
 
 
-def child(spec: dict) -> None:
+def child(job: dict) -> None:
     """One quota run, in the cgroup: the plain offline engine over the prompts, one at a time."""
     from spec import LLM, SamplingParams
     from spec.threads import ThreadConfig
-    llm = LLM(num_threads=spec["threads"], thread_tuning=ThreadConfig(adaptive=not spec["fixed"]))
-    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
-    llm.chat([{"role": "user", "content": spec["prompts"][0]}], params)      # warm
+    llm = LLM(num_threads=job["threads"], thread_tuning=ThreadConfig(adaptive=not job["fixed"]))
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
+    llm.chat([{"role": "user", "content": job["prompts"][0]}], params)      # warm
     start, tokens = time.perf_counter(), 0
-    for p in spec["prompts"]:
+    for p in job["prompts"]:
         tokens += len(llm.chat([{"role": "user", "content": p}], params)[0].token_ids)
     print(json.dumps({"tok_s": tokens / (time.perf_counter() - start), "threads": llm.engine.stats().threads}))
 

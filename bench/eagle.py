@@ -28,22 +28,22 @@ def run_prompt(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int
     return len(out.token_ids), time.perf_counter() - t, out.stats
 
 
-def bench_temperature(plain: LLM, spec: LLM, prompts: list[list[int]], new_tokens: int,
+def bench_temperature(plain: LLM, speculative: LLM, prompts: list[list[int]], new_tokens: int,
                       temperature: float, seconds: float) -> dict:
-    start = spec.engine.stats().timing         # this temperature's steps only: the difference
+    start = speculative.engine.stats().timing         # this temperature's steps only: the difference
     rows, deadline = [], time.perf_counter() + seconds
     for i, p in enumerate(prompts):
         if time.perf_counter() > deadline:
             break
         params = SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=i if temperature else None)
         n0, t0, _ = run_prompt(plain, p, params)
-        n1, t1, st = run_prompt(spec, p, params)
+        n1, t1, st = run_prompt(speculative, p, params)
         rows.append((n0, t0, n1, t1, st))
     steps = sum(r[4].verify_steps for r in rows)
     depth = max((len(r[4].accepted_per_depth) for r in rows), default=0)
     per_depth = [sum(r[4].accepted_per_depth[d] for r in rows if d < len(r[4].accepted_per_depth)) / max(1, steps)
                  for d in range(depth)]
-    timing = spec.engine.stats().timing - start
+    timing = speculative.engine.stats().timing - start
     plain_tps = sum(r[0] for r in rows) / sum(r[1] for r in rows)
     spec_tps = sum(r[2] for r in rows) / sum(r[3] for r in rows)
     return {
@@ -78,18 +78,18 @@ def main() -> None:
     if args.depth or args.topk or args.budget:
         spec_cfg = SpecConfig(num_speculative_tokens=args.depth or 6, topk=args.topk or 1, budget=args.budget)
     plain = LLM(max_num_seqs=1)
-    spec = LLM(max_num_seqs=1, drafter=args.drafter, **({"speculation": spec_cfg} if spec_cfg else {}))
+    speculative = LLM(max_num_seqs=1, drafter=args.drafter, **({"speculation": spec_cfg} if spec_cfg else {}))
     prompts = [plain.apply_chat_template([{"role": "user", "content": t}])
                for t in mtbench_first_turns(args.prompts)]
     # Warm both engines once (first-call allocations are not what we measure).
-    for llm in (plain, spec):
+    for llm in (plain, speculative):
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8))
-    sc = spec.engine.spec_config
+    sc = speculative.engine.spec_config
     report = {"threads": torch.get_num_threads(), "drafter": args.drafter, "new_tokens": args.new_tokens,
               "tree": {"depth": sc.num_speculative_tokens, "topk": sc.topk, "budget": sc.max_nodes},
               "runs": []}
     for temp in (float(t) for t in args.temperatures.split(",")):
-        r = bench_temperature(plain, spec, prompts, args.new_tokens, temp, args.minutes * 60)
+        r = bench_temperature(plain, speculative, prompts, args.new_tokens, temp, args.minutes * 60)
         report["runs"].append(r)
         print(json.dumps(r), flush=True)
     _print(report)

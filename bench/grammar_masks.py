@@ -87,21 +87,21 @@ def main() -> None:
     backend = llm.engine.grammars
     rows: dict[int, dict[str, list[float]]] = {}
     for task in load_tasks(args.limit):
-        spec = StructuredOutputs(json=task.schema)
+        structured = StructuredOutputs(json=task.schema)
         out = llm.generate(llm.apply_chat_template(task.messages()),
-                           SamplingParams(temperature=0, max_tokens=128, structured=spec))[0].token_ids
+                           SamplingParams(temperature=0, max_tokens=128, structured=structured))[0].token_ids
         half = len(out) // 2
-        m = backend.matcher(spec)
+        m = backend.matcher(structured)
         assert all(m.accept(t) for t in out[:half])
         for width in (int(w) for w in args.width.split(",")):
             tree = draft_tree(m, out[half - 1:], args.depth, width)
             want = m.tree_masks(tree)
             assert torch.equal(python_walk(m, tree), want)
-            assert torch.equal(fork_walk(backend.compile(spec), out[:half], tree, m.vocab_size), want)
+            assert torch.equal(fork_walk(backend.compile(structured), out[:half], tree, m.vocab_size), want)
             cell = rows.setdefault(tree.num_nodes, {"traverse": [], "python": [], "fork": []})
             cell["traverse"].append(per_call_us(lambda: m.tree_masks(tree), args.repeats))
             cell["python"].append(per_call_us(lambda: python_walk(m, tree), args.repeats))
-            cell["fork"].append(per_call_us(lambda: fork_walk(backend.compile(spec), out[:half], tree, m.vocab_size),
+            cell["fork"].append(per_call_us(lambda: fork_walk(backend.compile(structured), out[:half], tree, m.vocab_size),
                                             max(1, args.repeats // 10)))
     print(f"| tree nodes | traverse_draft_tree us | Python accept/rollback us | fork per node us |\n|---|---|---|---|")
     for nodes, cell in sorted(rows.items()):

@@ -31,11 +31,11 @@ def plot_grid(rows: list[dict], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plt = pyplot()
-    spec = [r for r in rows if r["cell"]["drafter"] is not None]
-    if not spec:
+    speculative = [r for r in rows if r["cell"]["drafter"] is not None]
+    if not speculative:
         return []
-    return [_gamma_chart(plt, spec, out_dir / "tau_speedup_vs_gamma.png"),
-            _depth_chart(plt, spec, out_dir / "acceptance_per_depth.png")]
+    return [_gamma_chart(plt, speculative, out_dir / "tau_speedup_vs_gamma.png"),
+            _depth_chart(plt, speculative, out_dir / "acceptance_per_depth.png")]
 
 
 def _gamma_chart(plt, rows: list[dict], path: Path) -> Path:

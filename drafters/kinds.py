@@ -1,4 +1,4 @@
-"""The built-in drafters, by the spec strings the engine, the server and bench take."""
+"""The built-in drafters, by the drafter strings the engine, the server and bench take."""
 from __future__ import annotations
 
 import drafters.datastore  # noqa: F401  (each drafter module registers its kind)
@@ -12,22 +12,22 @@ from drafters.config import SpecConfig
 from drafters.registry import DEFAULT_SPECULATION, FACTORIES
 
 
-def default_speculation(spec: str | None) -> SpecConfig:
+def default_speculation(drafter: str | None) -> SpecConfig:
     """The tree shape a drafter kind is tuned for (e.g. EAGLE-3's dynamic tree), else SpecConfig()."""
-    kind = (spec or "").partition(":")[0]
+    kind = (drafter or "").partition(":")[0]
     return DEFAULT_SPECULATION.get(kind, SpecConfig())
 
 
-def check_drafter(spec: str) -> None:
-    """ValueError unless `spec`'s kind is registered (nothing is loaded)."""
-    kind = spec.partition(":")[0]
+def check_drafter(drafter: str) -> None:
+    """ValueError unless `drafter`'s kind is registered (nothing is loaded)."""
+    kind = drafter.partition(":")[0]
     if kind not in FACTORIES:
-        raise ValueError(f"unknown drafter {spec!r}; known kinds: {', '.join(sorted(FACTORIES))}")
+        raise ValueError(f"unknown drafter {drafter!r}; known kinds: {', '.join(sorted(FACTORIES))}")
 
 
-def build_drafter(spec: str, target, speculation) -> Drafter:
-    """`spec` is `kind` or `kind:argument`: "ngram", "small:/path/to/model",
+def build_drafter(drafter: str, target, speculation) -> Drafter:
+    """`drafter` is `kind` or `kind:argument`: "ngram", "small:/path/to/model",
     "tree:small:/path+ngram". The target supplies the tokenizer and device."""
-    check_drafter(spec)
-    kind, _, arg = spec.partition(":")
+    check_drafter(drafter)
+    kind, _, arg = drafter.partition(":")
     return FACTORIES[kind](arg, target, speculation)

@@ -62,9 +62,9 @@ def run_chat(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     drafter = drafter_name(args.drafter)
-    spec = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
+    speculation = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
     print("loading model...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, drafter=drafter, speculation=spec, quantization=args.quantization,
+    llm = LLM(args.model, drafter=drafter, speculation=speculation, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size,
               **({"num_threads": args.threads} if args.threads else {}))
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -99,10 +99,10 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
     print()
     history.append({"role": "assistant", "content": out.text})
     n = len(out.token_ids)
-    spec = (f", mean accepted length {out.stats.mean_accepted_length:.2f}"
+    accepted = (f", mean accepted length {out.stats.mean_accepted_length:.2f}"
             if out.stats.verify_steps else "")
     print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, "
-          f"time to first token {out.ttft * 1000:.0f} ms{spec}, finish: {out.finish_reason}]",
+          f"time to first token {out.ttft * 1000:.0f} ms{accepted}, finish: {out.finish_reason}]",
           file=sys.stderr)
 
 
