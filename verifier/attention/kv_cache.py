@@ -7,20 +7,15 @@ flattened pool. The Triton kernels use the same layout.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-
-from verifier.cpu import hugepages
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # on the CPU, huge pages: each step reads every layer's keys and values of its sequences
-        zeros = hugepages.empty if torch.device(device).type == "cpu" else partial(torch.zeros, device=device)
-        self.k, self.v = zeros(shape, dtype), zeros(shape, dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # each layer's (k, v) views, made once: indexing a tensor costs microseconds, 60 per step

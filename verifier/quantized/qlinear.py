@@ -13,8 +13,6 @@ plan's path, in fixed tiles (`verifier.quantized.matmul_paths`).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,20 +61,6 @@ class QuantLinear(nn.Module):
     def bits(self) -> int:
         """Bits per weight as the own kernel holds them (Q5_0 on q8x16: 5)."""
         return self._packed[self.own].bits
-
-    def own_tensors(self) -> list[torch.Tensor]:
-        """The tensors the own kernel reads, in its arguments' order."""
-        return [a for a in self._packed[self.own].args if isinstance(a, torch.Tensor)]
-
-    def hold_own_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """The own kernel reads `tensors` instead of `own_tensors()`: equal copies placed elsewhere
-        (on huge pages, `verifier.quantized.quantize.apply_plan`)."""
-        given = iter(tensors)
-        packed = self._packed[self.own]
-        args = tuple(next(given) if isinstance(a, torch.Tensor) else a for a in packed.args)
-        self._packed[self.own] = replace(packed, args=args)
-        self._owns[self.own] = (self._owns[self.own][0], args)
-        self.use_own(self.own)
 
     def loop_fields(self):
         """The own kernel's entry in the native loop (`verifier.quantized.own_kernels.base.LoopFields`)."""

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from verifier.cpu import cpu_ops, hugepages
+from verifier.cpu import cpu_ops
 from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
@@ -174,15 +174,7 @@ def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTi
             lin.add_dense(plan.bulk)
         lin.plan = plan
         lin.release_source()
-    _on_huge_pages([*decoder, head.scan])
     return plan
-
-
-def _on_huge_pages(linears: list[QuantLinear]) -> None:
-    """Every linear's own-kernel tensors side by side on huge pages: a decode step streams them all."""
-    moved = iter(hugepages.gather([t for lin in linears for t in lin.own_tensors()]))
-    for lin in linears:
-        lin.hold_own_tensors([next(moved) for _ in lin.own_tensors()])
 
 
 def timed_linears(net: nn.Module) -> list[QuantLinear]:
