@@ -2,7 +2,7 @@
 one process (batch 1, greedy, MT-bench first turns), each engine's prompts run in turn per repeat.
 
     python -m bench.step_times --engines plain,suffix --limit 10 --repeats 2 --threads 2
-    TERCEL_HUGEPAGES=0 python -m bench.step_times --engines plain --limit 6
+    python -m bench.step_times --engines plain,plain@2 --limit 6 --repeats 1
 
 "plain" is an engine without a drafter (names after "@" tell copies apart: plain@2); any other
 name is a drafter. Steps with more than --max-rows rows (prompt chunks) are left out. Prints, per
