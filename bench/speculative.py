@@ -10,6 +10,10 @@ against the plain engine (batch 1, greedy) on Spec-Bench tasks and MT-bench firs
 `--tasks agent` adds the calculator-agent sessions of bench/agent.py, whose replies stop at
 the end of their turn (the other sets run `--new-tokens` past it).
 
+`--same-engine` adds each drafter's speedup over plain decoding on its own engine (the
+drafter's requests run with speculation off, interleaved): two engines in one process can
+differ in speed by several per cent whatever they run (docs/performance.md).
+
 `--tree default` runs each drafter with its own default tree under the adaptive controller
 (the offline API's default); `--whole-tree-too` adds each drafter verifying its whole tree
 every step (`AdaptiveConfig(enabled=False)`), as "NAME (whole tree)".
@@ -66,12 +70,14 @@ def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats:
         blocks.free(seq)
 
 
-def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> dict:
+def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True,
+            speculate: bool = True) -> dict:
+    """The prompts one at a time; `speculate=False` decodes them plainly on `llm`'s engine."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=ignore_eos)
     if llm.engine.drafter is not None:
         llm.engine.drafter.forget_history()
     t = time.perf_counter()
-    outs = [llm.generate(p, params)[0] for p in prompts]
+    outs = [llm.generate(p, params, speculate=speculate)[0] for p in prompts]
     wall = time.perf_counter() - t
     steps = sum(o.stats.verify_steps for o in outs)
     depth = [sum(col) for col in itertools.zip_longest(*[o.stats.accepted_per_depth for o in outs], fillvalue=0)]
@@ -99,6 +105,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-curve", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--same-engine", action="store_true",
+                    help="each drafter against plain decoding on its own engine (its requests with speculation "
+                         "off), as 'NAME (own plain)': two engines in one process can differ in speed")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,11 +129,16 @@ def main() -> None:
         prompts = [plain.apply_chat_template(c) for c in conversations]
         until_eos = task == "agent"
         runs = {"plain": [], **{d: [] for d in drafters}}
+        own = {d: [] for d in drafters} if args.same_engine else {}
         for _ in range(args.repeats):
             runs["plain"].append(run_set(plain, prompts, args.new_tokens, ignore_eos=not until_eos))
             for d, llm in drafters.items():
+                if args.same_engine:
+                    own[d].append(run_set(llm, prompts, args.new_tokens, not until_eos, speculate=False))
                 runs[d].append(run_set(llm, prompts, args.new_tokens, ignore_eos=not until_eos))
         report["tasks"][task] = _summarise(runs)
+        for d, plains in own.items():      # the drafter's runs over its own engine's plain ones
+            report["tasks"][task][f"{d} (own plain)"] = _summarise({"plain": plains, d: runs[d]})[d]
     _print(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -48,11 +48,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 predictions: Predicted | Sequence[Predicted] = None) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+                 predictions: Predicted | Sequence[Predicted] = None, *, speculate: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order.
+        `speculate=False`: these requests decode plainly though the engine has a drafter."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([(p, None) for p in prompts], params, predictions)
+        return self._run([(p, None) for p in prompts], params, predictions, speculate)
 
     def chat(self, conversations: list[Message] | list[list[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -71,7 +72,8 @@ class LLM:
                 raise ValueError(f"bad message {m!r}: need role system/user/assistant and string content")
         return chat_token_ids(self.tokenizer, messages)
 
-    def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params, predictions=None) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params, predictions=None,
+             speculate: bool = True) -> list[RequestOutput]:
         params = params or SamplingParams()
         plist = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(items):
@@ -82,7 +84,7 @@ class LLM:
             for (prompt, tokens), p, pred in zip(items, plist, predicted):
                 rid = f"gen-{next(self._ids)}"
                 engine.add_request(rid, prompt if prompt is not None else tokens, p, prompt_token_ids=tokens,
-                                   prediction=pred)
+                                   speculate=speculate, prediction=pred)
                 ids.append(rid)
         except Exception:
             for rid in ids:            # a bad prompt in the list: leave nothing queued

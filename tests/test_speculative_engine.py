@@ -89,6 +89,17 @@ def tiny_plain(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=96, max_num_seqs=8)
 
 
+def test_a_request_without_speculation_decodes_plainly_on_a_drafting_engine(tiny_spec, tiny_plain):
+    """`generate(..., speculate=False)`: no draft token verified, the plain engine's tokens."""
+    p = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = tiny_plain.generate(p, params)[0].token_ids
+    off = tiny_spec.generate(p, params, speculate=False)[0]
+    on = tiny_spec.generate(p, params)[0]
+    assert off.token_ids == on.token_ids == want
+    assert off.stats.draft_tokens == 0 and on.stats.draft_tokens > 0
+
+
 def test_max_tokens_never_exceeded_inside_accepted_paths(tiny_spec, tiny_plain):
     """For max_tokens 1..12 the output has exactly max_tokens tokens, equal to the plain prefix."""
     p = list(range(100, 140))
