@@ -2,7 +2,7 @@
 defining FORMAT (`base.BlockFormat`: block size, bytes, the served form, the reader).
 
 Adding a format: a module here beside these, its name in `_MODULES`, and a test that reads
-blocks of it (docs/quantization.md, "Adding a quantization format").
+blocks of it (docs/quantization.md, "Adding a format").
 """
 from __future__ import annotations
 

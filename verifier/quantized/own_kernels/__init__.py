@@ -5,7 +5,7 @@ chooses among them by measurement.
 
 Adding a kernel: a module here, its name in `_MODULES` (the order is the default's preference),
 its C source beside the others with its kind in decode_loop.cpp, and a test of its bits
-(docs/quantization.md, "Adding a quantization format").
+(docs/quantization.md, "Adding a format").
 """
 from __future__ import annotations
 

@@ -22,13 +22,14 @@ def q8_bits(w: Int8Weight) -> int:
     return next(b for b in (5, 6, 8) if -(1 << (b - 1)) <= lo and hi < 1 << (b - 1))
 
 
-def pack_q8(w: Int8Weight) -> torch.Tensor:
+def pack_q8(w: Int8Weight, bits: int | None = None) -> torch.Tensor:
     """uint8 [ceil(N / 16), K / 32, 256 + 64 (bits - 4) + 32 (32 / group)]: `w` (its scales in bf16)
     in the layout csrc/q8_matmul.c describes, u = q + 2^(bits - 1). Per tile of 16 channels and
     block of 32 weights: for 5 and 6 bits u's low nibbles as q4x16's `pack_q4` lays them out and
     one 64-byte plane per higher bit (bit v of byte 4 c + e: the bit of the weight vector v holds
-    there), for 8 bits the 8 vectors' bytes; then the 16 channels' scales of each group in the block."""
-    bits, (n, k) = q8_bits(w), w.shape
+    there), for 8 bits the 8 vectors' bytes; then the 16 channels' scales of each group in the block.
+    `bits`: `q8_bits(w)`, where the caller has it."""
+    bits, (n, k) = bits or q8_bits(w), w.shape
     pad = -n % Q4_TILE
     u = F.pad(w.q.to(torch.int32) + (1 << (bits - 1)), (0, 0, 0, pad))     # padded channels: scale 0
     tiles, blocks = (n + pad) // Q4_TILE, k // Q4_BLOCK
@@ -54,7 +55,7 @@ def _group_scales(w: Int8Weight, tiles: int, blocks: int, pad: int) -> torch.Ten
 
 def pack(w: Int8Weight) -> Packed:
     bits = q8_bits(w)
-    return Packed((pack_q8(w), bits, w.group, w.shape[0]), bits)
+    return Packed((pack_q8(w, bits), bits, w.group, w.shape[0]), bits)
 
 
 def _mm(x: torch.Tensor, packed: torch.Tensor, bits: int, group: int, n: int) -> torch.Tensor:
