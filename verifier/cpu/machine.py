@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
+
+log = logging.getLogger("tercel.machine")
 
 _ISA_CAPS = {"avx2": {"march": "haswell", "aten": "avx2", "onednn": "AVX2",
                       "drop": ("avx512", "amx", "avx_vnni")}}
@@ -127,13 +131,29 @@ def cache_bytes(level: int) -> int:
 T = TypeVar("T")
 
 
+# Timings cached for good must come from a quiet machine: a neighbour busy during them (another
+# engine loading, a test suite) makes every parallel path look slow, and the choice would stick.
+CACHE_FORMAT = 2            # 2: written only when measured quiet (1: entries that may not have been)
+QUIET_CPUS = 0.25           # other processes' CPUs, on average, above which timings are not cached
+QUIET_WINDOW = 0.25         # seconds: below this /proc/stat's 10 ms ticks blur the reading
+
+
+def _neighbour_meter() -> Callable[[], float | None]:
+    from verifier.cpu.cpus import NeighbourMeter
+    return NeighbourMeter()
+
+
 def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
                        to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False,
-                       threads: int | None = None) -> T:
+                       threads: int | None = None,
+                       neighbours: Callable[[], Callable[[], float | None]] = _neighbour_meter) -> T:
     """What `measure()` found on this machine for `key` (the machine's own key is added), read
     from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now, on
-    `threads` (None: the current count), and written there. A damaged file is measured again."""
-    key = {**key, **machine_key(threads)}
+    `threads` (None: the current count), and written there if the machine was quiet meanwhile
+    (`neighbours()`: a meter of the CPUs other processes keep busy; see QUIET_CPUS): timings
+    taken beside other work serve this load only, and the next load measures again. A damaged
+    file is measured again."""
+    key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"{prefix}{digest}.json" if cache_dir else None
     if path is not None and path.is_file() and not refresh:
@@ -141,9 +161,14 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
             return from_json(json.loads(path.read_text())["timings"])
         except (ValueError, KeyError, TypeError):
             pass
+    meter, start = neighbours(), time.monotonic()
     with on_threads(threads):
         result = measure()
-    if path is not None:
+    others = meter() if time.monotonic() - start >= QUIET_WINDOW else None
+    if others is not None and others > QUIET_CPUS:
+        log.warning("%s timings taken while other processes kept %.2f CPUs busy: used for this load, "
+                    "not cached (the next load measures again)", prefix.rstrip("-") or "kernel", others)
+    elif path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps({"key": key, "timings": to_json(result)}, indent=1))
