@@ -730,8 +730,9 @@ static void merge_group(const Work *w, int64_t g) {
  * flash-decoding style: the items (a single decode row at a 300-token context: 2 chunks x 3
  * KV heads) are spread over the threads, and each vector's chunks are merged in order once all
  * are done. A chunk's bounds depend only on the row's own key count, so the work split never
- * changes a row's bits. Forwards below hd->parallel_from run on the calling thread alone: for
- * them an OpenMP region, even of one thread, costs about as much as their attention. */
+ * changes a row's bits. Forwards below hd->parallel_from, and every forward on one thread (the
+ * thread governor's choice beside a busy neighbour), run on the calling thread alone: an OpenMP
+ * region, even of one thread, costs about as much as a small forward's attention. */
 void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache, const bf16 *v_cache, bf16 *out) {
     const int64_t group = hd->nh / hd->nkv, heads = group < QV ? group : QV, splits = (group + heads - 1) / heads;
     Work w = {hd, rw, q, k_cache, v_cache, out, group, heads, splits, hd->nkv * splits, hd->d + 2, NULL, NULL};
@@ -745,7 +746,7 @@ void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache
     }
     const int64_t items = w.first[rw->units], groups = rw->units * w.per_unit;
     w.parts = malloc(sizeof(float) * items * QV * w.stride);
-    if (rw->rows * rw->longest * hd->nh >= hd->parallel_from) {
+    if (rw->rows * rw->longest * hd->nh >= hd->parallel_from && omp_get_max_threads() > 1) {
         #pragma omp parallel
         {
             float score[QV * CH];
