@@ -129,3 +129,17 @@ def test_rows_with_few_tokens_get_exact_logits_there_alone_in_both_loops(smollm2
         assert torch.equal(few[row, picks[row - 1][:len(t)]], full[row, picks[row - 1][:len(t)]])
         assert torch.isfinite(few[row, allowed]).all() and (few[row, ~allowed] == float("-inf")).all()
     assert torch.equal(few[0], full[0])
+
+
+def test_row_costs_splits_a_verify_forward_and_leaves_the_pool_whole(smollm2_dir):
+    """bench/row_costs.py times tree forwards on a sequence of its own: every row count gets
+    every part, the wall time covers the clocked parts, and its blocks go back to the pool."""
+    from bench.row_costs import PARTS, costs
+    from spec import LLM
+    llm = LLM(model=str(smollm2_dir), max_num_seqs=1)
+    used = llm.engine.blocks.num_used_blocks
+    ms = costs(llm, ctx=40, rows=[1, 3], rounds=1, calls=2)
+    assert set(ms) == {1, 3} and all(set(ms[n]) == set(PARTS) for n in ms)
+    assert all(ms[n]["matmul"] > 0 and ms[n]["attention"] > 0 for n in ms)
+    assert all(ms[n]["matmul"] + ms[n]["attention"] < ms[n]["forward"] for n in ms)
+    assert llm.engine.blocks.num_used_blocks == used
