@@ -16,7 +16,9 @@ just before. Timed hot, back to back, one thread won at every size on a machine 
 threads won inside the step (docs/quantization.md, "Attention").
 
 Cached per (CPU model and flags, torch version, threads, heads, kernel source) under the Tercel cache folder,
-beside the matmul timings; `tercel bench kernels` prints the table.
+beside the matmul timings, when measured quiet (`verifier.cpu.machine.cached_measurement`: beside
+a busy neighbour the all-threads calls wait for a descheduled partner, and one thread would win
+everywhere); `tercel bench kernels` prints the table.
 """
 from __future__ import annotations
 
