@@ -172,6 +172,11 @@ class NeighbourMeter:
         self._idle, self._own = IdleMeter(stat), own
         self._last = (time.monotonic(), own())
 
+    @property
+    def cpus(self) -> int:
+        """CPUs in the affinity mask, those the readings cover."""
+        return self._idle.cpus
+
     def __call__(self) -> float | None:
         idle, now = self._idle(), (time.monotonic(), self._own())
         (t0, own0), self._last = self._last, now

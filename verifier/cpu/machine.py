@@ -134,25 +134,32 @@ T = TypeVar("T")
 # Timings cached for good must come from a quiet machine: a neighbour busy during them (another
 # engine loading, a test suite) makes every parallel path look slow, and the choice would stick.
 CACHE_FORMAT = 2            # 2: written only when measured quiet (1: entries that may not have been)
-QUIET_CPUS = 0.25           # other processes' CPUs, on average, above which timings are not cached
+QUIET_CPUS = 0.25           # CPUs other processes may keep busy, beyond those the measurement left idle
 QUIET_WINDOW = 0.25         # seconds: below this /proc/stat's 10 ms ticks blur the reading
 
 
-def _neighbour_meter() -> Callable[[], float | None]:
+def _neighbour_meter():
+    """A `verifier.cpu.cpus.NeighbourMeter`: called, the CPUs other processes kept busy since
+    the last call; `.cpus`, the CPUs it covers."""
     from verifier.cpu.cpus import NeighbourMeter
     return NeighbourMeter()
 
 
+def _crowded(others: float | None, cpus: int, threads: int) -> bool:
+    """Whether other processes took CPUs the measurement's threads needed: more than the CPUs
+    it left idle (a big shared host's other tenants do not count) plus QUIET_CPUS."""
+    return others is not None and others > max(0, cpus - threads) + QUIET_CPUS
+
+
 def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
                        to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False,
-                       threads: int | None = None,
-                       neighbours: Callable[[], Callable[[], float | None]] = _neighbour_meter) -> T:
+                       threads: int | None = None, neighbours: Callable = _neighbour_meter) -> T:
     """What `measure()` found on this machine for `key` (the machine's own key is added), read
     from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now, on
-    `threads` (None: the current count), and written there if the machine was quiet meanwhile
-    (`neighbours()`: a meter of the CPUs other processes keep busy; see QUIET_CPUS): timings
-    taken beside other work serve this load only, and the next load measures again. A damaged
-    file is measured again."""
+    `threads` (None: the current count), and written there if no other process took CPUs
+    its threads needed meanwhile (`neighbours()`: a meter as `_neighbour_meter` makes; see
+    `_crowded`): timings taken beside other work serve this load only, and the next load
+    measures again. A damaged file is measured again."""
     key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"{prefix}{digest}.json" if cache_dir else None
@@ -165,7 +172,7 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
     with on_threads(threads):
         result = measure()
     others = meter() if time.monotonic() - start >= QUIET_WINDOW else None
-    if others is not None and others > QUIET_CPUS:
+    if _crowded(others, meter.cpus, key["threads"]):
         log.warning("%s timings taken while other processes kept %.2f CPUs busy: used for this load, "
                     "not cached (the next load measures again)", prefix.rstrip("-") or "kernel", others)
     elif path is not None:
