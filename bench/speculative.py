@@ -37,10 +37,10 @@ import torch
 
 from bench.agent import agent_sessions
 from bench.data import mtbench_first_turns, specbench_prompts
+from bench.row_costs import tree_batch
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.cpu.machine import machine_summary
 
@@ -56,9 +56,7 @@ def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats:
         target.forward(ForwardBatch([SeqInput(list(range(10, 10 + ctx)), 0, table)]))
         out = {}
         for n in sizes:
-            tree = TokenTree(tokens=list(range(100, 100 + n)), parents=[-1] + [(i - 1) // 2 for i in range(1, n)])
-            batch = ForwardBatch([SeqInput(list(tree.tokens), ctx, table, positions=tree.positions(ctx),
-                                           mask=tree.ancestor_mask(), logits_indices=list(range(n)))])
+            batch = tree_batch(ctx, n, table, logits=True)
             times = []
             for _ in range(repeats):
                 t = time.perf_counter()

@@ -143,3 +143,15 @@ def test_row_costs_splits_a_verify_forward_and_leaves_the_pool_whole(smollm2_dir
     assert all(ms[n]["matmul"] > 0 and ms[n]["attention"] > 0 for n in ms)
     assert all(ms[n]["matmul"] + ms[n]["attention"] < ms[n]["forward"] for n in ms)
     assert llm.engine.blocks.num_used_blocks == used
+
+
+def test_the_verify_curve_times_every_size_and_leaves_the_pool_whole(smollm2_dir):
+    """bench.speculative.verify_curve (its trees from bench/row_costs.py) times each size on
+    a sequence of its own and gives its blocks back."""
+    from bench.speculative import verify_curve
+    from spec import LLM
+    llm = LLM(model=str(smollm2_dir), max_num_seqs=1)
+    used = llm.engine.blocks.num_used_blocks
+    curve = verify_curve(llm, ctx=40, sizes=(1, 3), repeats=1)
+    assert sorted(curve) == [1, 3] and min(curve.values()) > 0
+    assert llm.engine.blocks.num_used_blocks == used
