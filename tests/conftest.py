@@ -28,6 +28,29 @@ def _threads_left_by_neighbours():
     yield
 
 
+class FakeNeighbours:
+    """A `verifier.cpu.cpus.NeighbourMeter` stand-in that always reads `others` CPUs busy."""
+
+    def __init__(self, others: float, cpus: int = 2):
+        self.others, self.cpus = others, cpus
+
+    def __call__(self) -> float:
+        return self.others
+
+
+@pytest.fixture
+def neighbours(monkeypatch):
+    """Sets what the kernel timings' cache reads of other processes (`others` CPUs busy; 0: a
+    quiet machine), so that a test of caching does not depend on what else runs beside it."""
+    from verifier.cpu import machine
+
+    def set_busy(others: float, cpus: int = 2) -> None:
+        monkeypatch.setattr(machine, "_neighbour_meter", lambda: FakeNeighbours(others, cpus))
+        monkeypatch.setattr(machine, "QUIET_WINDOW", 0.0)
+    set_busy(0.0)
+    return set_busy
+
+
 def _gpu_suite_skip() -> str | None:
     import torch
     if not torch.cuda.is_available():

@@ -24,7 +24,7 @@ def test_the_threshold_is_the_smallest_work_won_at_every_larger_size():
     assert choose(serial, {(1, 64): 9.0, (1, 128): 19.5, (1, 256): 25.0}, heads=9) == 256 * 9
 
 
-def test_tune_measures_once_per_machine_and_sets_the_heads(tmp_path, monkeypatch):
+def test_tune_measures_once_per_machine_and_sets_the_heads(tmp_path, monkeypatch, neighbours):
     """The first load measures and caches; the next reads the cache (no timing); both set
     Heads.parallel_from, which the kernels read at each call."""
     hd = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)
@@ -36,3 +36,19 @@ def test_tune_measures_once_per_machine_and_sets_the_heads(tmp_path, monkeypatch
     monkeypatch.setattr(attention_tuning, "measure", lambda hd: (_ for _ in ()).throw(AssertionError("re-timed")))
     hd2 = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)
     assert tune(hd2, tmp_path).parallel_from == first.parallel_from == hd2.parallel_from
+
+
+def test_timings_taken_beside_a_busy_neighbour_give_way_to_the_default_threshold(tmp_path, monkeypatch, neighbours):
+    """Beside a busy neighbour one thread wins every size (the other thread waits to be
+    scheduled): such timings are not cached and the heads take the default threshold, not
+    theirs, which would keep attention on one thread for good."""
+    keys = [(r, k) for r in attention_tuning.ROWS for k in attention_tuning.KEYS]
+    crowded = attention_tuning.AttentionTimings({c: 10.0 for c in keys}, {c: 900.0 for c in keys}, NEVER)
+    monkeypatch.setattr(attention_tuning, "measure", lambda hd: crowded)
+    neighbours(0.9)
+    hd = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)
+    assert tune(hd, tmp_path, threads=2).parallel_from == hd.parallel_from == cpu_ops.PARALLEL_FROM
+    assert not list(tmp_path.glob("attention-*.json"))
+    neighbours(0.0)
+    assert tune(hd, tmp_path, threads=2).parallel_from == hd.parallel_from == NEVER
+    assert len(list(tmp_path.glob("attention-*.json"))) == 1

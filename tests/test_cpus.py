@@ -13,6 +13,7 @@ import pytest
 
 from bench.contention import make_cgroup
 from verifier.cpu.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
+from conftest import FakeNeighbours
 
 ROOT = Path(__file__).resolve().parents[1]
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
@@ -187,12 +188,7 @@ def test_cached_timings_are_measured_on_the_count_they_are_for(tmp_path):
         seen.append(torch.get_num_threads())
         return {"ms": 1.0}
     torch.set_num_threads(1)
-    class Quiet:
-        cpus = 2
-
-        def __call__(self) -> float:
-            return 0.0
-    quiet = {"neighbours": Quiet}
+    quiet = {"neighbours": lambda: FakeNeighbours(0.0)}
     args = (tmp_path, "t-", {"what": "test"}, measure, dict, dict)
     assert cached_measurement(*args, threads=2, **quiet) == {"ms": 1.0} and seen == [2]
     assert torch.get_num_threads() == 1
@@ -215,18 +211,12 @@ def test_timings_taken_beside_a_busy_neighbour_serve_the_load_but_are_not_cached
     def measure() -> dict:
         seen.append(len(seen))
         return {"ms": float(len(seen))}
-    class Meter:
-        def __init__(self, others: float, cpus: int = 2):
-            self.others, self.cpus = others, cpus
-
-        def __call__(self) -> float:
-            return self.others
     args = (tmp_path, "t-", {"what": "test"}, measure, dict, dict)
-    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: Meter(0.9)) == {"ms": 1.0}
+    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: FakeNeighbours(0.9)) == {"ms": 1.0}
     assert not list(tmp_path.glob("t-*.json"))
     # a big host's other tenants, on CPUs the two threads never needed, leave it quiet
-    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: Meter(5.0, cpus=16)) == {"ms": 2.0}
-    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: Meter(0.9)) == {"ms": 2.0}   # read back
+    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: FakeNeighbours(5.0, cpus=16)) == {"ms": 2.0}
+    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: FakeNeighbours(0.9)) == {"ms": 2.0}   # read back
     assert len(seen) == 2 and len(list(tmp_path.glob("t-*.json"))) == 1
 
 

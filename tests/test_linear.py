@@ -57,7 +57,7 @@ def test_choose_takes_onednn_from_the_first_count_where_it_wins_at_every_larger_
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN not built into this torch")
-def test_tune_sets_every_linear_and_caches_per_machine(tmp_path, monkeypatch):
+def test_tune_sets_every_linear_and_caches_per_machine(tmp_path, monkeypatch, neighbours):
     from verifier.model import linear_tuning
     net = torch.nn.Sequential(Linear(64, 128), Linear(128, 64, bias=False))
     first = linear_tuning.tune(net, tmp_path)

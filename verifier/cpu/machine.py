@@ -153,12 +153,14 @@ def _crowded(others: float | None, cpus: int, threads: int) -> bool:
 
 def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
                        to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False,
-                       threads: int | None = None, neighbours: Callable = _neighbour_meter) -> T:
+                       threads: int | None = None, neighbours: Callable | None = None,
+                       crowded: Callable[[T], T] | None = None) -> T:
     """What `measure()` found on this machine for `key` (the machine's own key is added), read
     from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now, on
     `threads` (None: the current count), and written there if no other process took CPUs
-    its threads needed meanwhile (`neighbours()`: a meter as `_neighbour_meter` makes; see
-    `_crowded`): timings taken beside other work serve this load only, and the next load
+    its threads needed meanwhile (`neighbours()`: a meter as `_neighbour_meter`, the default,
+    makes; see `_crowded`): timings taken beside other work serve this load only, as they are
+    or as `crowded(timings)` makes them (a choice that does not trust them), and the next load
     measures again. A damaged file is measured again."""
     key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -168,14 +170,15 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
             return from_json(json.loads(path.read_text())["timings"])
         except (ValueError, KeyError, TypeError):
             pass
-    meter, start = neighbours(), time.monotonic()
+    meter, start = (neighbours or _neighbour_meter)(), time.monotonic()
     with on_threads(threads):
         result = measure()
     others = meter() if time.monotonic() - start >= QUIET_WINDOW else None
     if _crowded(others, meter.cpus, key["threads"]):
-        log.warning("%s timings taken while other processes kept %.2f CPUs busy: used for this load, "
-                    "not cached (the next load measures again)", prefix.rstrip("-") or "kernel", others)
-    elif path is not None:
+        log.warning("%s timings taken while other processes kept %.2f CPUs busy: not cached (the next "
+                    "load measures again)", prefix.rstrip("-") or "kernel", others)
+        return crowded(result) if crowded else result
+    if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps({"key": key, "timings": to_json(result)}, indent=1))

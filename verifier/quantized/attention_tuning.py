@@ -125,6 +125,13 @@ def measure(hd: cpu_ops.Heads, rounds: int = 5, calls: int = 3) -> AttentionTimi
     return AttentionTimings(med["serial"], med["parallel"], choose(med["serial"], med["parallel"], hd.nh))
 
 
+def _untrusted(timings: AttentionTimings) -> AttentionTimings:
+    """Timings taken beside a busy neighbour, which make one thread look faster at every size:
+    the default threshold instead, or a server loaded at a busy moment would keep long contexts'
+    attention on one thread for its whole life (the governor gives it one thread while crowded)."""
+    return AttentionTimings(timings.serial, timings.parallel, cpu_ops.PARALLEL_FROM)
+
+
 def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False,
          threads: int | None = None) -> AttentionTimings:
     """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
@@ -132,6 +139,6 @@ def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False,
     kernels = hashlib.sha256(cpu_ops.DECODE_OPS.read_bytes()).hexdigest()[:16]   # a new kernel is timed anew
     key = {"format": FORMAT, "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
     timings = cached_measurement(cache_dir, "attention-", key, lambda: measure(hd), AttentionTimings.to_json,
-                                 AttentionTimings.from_json, refresh, threads)
+                                 AttentionTimings.from_json, refresh, threads, crowded=_untrusted)
     hd.parallel_from = timings.parallel_from
     return timings
