@@ -24,6 +24,7 @@ import torch
 from spec import LLM
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu.machine import machine_summary
 from verifier.quantized.cpu_loop import step_clock
 
 PARTS = ("forward", "matmul", "head", "attention", "rest")
@@ -101,7 +102,6 @@ def main() -> None:
         raise SystemExit("bench.row_costs times the native loop: a quantized target on the CPU")
     if args.attention_threads != "measured":
         runner.heads.parallel_from = THRESHOLDS[args.attention_threads]
-    from verifier.cpu.machine import machine_summary
     print(f"{machine_summary()}; attention on all threads from work {runner.heads.parallel_from} "
           f"(rows x keys x query heads)\n")
     rows = [int(r) for r in args.rows.split(",")]
