@@ -13,7 +13,6 @@ import pytest
 
 from bench.contention import make_cgroup
 from verifier.cpu.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
-from conftest import FakeNeighbours
 
 ROOT = Path(__file__).resolve().parents[1]
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
@@ -176,7 +175,7 @@ def test_readers_in_turn_share_one_window_and_a_short_one_gives_the_last_answer(
     assert free(n) == n
 
 
-def test_cached_timings_are_measured_on_the_count_they_are_for(tmp_path):
+def test_cached_timings_are_measured_on_the_count_they_are_for(tmp_path, neighbours):
     """A kernel choice measured on the threads the forwards will run on, whatever the caller's
     count, cached under that count, and the caller's count set back."""
     import torch
@@ -188,35 +187,35 @@ def test_cached_timings_are_measured_on_the_count_they_are_for(tmp_path):
         seen.append(torch.get_num_threads())
         return {"ms": 1.0}
     torch.set_num_threads(1)
-    quiet = {"neighbours": lambda: FakeNeighbours(0.0)}
     args = (tmp_path, "t-", {"what": "test"}, measure, dict, dict)
-    assert cached_measurement(*args, threads=2, **quiet) == {"ms": 1.0} and seen == [2]
+    assert cached_measurement(*args, threads=2) == {"ms": 1.0} and seen == [2]
     assert torch.get_num_threads() == 1
-    cached_measurement(*args, threads=2, **quiet)
+    cached_measurement(*args, threads=2)
     assert seen == [2]                                   # read back from the cache
-    cached_measurement(*args, **quiet)
+    cached_measurement(*args)
     assert seen == [2, 1]                                # another count, another measurement
     assert len(list(tmp_path.glob("t-*.json"))) == 2
 
 
-def test_timings_taken_beside_a_busy_neighbour_serve_the_load_but_are_not_cached(tmp_path, monkeypatch):
+def test_timings_taken_beside_a_busy_neighbour_serve_the_load_but_are_not_cached(tmp_path, neighbours):
     """A measurement while other processes kept a CPU busy is used, not written: the next load
     measures again (a neighbour during the attention timings once made serial attention stick
     on a machine where all threads are faster). Quiet, or with the neighbours on CPUs its
     threads never needed, it is written and read back."""
     from verifier.cpu import machine
-    monkeypatch.setattr(machine, "QUIET_WINDOW", 0.0)
     seen = []
 
     def measure() -> dict:
         seen.append(len(seen))
         return {"ms": float(len(seen))}
     args = (tmp_path, "t-", {"what": "test"}, measure, dict, dict)
-    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: FakeNeighbours(0.9)) == {"ms": 1.0}
+    neighbours(0.9)
+    assert machine.cached_measurement(*args, threads=2) == {"ms": 1.0}
     assert not list(tmp_path.glob("t-*.json"))
-    # a big host's other tenants, on CPUs the two threads never needed, leave it quiet
-    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: FakeNeighbours(5.0, cpus=16)) == {"ms": 2.0}
-    assert machine.cached_measurement(*args, threads=2, neighbours=lambda: FakeNeighbours(0.9)) == {"ms": 2.0}   # read back
+    neighbours(5.0, cpus=16)     # a big host's other tenants, on CPUs the two threads never needed
+    assert machine.cached_measurement(*args, threads=2) == {"ms": 2.0}
+    neighbours(0.9)
+    assert machine.cached_measurement(*args, threads=2) == {"ms": 2.0}      # read back
     assert len(seen) == 2 and len(list(tmp_path.glob("t-*.json"))) == 1
 
 

@@ -153,13 +153,11 @@ def _crowded(others: float | None, cpus: int, threads: int) -> bool:
 
 def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
                        to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False,
-                       threads: int | None = None, neighbours: Callable | None = None,
-                       crowded: Callable[[T], T] | None = None) -> T:
+                       threads: int | None = None, crowded: Callable[[T], T] | None = None) -> T:
     """What `measure()` found on this machine for `key` (the machine's own key is added), read
     from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now, on
     `threads` (None: the current count), and written there if no other process took CPUs
-    its threads needed meanwhile (`neighbours()`: a meter as `_neighbour_meter`, the default,
-    makes; see `_crowded`): timings taken beside other work serve this load only, as they are
+    its threads needed meanwhile (`_neighbour_meter`, `_crowded`): timings taken beside other work serve this load only, as they are
     or as `crowded(timings)` makes them (a choice that does not trust them), and the next load
     measures again. A damaged file is measured again."""
     key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
@@ -170,7 +168,7 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
             return from_json(json.loads(path.read_text())["timings"])
         except (ValueError, KeyError, TypeError):
             pass
-    meter, start = (neighbours or _neighbour_meter)(), time.monotonic()
+    meter, start = _neighbour_meter(), time.monotonic()
     with on_threads(threads):
         result = measure()
     others = meter() if time.monotonic() - start >= QUIET_WINDOW else None
