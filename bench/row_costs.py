@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -25,10 +27,25 @@ from spec import LLM
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.cpu.machine import machine_summary
+from verifier.quantized.attention_tuning import NEVER
 from verifier.quantized.cpu_loop import step_clock
 
 PARTS = ("forward", "matmul", "head", "attention", "rest")
-THRESHOLDS = {"serial": 1 << 62, "all": 0}
+THRESHOLDS = {"serial": NEVER, "all": 0}
+
+
+@contextmanager
+def cached_prefix(llm: LLM, ctx: int, room: int) -> Iterator[list[int]]:
+    """The block table of a sequence of its own whose first ctx tokens are in the KV cache, with
+    room for `room` more; its blocks go back to the pool after."""
+    blocks, seq = llm.engine.blocks, 10**9
+    blocks.allocate(seq, list(range(10, 10 + ctx + room)))
+    table = blocks.block_table(seq)
+    try:
+        llm.engine.target.forward(ForwardBatch([SeqInput(list(range(10, 10 + ctx)), 0, table)]))
+        yield table
+    finally:
+        blocks.free(seq)
 
 
 def tree_batch(ctx: int, n: int, table: list[int], logits: bool) -> ForwardBatch:
@@ -49,13 +66,9 @@ def timed(target, batch: ForwardBatch) -> tuple[float, dict[str, float]]:
 
 def costs(llm: LLM, ctx: int, rows: list[int], rounds: int, calls: int) -> dict[int, dict[str, float]]:
     """Milliseconds per part (PARTS) for each row count: medians over rounds x calls."""
-    engine = llm.engine
-    target, blocks, seq = engine.target, engine.blocks, 10**9
-    blocks.allocate(seq, list(range(10, 10 + ctx + max(rows))))
-    table = blocks.block_table(seq)
+    target = llm.engine.target
     samples: dict[int, dict[str, list[float]]] = {n: {p: [] for p in PARTS} for n in rows}
-    try:
-        target.forward(ForwardBatch([SeqInput(list(range(10, 10 + ctx)), 0, table)]))
+    with cached_prefix(llm, ctx, max(rows)) as table:
         for _ in range(rounds):
             for n in rows:
                 with_head, without = tree_batch(ctx, n, table, True), tree_batch(ctx, n, table, False)
@@ -68,8 +81,6 @@ def costs(llm: LLM, ctx: int, rows: list[int], rounds: int, calls: int) -> dict[
                     s["head"].append(wall - bare)
                     s["attention"].append(clock["attention"])
                     s["rest"].append(bare - bare_clock["matmul"] - bare_clock["attention"])
-    finally:
-        blocks.free(seq)
     return {n: {p: statistics.median(v) * 1e3 for p, v in s.items()} for n, s in samples.items()}
 
 

@@ -37,24 +37,18 @@ import torch
 
 from bench.agent import agent_sessions
 from bench.data import mtbench_first_turns, specbench_prompts
-from bench.row_costs import tree_batch
+from bench.row_costs import cached_prefix, tree_batch
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from verifier.batch import ForwardBatch, SeqInput
 from verifier.cpu.machine import machine_summary
 
 
 def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats: int = 15) -> dict[int, float]:
     """Median ms of one target forward over a tree of n nodes after a ctx-token prefix
     (a binary-ish tree: node i's parent is (i - 1) // 2)."""
-    engine = llm.engine
-    target, blocks, seq = engine.target, engine.blocks, 10**9
-    blocks.allocate(seq, list(range(10, 10 + ctx + max(sizes))))
-    table = blocks.block_table(seq)
-    try:
-        target.forward(ForwardBatch([SeqInput(list(range(10, 10 + ctx)), 0, table)]))
-        out = {}
+    target, out = llm.engine.target, {}
+    with cached_prefix(llm, ctx, max(sizes)) as table:
         for n in sizes:
             batch = tree_batch(ctx, n, table, logits=True)
             times = []
@@ -63,9 +57,7 @@ def verify_curve(llm: LLM, ctx: int = 512, sizes=(1, 4, 8, 16, 32, 64), repeats:
                 target.forward(batch)
                 times.append(time.perf_counter() - t)
             out[n] = statistics.median(times) * 1e3
-        return out
-    finally:
-        blocks.free(seq)
+    return out
 
 
 def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True,
