@@ -12,7 +12,7 @@ import torch
 from test_kquants import q6_k_bytes
 from test_q4 import _activations
 from verifier.model.gguf_blocks import FORMATS, INT4_NATIVE, read_block_tensor
-from verifier.model.quant import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from verifier.model.quant import Int4Weight, Int8Weight, StackedWeight, quantize_int4, quantize_int8
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 from verifier.quantized.qlinear import QuantLinear, served_weights
 
@@ -63,11 +63,12 @@ def test_the_int4_native_formats_are_those_read_as_int4():
 
 def _weights() -> list:
     """Weights of every served form and grouping a kernel may take: int4 groups of 32, int8 per
-    channel, int8 groups of 32 (Q8_0's, Q5_0's) and of 16 (Q6_K's, 6 bits)."""
+    channel, int8 groups of 32 (Q8_0's, Q5_0's) and of 16 (Q6_K's, 6 bits), and a fused pair of both forms."""
     w = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)) * 0.05
     six_bit = quantize_int8(w, 16)
     six_bit = Int8Weight(six_bit.q.clamp(-32, 31), six_bit.scale)
-    return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit]
+    stacked = StackedWeight((quantize_int4(w[:16], 32), quantize_int8(w[16:], 32)))    # a fused q4 / q8 pair
+    return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit, stacked]
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

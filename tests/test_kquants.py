@@ -86,7 +86,8 @@ def test_each_tensor_runs_on_the_kernel_for_its_own_blocks(mixed_gguf):
     assert target.quantization == "gguf"
     layer = target.net.model.layers[0]
     qkv, down, gate_up = layer.self_attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj
-    assert (qkv.own, qkv.bits) == ("q8x16", 8)          # Q5_0 q and k beside a Q8_0 v: 8 bits
+    assert qkv.own == "mixed"                           # Q5_0 q and k beside a Q8_0 v: each its own bits
+    assert qkv.loop_fields().s.tolist() == [[384, 5, 32], [128, 8, 32]]
     assert (down.own, down.bits) == ("q8x16", 6)        # Q6_K
     assert layer.self_attn.o_proj.bits == 5             # Q5_0
     assert gate_up.own in ("int4", "q4x16")             # Q4_1 on the int4 kernels

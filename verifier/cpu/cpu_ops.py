@@ -28,7 +28,8 @@ from verifier.cpu.machine import cache_bytes, machine_key, march
 
 log = logging.getLogger("tercel.cpu_ops")
 CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on first use
-DECODE_OPS, Q4_MATMUL, Q8_MATMUL = SOURCES = [CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c"]
+DECODE_OPS, Q4_MATMUL, Q8_MATMUL, MIXED_MATMUL = SOURCES = [CSRC / "decode_ops.c", CSRC / "q4_matmul.c",
+                                                            CSRC / "q8_matmul.c", CSRC / "mixed_matmul.c"]
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h"]   # included by the sources: part of the library's cache key
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -54,9 +55,11 @@ _SIGNATURES = {
     "q4_isa": [],
     "q8_matmul": [_P, _I, _I, _I, _I, _P, _I, _P],
     "q8_matmul_ref": [_P, _I, _I, _I, _I, _P, _I, _P],
+    "mixed_matmul": [_P, _P, _I, _I, _I, _P, _I, _P],
+    "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
 }
 _RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
-            "q4_isa": _I, "q8_matmul": _I, "q8_matmul_ref": _I}
+            "q4_isa": _I, "q8_matmul": _I, "q8_matmul_ref": _I, "mixed_matmul": _I, "mixed_matmul_ref": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -305,4 +308,20 @@ def q8_matmul(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tens
     if fn(packed.data_ptr(), bits, group, n, k, x.data_ptr(), m, out.data_ptr()):
         raise ValueError(f"q8_matmul takes K a multiple of 32 (got {k}), 5, 6 or 8 bits (got {bits}) and "
                          f"groups of 16 or 32 (got {group}), or ran out of memory")
+    return out
+
+
+def mixed_matmul(packed: torch.Tensor, parts: torch.Tensor, n: int, x: torch.Tensor,
+                 reference: bool = False) -> torch.Tensor:
+    """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W whose row blocks sit in their own
+    kernels' layouts one after another, `parts` int64 [P, 3] their (rows, bits, group)
+    (`verifier.quantized.own_kernels.mixed.pack_parts`); `reference`: through the scalar code."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"mixed_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    fn = _library().mixed_matmul_ref if reference else _library().mixed_matmul
+    if fn(packed.data_ptr(), parts.data_ptr(), parts.shape[0], n, k, x.data_ptr(), m, out.data_ptr()):
+        raise ValueError(f"mixed_matmul takes K a multiple of 32 (got {k}) and up to 8 parts of 4, 5, 6 or 8 "
+                         f"bits whose rows add up to {n} (got {parts.tolist()}), or ran out of memory")
     return out

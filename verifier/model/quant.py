@@ -56,7 +56,21 @@ class Int8Weight(_Grouped):
         return self.q.float() * self.scale.repeat_interleave(self.group, 1)
 
 
-QuantWeight = Int4Weight | Int8Weight
+@dataclass(frozen=True)
+class StackedWeight:
+    """The row blocks of one fused projection held in different forms or bits, each as the file
+    stores it (a Q4_K_M's Q8_0 attn_v below Q5_0 attn_q and attn_k): w = the parts' rows in order."""
+    parts: tuple[Int4Weight | Int8Weight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+QuantWeight = Int4Weight | Int8Weight | StackedWeight
 
 
 def int4_from_affine(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4Weight:

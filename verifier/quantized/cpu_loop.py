@@ -34,12 +34,12 @@ _ERR = 512                      # bytes for a C++ exception's message
 class LinearSpec(ctypes.Structure):
     """One QuantLinear as the loop reads it (`LinearSpec` in decode_loop.cpp): its own kernel's
     fields (`verifier.quantized.own_kernels.base.LoopFields`: kind 4 torch's int4, 16 q4x16,
-    8 torch's int8, 32 q8x16), tensors as TensorImpl addresses, n the output features."""
+    8 torch's int8, 32 q8x16, 64 mixed), tensors as TensorImpl addresses, n the output features."""
     _fields_ = [("kind", _I), ("w", _I), ("s", _I), ("group", _I), ("n", _I), ("bits", _I)]
 
 
 _SIGNATURES = {
-    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P], _P),
+    "tercel_model_new": ([_I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P], _P),
     "tercel_model_free": ([_P], None),
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
     "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
@@ -108,7 +108,7 @@ class NativeLayers:
         self._model = lib.tercel_model_new(len(layers), cfg.hidden_size, cfg.num_heads, cfg.head_dim,
                                            cfg.intermediate_size, ctypes.addressof(heads),
                                            *_kernels("add_rms_norm", "silu_mul", "attention", "prefetch_kv",
-                                                    "q4_matmul", "q8_matmul"))
+                                                    "q4_matmul", "q8_matmul", "mixed_matmul"))
         self._free = weakref.finalize(self, lib.tercel_model_free, self._model)
         err = ctypes.create_string_buffer(_ERR)
         for i, l in enumerate(layers):

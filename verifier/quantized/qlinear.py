@@ -19,7 +19,7 @@ from torch import nn
 
 from verifier.cpu import cpu_ops
 from verifier.model.linear import onednn_available
-from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight
+from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, StackedWeight
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 
 _ONEDNN = onednn_available()
@@ -31,6 +31,8 @@ DENSE_PATHS = ("bf16", "fp32") if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_s
 def served_weights(w: QuantWeight) -> QuantWeight:
     """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them."""
     r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    if isinstance(w, StackedWeight):
+        return StackedWeight(tuple(served_weights(p) for p in w.parts))
     if isinstance(w, Int4Weight):
         return Int4Weight(w.q, r(w.scale), r(w.zero))
     return Int8Weight(w.q, r(w.scale))
@@ -44,7 +46,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"no own kernel takes a {type(weight).__name__} of shape {weight.shape}")
         self.out_features, self.in_features = weight.shape
         self.plan = plan                      # shared by the model's layers; not a submodule
-        self.kind = "int4" if isinstance(weight, Int4Weight) else "int8"
+        self.kind = {Int4Weight: "int4", Int8Weight: "int8", StackedWeight: "mixed"}[type(weight)]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self._dense: dict[str, torch.Tensor] = {}
         # The weights as served (bf16 scales) in unpacked form, kept until the dense copies

@@ -13,7 +13,8 @@ What each weight becomes (the model file's own weights wherever a kernel can tak
 
 `gguf` serves each tensor in its own format, as llama.cpp does: a Q4_K_M file mixes Q4_K with
 Q6_K, Q5_0 and Q8_0, which the int4 kernels take and csrc/q8_matmul.c takes respectively. Parts
-of one fused projection stored in two formats share the more precise one (`_one_form`).
+of one fused projection stored in several formats keep theirs, in one call (`_fused`,
+csrc/mixed_matmul.c); where that kernel is not built they share the more precise one (`_one_form`).
 
 Each expert's projections are decoder projections like the dense MLP's (`verifier/model/moe.py`).
 
@@ -27,6 +28,7 @@ them are in docs/quantization.md.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -39,8 +41,10 @@ from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, concat_rows, quantize_int8
+from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, StackedWeight, concat_rows, quantize_int8
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
+from verifier.quantized.own_kernels import mixed
+from verifier.quantized.own_kernels.q8x16 import q8_bits
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
 from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
 
@@ -137,8 +141,23 @@ def _projection(blocks: dict, prefix: str, name: str, dense: torch.Tensor, mode:
         return _to_mode(blocks[f"{prefix}.{name}.weight"], mode)
     parts = [blocks.get(f"{prefix}.{p}.weight") for p in parts or _FUSED.get(name, (name,))]
     if all(p is not None for p in parts):
-        return concat_rows(_one_form([_to_mode(p, mode) for p in parts]))
+        return _fused([_to_mode(p, mode) for p in parts])
     return _to_mode(dense.detach(), mode)
+
+
+def _fused(parts: list[QuantWeight]) -> QuantWeight:
+    """One weight of a fused projection's parts: consecutive parts in one layout (form, group
+    and, for int8, bits) stacked as one; parts in several layouts each kept in its own where the
+    mixed kernel takes them (`own_kernels.mixed`), else in one form (`_one_form`)."""
+    runs = [concat_rows(list(run)) for _, run in itertools.groupby(parts, _layout)]
+    if len(runs) == 1:
+        return runs[0]
+    stacked = StackedWeight(tuple(runs))
+    return stacked if mixed.offered(stacked) else concat_rows(_one_form(parts))
+
+
+def _layout(w: QuantWeight) -> tuple:
+    return (type(w), w.group, q8_bits(w) if isinstance(w, Int8Weight) else 4)
 
 
 def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
@@ -201,7 +220,7 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
         return time_paths(timed or decoder, rows)
 
     sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
-               for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, *cpu_ops.HEADERS)}
+               for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, cpu_ops.MIXED_MATMUL, *cpu_ops.HEADERS)}
     timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh, threads)
     plan = apply_plan(decoder, head, timings)
     log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,

@@ -44,6 +44,8 @@ typedef void (*ScanTopk)(const bf16 *scan, int64_t rows, int64_t v, int64_t k, f
 typedef int64_t (*Q4Matmul)(const void *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out);
 typedef int64_t (*Q8Matmul)(const void *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x,
                             int64_t m, bf16 *out);
+typedef int64_t (*MixedMatmul)(const void *w, const int64_t *parts, int64_t nparts, int64_t n, int64_t k,
+                               const bf16 *x, int64_t m, bf16 *out);
 typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows,
                             int64_t k, int64_t h, int64_t g, float *out, int64_t v);
 
@@ -75,12 +77,14 @@ bf16 *bits_mut(at::Tensor &t) { return static_cast<bf16 *>(t.data_ptr()); }
 
 struct Linear {
     int64_t kind = 0;       /* 4: torch's int4 (packed, group, scale_zero); 16: q4_matmul.c's (packed);
-                               8: int8 per channel (q, scale); 32: q8_matmul.c's (packed, group, bits) */
+                               8: int8 per channel (q, scale); 32: q8_matmul.c's (packed, group, bits);
+                               64: mixed_matmul.c's (packed, s: its parts' table) */
     at::Tensor w, s;
     int64_t group = 0, n = 0;   /* n: output features (the int4 packings pad to a multiple of 16) */
     int64_t wbits = 0;          /* kind 32: the weights' bits */
     Q4Matmul q4 = nullptr;
     Q8Matmul q8 = nullptr;
+    MixedMatmul mixed = nullptr;
 
     at::Tensor run(const at::Tensor &x) const {      /* x bf16 [M, K] -> bf16 [M, n] */
         Clock clock(MATMUL);
@@ -96,6 +100,13 @@ struct Linear {
             at::Tensor y = at::empty({x.size(0), n}, x.options());
             if (q8(w.data_ptr(), wbits, group, n, x.size(1), bits(x), x.size(0), bits_mut(y)))
                 throw std::runtime_error("q8_matmul failed (K not a multiple of 32, or out of memory)");
+            return y;
+        }
+        if (kind == 64) {
+            RECORD_FUNCTION("tercel::mixed_matmul", std::vector<c10::IValue>());
+            at::Tensor y = at::empty({x.size(0), n}, x.options());
+            if (mixed(w.data_ptr(), s.data_ptr<int64_t>(), s.size(0), n, x.size(1), bits(x), x.size(0), bits_mut(y)))
+                throw std::runtime_error("mixed_matmul failed (a bad K or part table, or out of memory)");
             return y;
         }
         at::Tensor y = kind == 4 ? at::_weight_int4pack_mm_for_cpu(x, w, group, s) : at::_weight_int8pack_mm(x, w, s);
@@ -132,6 +143,7 @@ struct Model {
     PrefetchKv prefetch_kv;
     Q4Matmul q4_matmul;
     Q8Matmul q8_matmul;
+    MixedMatmul mixed_matmul;
     std::vector<Layer> layers;
     Head head;      /* head.rescore is null until tercel_model_set_head */
 };
@@ -158,18 +170,18 @@ typedef struct {
 static Linear linear(const Model &m, const LinearSpec &spec) {
     bool packed_only = spec.kind == 16 || spec.kind == 32;
     return Linear{spec.kind, tensor_at(spec.w), packed_only ? at::Tensor() : tensor_at(spec.s), spec.group,
-                  spec.n, spec.bits, m.q4_matmul, m.q8_matmul};
+                  spec.n, spec.bits, m.q4_matmul, m.q8_matmul, m.mixed_matmul};
 }
 
 extern "C" {
 
 void *tercel_model_new(int64_t num_layers, int64_t hidden, int64_t heads, int64_t head_dim, int64_t inter,
                        const void *head_table, void *add_rms_norm, void *silu_mul, void *attention,
-                       void *prefetch_kv, void *q4_matmul, void *q8_matmul) {
+                       void *prefetch_kv, void *q4_matmul, void *q8_matmul, void *mixed_matmul) {
     auto *m = new Model{hidden, heads, head_dim, inter, head_table, reinterpret_cast<AddRmsNorm>(add_rms_norm),
                         reinterpret_cast<SiluMul>(silu_mul), reinterpret_cast<Attention>(attention),
                         reinterpret_cast<PrefetchKv>(prefetch_kv), reinterpret_cast<Q4Matmul>(q4_matmul),
-                        reinterpret_cast<Q8Matmul>(q8_matmul), {}};
+                        reinterpret_cast<Q8Matmul>(q8_matmul), reinterpret_cast<MixedMatmul>(mixed_matmul), {}};
     m->layers.resize(num_layers);
     return m;
 }

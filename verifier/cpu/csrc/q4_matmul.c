@@ -214,6 +214,14 @@ int64_t q4_matmul_ref(const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int
     return run(tile_ref, w, n, k, x, m, out);
 }
 
+/* One tile of rows r0 .. r0 + rows for mixed_matmul.c (ref: the scalar reference), and a
+ * block's bytes. */
+void q4_tile(int ref, const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    (ref ? tile_ref : tile_fast)(w, a, r0, rows, y);
+}
+
+int64_t q4_block_bytes(void) { return Q4_BLOCK_BYTES; }
+
 /* Which path q4_matmul takes on this build: 512 (AVX-512 VNNI), 256 (AVX2) or 0 (scalar). */
 int64_t q4_isa(void) {
 #if IMM_AVX512

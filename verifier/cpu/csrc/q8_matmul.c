@@ -245,6 +245,21 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
 #define q8_tile_fast q8_tile_ref
 #endif
 
+static Weights weights(int64_t bits, int64_t group) {
+    int halves = (int)(ACT_BLOCK / group);
+    return (Weights){bits - 4, Q8_BLOCK_BYTES(bits - 4, halves), 1 << (bits - 1), halves};
+}
+
+/* One tile of rows r0 .. r0 + rows for mixed_matmul.c (ref: the scalar reference), and a
+ * block's bytes. */
+void q8_tile(int ref, int64_t bits, int64_t group, const uint8_t *w, const Act *a, int64_t r0, int64_t rows,
+             float *y) {
+    Weights wt = weights(bits, group);
+    (ref ? q8_tile_ref : q8_tile_fast)(&wt, a, r0, rows, w, y);
+}
+
+int64_t q8_block_bytes(int64_t bits, int64_t group) { return weights(bits, group).bytes; }
+
 typedef void (*Q8TileFn)(const Weights *, const Act *, int64_t, int64_t, const uint8_t *, float *);
 
 static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k,
@@ -253,8 +268,7 @@ static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t gro
     if (k % ACT_BLOCK || (bits != 5 && bits != 6 && bits != 8) || (group != 16 && group != 32) ||
         act_new(&a, x, m, k))
         return 1;
-    int halves = (int)(ACT_BLOCK / group);
-    Weights wt = {bits - 4, Q8_BLOCK_BYTES(bits - 4, halves), 1 << (bits - 1), halves};
+    Weights wt = weights(bits, group);
     int64_t tiles = (n + Q8_TILE - 1) / Q8_TILE, bytes = a.nb * wt.bytes;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {

@@ -10,10 +10,10 @@ its C source beside the others with its kind in decode_loop.cpp, and a test of i
 from __future__ import annotations
 
 from verifier.model.quant import Int8Weight, QuantWeight, per_channel
-from verifier.quantized.own_kernels import q4x16, q8x16, torch_int4, torch_int8
+from verifier.quantized.own_kernels import mixed, q4x16, q8x16, torch_int4, torch_int8
 from verifier.quantized.own_kernels.base import OwnKernel
 
-_MODULES = (torch_int4, q4x16, torch_int8, q8x16)
+_MODULES = (torch_int4, q4x16, torch_int8, q8x16, mixed)
 KERNELS: dict[str, OwnKernel] = {m.KERNEL.name: m.KERNEL for m in _MODULES}
 OWN_PATHS = frozenset(KERNELS)     # the weights' own (row-invariant) matmul paths; the other paths are dense
 

@@ -1,0 +1,55 @@
+"""Tercel's kernel for a fused projection whose parts a file stores in different formats
+(csrc/mixed_matmul.c): each part in its own kernel's layout (q4x16 for int4 groups of 32, q8x16
+for 5-, 6- and 8-bit groups of 16 or 32), all parts in one call. Without it such a projection
+would take one form: its widest part's bits, or its int4 parts requantized to int8."""
+import torch
+
+from verifier.cpu import cpu_ops
+from verifier.model.quant import Int4Weight, QuantWeight, StackedWeight
+from verifier.quantized.own_kernels import q4x16, q8x16
+from verifier.quantized.own_kernels.base import LoopFields, OwnKernel, Packed
+
+MAX_PARTS = 8       # csrc/mixed_matmul.c's MIXED_PARTS
+
+
+def _kernel(part: QuantWeight) -> OwnKernel:
+    return q4x16.KERNEL if isinstance(part, Int4Weight) else q8x16.KERNEL
+
+
+def offered(w: QuantWeight) -> bool:
+    """Up to MAX_PARTS parts, each one q4x16 or q8x16 takes here."""
+    return (isinstance(w, StackedWeight) and len(w.parts) <= MAX_PARTS
+            and all(isinstance(p, _kernel(p).form) and _kernel(p).offered(p) for p in w.parts))
+
+
+def pack_parts(w: StackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8: the parts' packings one after another, int64 [P, 3]: each part's rows, bits (4:
+    q4x16's layout) and scale group (0 for q4x16))."""
+    packs, table = [], []
+    for p in w.parts:
+        if isinstance(p, Int4Weight):
+            packs.append(q4x16.pack_q4(p))
+            table.append((p.shape[0], 4, 0))
+        else:
+            bits = q8x16.q8_bits(p)
+            packs.append(q8x16.pack_q8(p, bits))
+            table.append((p.shape[0], bits, p.group))
+    return torch.cat([t.flatten() for t in packs]), torch.tensor(table, dtype=torch.int64)
+
+
+def pack(w: StackedWeight) -> Packed:
+    packed, table = pack_parts(w)
+    bits = round(sum(int(r) * int(b) for r, b, _ in table.tolist()) / w.shape[0])
+    return Packed((packed, table, w.shape[0]), bits)
+
+
+def _mm(x: torch.Tensor, packed: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    return cpu_ops.mixed_matmul(packed, table, n, x)
+
+
+def loop(p: Packed) -> LoopFields:
+    packed, table, _ = p.args
+    return LoopFields(64, packed, table)
+
+
+KERNEL = OwnKernel("mixed", StackedWeight, offered, pack, _mm, loop)
