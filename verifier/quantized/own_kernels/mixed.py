@@ -6,14 +6,15 @@ import torch
 
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4Weight, QuantWeight, StackedWeight
-from verifier.quantized.own_kernels import q4x16, q8x16
 from verifier.quantized.own_kernels.base import LoopFields, OwnKernel, Packed
+from verifier.quantized.own_kernels.q4x16 import KERNEL as Q4X16, pack_q4
+from verifier.quantized.own_kernels.q8x16 import KERNEL as Q8X16, pack_q8, q8_bits
 
 MAX_PARTS = 8       # csrc/mixed_matmul.c's MIXED_PARTS
 
 
 def _kernel(part: QuantWeight) -> OwnKernel:
-    return q4x16.KERNEL if isinstance(part, Int4Weight) else q8x16.KERNEL
+    return Q4X16 if isinstance(part, Int4Weight) else Q8X16
 
 
 def offered(w: QuantWeight) -> bool:
@@ -28,11 +29,11 @@ def pack_parts(w: StackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     packs, table = [], []
     for p in w.parts:
         if isinstance(p, Int4Weight):
-            packs.append(q4x16.pack_q4(p))
+            packs.append(pack_q4(p))
             table.append((p.shape[0], 4, 0))
         else:
-            bits = q8x16.q8_bits(p)
-            packs.append(q8x16.pack_q8(p, bits))
+            bits = q8_bits(p)
+            packs.append(pack_q8(p, bits))
             table.append((p.shape[0], bits, p.group))
     return torch.cat([t.flatten() for t in packs]), torch.tensor(table, dtype=torch.int64)
 
