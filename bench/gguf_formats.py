@@ -73,7 +73,9 @@ def engines(args, files: list[str]) -> dict[tuple[str, str], object]:
     for f in files:
         plain = Tercel(f, None, args.threads, args.max_tokens)
         out[(f, f"tercel {plain.quantization}")] = plain
-        out[(f, f"tercel {plain.quantization} + {args.drafter}")] = Tercel(f, args.drafter, args.threads, args.max_tokens)
+        if args.drafter != "none":
+            out[(f, f"tercel {plain.quantization} + {args.drafter}")] = Tercel(f, args.drafter, args.threads,
+                                                                             args.max_tokens)
         if not args.no_llamacpp:
             out[(f, "llama.cpp")] = LlamaCpp(f, threads, args.max_tokens)
     return out
@@ -105,7 +107,7 @@ def report(cells: list[Cell]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--files", default=DEFAULT_MODEL, help="comma-separated models (GGUF files or aliases)")
-    p.add_argument("--drafter", default="suffix")
+    p.add_argument("--drafter", default="suffix", help="the drafter beside plain decoding ('none': plain only)")
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
