@@ -4,7 +4,8 @@
         --limit 5 --max-tokens 128 --repeats 3
 
 For each file: Tercel plain (`quantization="auto"`: int4 for the Q4_1 default, `gguf` for K-quant
-files), Tercel with `--drafter` (the server's default, suffix decoding, adaptive), and llama.cpp
+files), Tercel with `--drafter` (the server's default, suffix decoding, adaptive; `none` leaves it
+out), and llama.cpp
 (llama-cpp-python, an optional extra) with the same threads. Each round runs every (file, engine)
 pair on the same MT-bench first turns, chat template applied, greedy, `--max-tokens` each
 (ignoring EOS, so every engine decodes the same number of tokens; the drafter forgets earlier
