@@ -90,8 +90,9 @@ def _avx2_q4_matmul():
     import ctypes
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
-    path = cpu_ops.compile_library([cpu_ops.Q4_MATMUL], [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"],
-                                   ("CC", "cc", "gcc"), salt="avx2", headers=cpu_ops.HEADERS)
+    path = cpu_ops.compile_library([cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, cpu_ops.MIXED_MATMUL],   # one runner
+                                   [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"], ("CC", "cc", "gcc"), salt="avx2",
+                                   headers=cpu_ops.HEADERS)
     lib = ctypes.CDLL(str(path))
     lib.q4_isa.restype = lib.q4_matmul.restype = ctypes.c_int64
     lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

@@ -92,8 +92,9 @@ def _avx2_q8_matmul():
     """q8_matmul from the same source built without AVX-512 (the AVX2 path)."""
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
-    path = cpu_ops.compile_library([cpu_ops.Q8_MATMUL, cpu_ops.Q4_MATMUL], [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"],
-                                   ("CC", "cc", "gcc"), salt="avx2", headers=cpu_ops.HEADERS)
+    path = cpu_ops.compile_library([cpu_ops.Q8_MATMUL, cpu_ops.Q4_MATMUL, cpu_ops.MIXED_MATMUL],
+                                   [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"], ("CC", "cc", "gcc"), salt="avx2",
+                                   headers=cpu_ops.HEADERS)
     lib = ctypes.CDLL(str(path))
     lib.q4_isa.restype = lib.q8_matmul.restype = ctypes.c_int64
     lib.q8_matmul.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]

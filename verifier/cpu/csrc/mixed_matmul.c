@@ -4,7 +4,8 @@
  *
  * Why: held in one layout, the parts take the widest part's (an 8-bit qkv where two thirds of
  * it is stored in 5 bits, or Q4_K requantized to 8 bits beside a Q6_K part), and two calls pay
- * the activations' quantization and a parallel region twice.
+ * the activations' quantization and a parallel region twice. Its runner (`parts_matmul`) is
+ * also q4_matmul's and q8_matmul's: a weight in one layout is one part.
  *
  * Weights: the parts' packings one after another, each as its kernel lays it out
  * (q4_matmul.c's int4 tiles, q8_matmul.c's 5-, 6- or 8-bit tiles); parts int64 [nparts, 3]:
@@ -53,8 +54,10 @@ static int64_t lay_out(const int64_t *table, int64_t nparts, int64_t n, int64_t 
     return rows == n ? tiles : -1;
 }
 
-static int64_t mixed_run(int ref, const uint8_t *w, const int64_t *table, int64_t nparts, int64_t n, int64_t k,
-                         const bf16 *x, int64_t m, bf16 *out) {
+/* The runner of every integer matmul (q4_matmul and q8_matmul are weights of one part):
+ * out = x @ W.T over the parts' tiles, each tile's rows by one thread in block order. */
+int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t nparts, int64_t n, int64_t k,
+                     const bf16 *x, int64_t m, bf16 *out) {
     Part parts[MIXED_PARTS];
     Act a;
     if (k % ACT_BLOCK) return 1;
@@ -87,11 +90,11 @@ static int64_t mixed_run(int ref, const uint8_t *w, const int64_t *table, int64_
  * multiple of 32). Returns 0, or 1 (a bad K or part table, or no memory). */
 int64_t mixed_matmul(const uint8_t *w, const int64_t *parts, int64_t nparts, int64_t n, int64_t k, const bf16 *x,
                      int64_t m, bf16 *out) {
-    return mixed_run(0, w, parts, nparts, n, k, x, m, out);
+    return parts_matmul(0, w, parts, nparts, n, k, x, m, out);
 }
 
 /* The same through the parts' scalar references (tests compare the two bit for bit). */
 int64_t mixed_matmul_ref(const uint8_t *w, const int64_t *parts, int64_t nparts, int64_t n, int64_t k,
                          const bf16 *x, int64_t m, bf16 *out) {
-    return mixed_run(1, w, parts, nparts, n, k, x, m, out);
+    return parts_matmul(1, w, parts, nparts, n, k, x, m, out);
 }

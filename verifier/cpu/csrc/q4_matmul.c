@@ -183,39 +183,25 @@ static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, 
 #define tile_fast tile_ref
 #endif
 
-typedef void (*TileFn)(const uint8_t *, const Act *, int64_t, int64_t, float *);
-
-static int64_t run(TileFn tile, const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
-    Act a;
-    if (k % Q4_BLOCK || act_new(&a, x, m, k)) return 1;
-    int64_t tiles = (n + Q4_TILE - 1) / Q4_TILE, bytes = a.nb * Q4_BLOCK_BYTES;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        float y[Q4_ROWS * Q4_TILE];
-        int64_t valid = n - t * Q4_TILE < Q4_TILE ? n - t * Q4_TILE : Q4_TILE;
-        for (int64_t r0 = 0; r0 < m; r0 += Q4_ROWS) {
-            int64_t rows = m - r0 < Q4_ROWS ? m - r0 : Q4_ROWS;
-            tile(w + t * bytes, &a, r0, rows, y);
-            for (int64_t i = 0; i < rows; i++) store_row(y + i * Q4_TILE, valid, out + (r0 + i) * n + t * Q4_TILE);
-        }
-    }
-    act_free(&a);
-    return 0;
-}
+/* mixed_matmul.c's runner: every int4 matmul is a weight of one part */
+int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t nparts, int64_t n, int64_t k,
+                     const bf16 *x, int64_t m, bf16 *out);
 
 /* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above (ceil(N / 16) tiles, K a
  * multiple of 32). Returns 0, or 1 (K not a multiple of 32, or no memory). */
 int64_t q4_matmul(const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
-    return run(tile_fast, w, n, k, x, m, out);
+    const int64_t part[3] = {n, 4, 0};
+    return parts_matmul(0, w, part, 1, n, k, x, m, out);
 }
 
 /* The same through the scalar reference (tests compare the two bit for bit). */
 int64_t q4_matmul_ref(const uint8_t *w, int64_t n, int64_t k, const bf16 *x, int64_t m, bf16 *out) {
-    return run(tile_ref, w, n, k, x, m, out);
+    const int64_t part[3] = {n, 4, 0};
+    return parts_matmul(1, w, part, 1, n, k, x, m, out);
 }
 
-/* One tile of rows r0 .. r0 + rows for mixed_matmul.c (ref: the scalar reference), and a
- * block's bytes. */
+/* One tile of rows r0 .. r0 + rows (ref: the scalar reference), and a block's bytes: what
+ * mixed_matmul.c's runner calls for this layout. */
 void q4_tile(int ref, const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     (ref ? tile_ref : tile_fast)(w, a, r0, rows, y);
 }

@@ -250,8 +250,8 @@ static Weights weights(int64_t bits, int64_t group) {
     return (Weights){bits - 4, Q8_BLOCK_BYTES(bits - 4, halves), 1 << (bits - 1), halves};
 }
 
-/* One tile of rows r0 .. r0 + rows for mixed_matmul.c (ref: the scalar reference), and a
- * block's bytes. */
+/* One tile of rows r0 .. r0 + rows (ref: the scalar reference), and a block's bytes: what
+ * mixed_matmul.c's runner calls for this layout. */
 void q8_tile(int ref, int64_t bits, int64_t group, const uint8_t *w, const Act *a, int64_t r0, int64_t rows,
              float *y) {
     Weights wt = weights(bits, group);
@@ -260,40 +260,22 @@ void q8_tile(int ref, int64_t bits, int64_t group, const uint8_t *w, const Act *
 
 int64_t q8_block_bytes(int64_t bits, int64_t group) { return weights(bits, group).bytes; }
 
-typedef void (*Q8TileFn)(const Weights *, const Act *, int64_t, int64_t, const uint8_t *, float *);
-
-static int64_t q8_run(Q8TileFn tile, const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k,
-                      const bf16 *x, int64_t m, bf16 *out) {
-    Act a;
-    if (k % ACT_BLOCK || (bits != 5 && bits != 6 && bits != 8) || (group != 16 && group != 32) ||
-        act_new(&a, x, m, k))
-        return 1;
-    Weights wt = weights(bits, group);
-    int64_t tiles = (n + Q8_TILE - 1) / Q8_TILE, bytes = a.nb * wt.bytes;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        float y[Q8_ROWS * Q8_TILE];
-        int64_t valid = n - t * Q8_TILE < Q8_TILE ? n - t * Q8_TILE : Q8_TILE;
-        for (int64_t r0 = 0; r0 < m; r0 += Q8_ROWS) {
-            int64_t rows = m - r0 < Q8_ROWS ? m - r0 : Q8_ROWS;
-            tile(&wt, &a, r0, rows, w + t * bytes, y);
-            for (int64_t i = 0; i < rows; i++) store_row(y + i * Q8_TILE, valid, out + (r0 + i) * n + t * Q8_TILE);
-        }
-    }
-    act_free(&a);
-    return 0;
-}
+/* mixed_matmul.c's runner: every 5-, 6- or 8-bit matmul is a weight of one part */
+int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t nparts, int64_t n, int64_t k,
+                     const bf16 *x, int64_t m, bf16 *out);
 
 /* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above with `bits` 5, 6 or 8 and a scale
  * per `group` 16 or 32 weights (ceil(N / 16) tiles, K a multiple of 32). Returns 0, or 1 (a bad K,
  * bits or group, or no memory). */
 int64_t q8_matmul(const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x, int64_t m,
                   bf16 *out) {
-    return q8_run(q8_tile_fast, w, bits, group, n, k, x, m, out);
+    const int64_t part[3] = {n, bits, group};
+    return parts_matmul(0, w, part, 1, n, k, x, m, out);
 }
 
 /* The same through the scalar reference (tests compare the two bit for bit). */
 int64_t q8_matmul_ref(const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x,
                       int64_t m, bf16 *out) {
-    return q8_run(q8_tile_ref, w, bits, group, n, k, x, m, out);
+    const int64_t part[3] = {n, bits, group};
+    return parts_matmul(1, w, part, 1, n, k, x, m, out);
 }
