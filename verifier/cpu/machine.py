@@ -156,10 +156,10 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
                        threads: int | None = None, crowded: Callable[[T], T] | None = None) -> T:
     """What `measure()` found on this machine for `key` (the machine's own key is added), read
     from `cache_dir/<prefix><digest>.json` when there, else (or with `refresh`) measured now, on
-    `threads` (None: the current count), and written there if no other process took CPUs
-    its threads needed meanwhile (`_neighbour_meter`, `_crowded`): timings taken beside other work serve this load only, as they are
-    or as `crowded(timings)` makes them (a choice that does not trust them), and the next load
-    measures again. A damaged file is measured again."""
+    `threads` (None: the current count), and written there if no other process took CPUs its
+    threads needed meanwhile (`_neighbour_meter`, `_crowded`): timings taken beside other work
+    serve this load only, as they are or as `crowded(timings)` makes them (a choice that does not
+    trust them), and the next load measures again. A damaged file is measured again."""
     key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"{prefix}{digest}.json" if cache_dir else None

@@ -7,8 +7,8 @@ import torch
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4Weight, QuantWeight, StackedWeight
 from verifier.quantized.own_kernels.base import LoopFields, OwnKernel, Packed
-from verifier.quantized.own_kernels.q4x16 import KERNEL as Q4X16, pack_q4
-from verifier.quantized.own_kernels.q8x16 import KERNEL as Q8X16, pack_q8, q8_bits
+from verifier.quantized.own_kernels.q4x16 import KERNEL as Q4X16
+from verifier.quantized.own_kernels.q8x16 import KERNEL as Q8X16
 
 MAX_PARTS = 8       # csrc/mixed_matmul.c's MIXED_PARTS
 
@@ -24,23 +24,19 @@ def offered(w: QuantWeight) -> bool:
 
 
 def pack_parts(w: StackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8: the parts' packings one after another, int64 [P, 3]: each part's rows, bits (4:
-    q4x16's layout) and scale group (0 for q4x16))."""
+    """(uint8: the parts' packings by their own kernels, one after another; int64 [P, 3]: each
+    part's rows, bits as its kernel holds them (4: q4x16's layout) and scale group (0 for q4x16))."""
     packs, table = [], []
     for p in w.parts:
-        if isinstance(p, Int4Weight):
-            packs.append(pack_q4(p))
-            table.append((p.shape[0], 4, 0))
-        else:
-            bits = q8_bits(p)
-            packs.append(pack_q8(p, bits))
-            table.append((p.shape[0], bits, p.group))
-    return torch.cat([t.flatten() for t in packs]), torch.tensor(table, dtype=torch.int64)
+        packed = _kernel(p).pack(p)
+        packs.append(packed.args[0].flatten())
+        table.append((p.shape[0], packed.bits, 0 if isinstance(p, Int4Weight) else p.group))
+    return torch.cat(packs), torch.tensor(table, dtype=torch.int64)
 
 
 def pack(w: StackedWeight) -> Packed:
     packed, table = pack_parts(w)
-    bits = round(sum(int(r) * int(b) for r, b, _ in table.tolist()) / w.shape[0])
+    bits = round(sum(r * b for r, b, _ in table.tolist()) / w.shape[0])
     return Packed((packed, table, w.shape[0]), bits)
 
 
