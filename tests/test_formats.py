@@ -12,7 +12,8 @@ import torch
 from test_kquants import q6_k_bytes
 from test_q4 import _activations
 from verifier.model.gguf_blocks import FORMATS, INT4_NATIVE, read_block_tensor
-from verifier.model.quant import Int4Weight, Int8Weight, StackedWeight, quantize_int4, quantize_int8
+from test_q4k import k_weights
+from verifier.model.quant import Int4KWeight, Int4Weight, Int8Weight, StackedWeight, quantize_int4, quantize_int8
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 from verifier.quantized.qlinear import QuantLinear, served_weights
 
@@ -58,17 +59,20 @@ def test_every_registered_format_reads_as_gguf_py_dequantizes_it(kind):
 
 def test_the_int4_native_formats_are_those_read_as_int4():
     assert INT4_NATIVE == {"Q4_0", "Q4_1", "Q4_K"}
+    assert {FORMATS[k].form for k in INT4_NATIVE} == {Int4Weight, Int4KWeight}
     assert all(FORMATS[k].form is Int8Weight for k in set(FORMATS) - INT4_NATIVE)
 
 
 def _weights() -> list:
     """Weights of every served form and grouping a kernel may take: int4 groups of 32, int8 per
-    channel, int8 groups of 32 (Q8_0's, Q5_0's) and of 16 (Q6_K's, 6 bits), and a fused pair of both forms."""
-    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)) * 0.05
+    channel, int8 groups of 32 (Q8_0's, Q5_0's) and of 16 (Q6_K's, 6 bits), Q4_K's own, and fused
+    parts of several forms."""
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.05
     six_bit = quantize_int8(w, 16)
     six_bit = Int8Weight(six_bit.q.clamp(-32, 31), six_bit.scale)
-    stacked = StackedWeight((quantize_int4(w[:16], 32), quantize_int8(w[16:], 32)))    # a fused q4 / q8 pair
-    return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit, stacked]
+    q4_k = k_weights(24, 256)
+    stacked = StackedWeight((quantize_int4(w[:16], 32), quantize_int8(w[16:], 32), q4_k))    # q4 / q8 / Q4_K parts
+    return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit, q4_k, stacked]
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -77,7 +81,7 @@ def test_every_registered_kernel_is_row_invariant_and_computes_its_weights_produ
     taken = [w for w in _weights() if isinstance(w, kernel.form) and kernel.offered(w)]
     if not taken:
         pytest.skip(f"{name} takes none of these weights on this machine")
-    x = _activations(7, 128)
+    x = _activations(7, 256)
     for w in taken:
         served = served_weights(w)
         args = kernel.pack(served).args
@@ -94,10 +98,12 @@ def test_every_registered_kernel_is_row_invariant_and_computes_its_weights_produ
 
 
 def test_each_kernel_has_its_own_native_loop_kind():
+    """One kind per kernel, but for the parts runner's (64): q4k runs as a weight of one part."""
     kinds = {}
     for w in _weights():
         for k in kernels_for(w)[1]:
             kinds.setdefault(k.loop(k.pack(served_weights(w))).kind, set()).add(k.name)
+    assert kinds.pop(64) == {"mixed", "q4k"}
     assert all(len(names) == 1 for names in kinds.values()), kinds
 
 

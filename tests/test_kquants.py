@@ -21,9 +21,33 @@ from verifier.target import TargetModel
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="the integer kernels are built for AVX2 or AVX-512 VNNI")
-# Q4_K_M's choices, per GGUF tensor (Q4_1 stands for Q4_K: gguf-py cannot write Q4_K).
-KINDS = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
-         "ffn_up": "Q4_1", "ffn_down": "Q6_K"}
+# Q4_K_M's choices, per GGUF tensor and layer: layer 0 as SmolLM2's (rows of 576 are not multiples
+# of 256, so Q5_0 and Q8_0 stand in), layer 1 as a downloaded model's (Q4_K beside Q6_K), with a
+# Q4_1 up projection beside a Q4_K gate (two int4 layouts in one fused projection).
+KINDS = ({"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
+          "ffn_up": "Q4_1", "ffn_down": "Q6_K"},
+         {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+          "ffn_up": "Q4_1", "ffn_down": "Q4_K"})
+
+
+def q4_k_bytes(w: np.ndarray) -> np.ndarray:
+    """[N, K] fp32 (K a multiple of 256) -> Q4_K blocks [N, K / 256 * 144]: per 32 weights a 6-bit
+    scale and min of d and dmin (fp16, per 256), q in 0..15 with w ~ (d * sc) q - dmin * mn."""
+    n, k = w.shape
+    g = w.reshape(n, k // 256, 8, 32)
+    lo = np.minimum(g.min(-1), 0)
+    step, low = (g.max(-1) - lo) / 15, -lo                          # [N, nsb, 8]
+    d, dmin = ((t.max(-1) / 63).astype(np.float16) for t in (step, low))
+    d32, dmin32 = (np.where(t > 0, t.astype(np.float32), 1)[..., None] for t in (d, dmin))
+    sc = np.clip(np.round(step / d32), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(low / dmin32), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((g + (dmin32 * mn)[..., None]) / (d32 * sc)[..., None]), 0, 15).astype(np.uint8)
+    q = q.reshape(n, k // 256, 4, 2, 32)                            # chunk c: weights 64 c + l, 64 c + 32 + l
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n, -1, 128)
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)
+    halves = np.stack([d, dmin], -1).view(np.uint8)
+    return np.concatenate([halves, scales, qs], -1).reshape(n, -1)
 
 
 def q6_k_bytes(w: np.ndarray) -> np.ndarray:
@@ -44,27 +68,31 @@ def q6_k_bytes(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def test_q5_0_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
+def test_q5_0_q4_k_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
     import gguf
     from gguf.quants import dequantize, quantize
 
     from verifier.model.gguf_blocks import read_block_tensor
     w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
-    for kind, data in (("Q5_0", quantize(w, gguf.GGMLQuantizationType.Q5_0)), ("Q6_K", q6_k_bytes(w))):
+    for kind, data in (("Q5_0", quantize(w, gguf.GGMLQuantizationType.Q5_0)), ("Q6_K", q6_k_bytes(w)),
+                       ("Q4_K", q4_k_bytes(w))):
         want = dequantize(data, getattr(gguf.GGMLQuantizationType, kind))
-        assert np.abs(want - w).max() < 0.1 * np.abs(w).max()           # the encoder above is Q6_K's
+        assert np.abs(want - w).max() < 0.1 * np.abs(w).max(), kind     # the encoders above write the formats
         assert np.array_equal(read_block_tensor(kind, data, 8, 512).dequantize().numpy(), want), kind
 
 
 def _blocks(name: str, arr: np.ndarray):
-    """A decoder matrix in its KINDS format (Q6_K by q6_k_bytes, the others by gguf-py), else None."""
+    """A decoder matrix in its KINDS format (Q4_K and Q6_K by the encoders above, the others by
+    gguf-py), else None."""
     import gguf
     from gguf.quants import quantize
-    kind = KINDS.get(name.split(".")[-1]) if name.startswith("blk.") else None
+    parts = name.split(".")
+    kind = KINDS[int(parts[1])].get(parts[2]) if name.startswith("blk.") else None
     if kind is None:
         return None
     qtype = getattr(gguf.GGMLQuantizationType, kind)
-    return (q6_k_bytes(arr) if kind == "Q6_K" else quantize(arr, qtype)), qtype
+    encoders = {"Q4_K": q4_k_bytes, "Q6_K": q6_k_bytes}
+    return (encoders[kind](arr) if kind in encoders else quantize(arr, qtype)), qtype
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +119,11 @@ def test_each_tensor_runs_on_the_kernel_for_its_own_blocks(mixed_gguf):
     assert (down.own, down.bits) == ("q8x16", 6)        # Q6_K
     assert layer.self_attn.o_proj.bits == 5             # Q5_0
     assert gate_up.own in ("int4", "q4x16")             # Q4_1 on the int4 kernels
+    layer = target.net.model.layers[1]                  # a downloaded Q4_K_M's choices
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert qkv.loop_fields().s.tolist() == [[384, 4, 256], [128, 6, 16]]       # Q4_K q and k, a Q6_K v
+    assert gate_up.loop_fields().s.tolist() == [[256, 4, 256], [256, 4, 0]]   # Q4_K gate, Q4_1 up
+    assert (layer.self_attn.o_proj.own, layer.mlp.down_proj.own) == ("q4k", "q4k")
     # the served weights are the file's: x = I gives them back, up to the bf16 rounding of the scales
     dense = TargetModel(str(mixed_gguf), quantization="none", load_tokenizer_files=False)
     file_w = dense.net.model.layers[0].mlp.down_proj.weight

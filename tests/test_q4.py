@@ -90,7 +90,7 @@ def _avx2_q4_matmul():
     import ctypes
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
-    path = cpu_ops.compile_library([cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, cpu_ops.MIXED_MATMUL],   # one runner
+    path = cpu_ops.compile_library(cpu_ops.INTEGER_MATMULS,   # one runner
                                    [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"], ("CC", "cc", "gcc"), salt="avx2",
                                    headers=cpu_ops.HEADERS)
     lib = ctypes.CDLL(str(path))

@@ -92,7 +92,7 @@ def _avx2_q8_matmul():
     """q8_matmul from the same source built without AVX-512 (the AVX2 path)."""
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("no AVX2 here")
-    path = cpu_ops.compile_library([cpu_ops.Q8_MATMUL, cpu_ops.Q4_MATMUL, cpu_ops.MIXED_MATMUL],
+    path = cpu_ops.compile_library(cpu_ops.INTEGER_MATMULS,
                                    [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"], ("CC", "cc", "gcc"), salt="avx2",
                                    headers=cpu_ops.HEADERS)
     lib = ctypes.CDLL(str(path))

@@ -11,8 +11,8 @@ import torch
 
 from verifier.cpu import cpu_ops
 from verifier.model.gguf_blocks import read_block_tensor
-from verifier.model.quant import (Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine, per_channel,
-                                  quantize_int4, quantize_int8)
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine,
+                                  per_channel, quantize_int4, quantize_int8)
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
 from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, served_weights
 
@@ -32,8 +32,8 @@ def test_gguf_blocks_decode_bit_exactly(kind):
 
 def test_q4_k_blocks_decode_to_ggufs_weights():
     """Q4_K super-blocks by the format's definition (gguf-py cannot write them: random
-    scales, mins and nibbles under random fp16 d and dmin) decode to gguf-py's weights, as
-    int4 groups of 32 the q4x16 kernel takes."""
+    scales, mins and nibbles under random fp16 d and dmin) decode to gguf-py's weights, held with
+    their own scales (the q4k kernel's form) and, for the int4 kernels, as int4 groups of 32."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     rng = np.random.default_rng(0)
@@ -42,9 +42,11 @@ def test_q4_k_blocks_decode_to_ggufs_weights():
     halves = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16)
     blocks[..., 0:4] = halves.view(np.uint8)                      # d, dmin
     ours = read_block_tensor("Q4_K", blocks, rows, cols)
-    assert isinstance(ours, Int4Weight) and ours.group == 32
+    assert isinstance(ours, Int4KWeight) and ours.group == 32
     want = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType.Q4_K).reshape(rows, cols))
     assert torch.equal(ours.dequantize(), want)
+    int4 = ours.as_int4()
+    assert isinstance(int4, Int4Weight) and int4.group == 32 and torch.equal(int4.dequantize(), want)
 
 
 def test_affine_blocks_keep_their_weights():

@@ -1,5 +1,6 @@
 """The fused CPU kernels of `csrc/decode_ops.c` and Tercel's integer matmuls (`csrc/q4_matmul.c`
-for int4 weights, `csrc/q8_matmul.c` for 5-, 6- and 8-bit blocks), built on first use into one library and called through ctypes.
+for int4 weights, `csrc/q4k_matmul.c` for Q4_K blocks, `csrc/q8_matmul.c` for 5-, 6- and 8-bit
+ones), built on first use into one library and called through ctypes.
 
 The library is compiled for the machine it runs on (`cc -O3 -march=native`, or the ISA
 cap's of `verifier.cpu.machine`; under half a second) into the Tercel cache, keyed by the source,
@@ -28,9 +29,10 @@ from verifier.cpu.machine import cache_bytes, machine_key, march
 
 log = logging.getLogger("tercel.cpu_ops")
 CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on first use
-DECODE_OPS, Q4_MATMUL, Q8_MATMUL, MIXED_MATMUL = SOURCES = [CSRC / "decode_ops.c", CSRC / "q4_matmul.c",
-                                                            CSRC / "q8_matmul.c", CSRC / "mixed_matmul.c"]
-HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h"]   # included by the sources: part of the library's cache key
+DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL = SOURCES = [
+    CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c"]
+INTEGER_MATMULS = SOURCES[1:]      # one runner (mixed_matmul.c) over the layouts' tiles
+HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h"]   # included by the sources: part of the library's cache key
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -323,5 +325,6 @@ def mixed_matmul(packed: torch.Tensor, parts: torch.Tensor, n: int, x: torch.Ten
     fn = _library().mixed_matmul_ref if reference else _library().mixed_matmul
     if fn(packed.data_ptr(), parts.data_ptr(), parts.shape[0], n, k, x.data_ptr(), m, out.data_ptr()):
         raise ValueError(f"mixed_matmul takes K a multiple of 32 (got {k}) and up to 8 parts of 4, 5, 6 or 8 "
-                         f"bits whose rows add up to {n} (got {parts.tolist()}), or ran out of memory")
+                         f"bits (K a multiple of 256 for 4 bits in groups of 256) whose rows add up to {n} "
+                         f"(got {parts.tolist()}), or ran out of memory")
     return out

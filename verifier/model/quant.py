@@ -1,7 +1,9 @@
-"""Quantized weights as plain tensors: the two forms Tercel serves, and conversions.
+"""Quantized weights as plain tensors: the forms Tercel serves, and conversions.
 
-    Int4Weight: w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g],  q in 0..15
-    Int8Weight: w[n, k] = q[n, k] * scale[n, k // g],                          q in -127..127
+    Int4Weight:  w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g],  q in 0..15
+    Int8Weight:  w[n, k] = q[n, k] * scale[n, k // g],                          q in -127..127
+    Int4KWeight: w[n, k] = (d[n, k // 256] * sc[n, k // 32]) * q[n, k]
+                           - dmin[n, k // 256] * mn[n, k // 32],                q in 0..15 (GGUF's Q4_K)
 
 The int4 form is the one torch's CPU kernel `_weight_int4pack_mm_for_cpu` computes with
 (group size g of 32 to 256). GGUF's Q4_1 blocks (w = d * q + m, 32 weights per block) map
@@ -14,7 +16,7 @@ packs these for the kernels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -57,10 +59,48 @@ class Int8Weight(_Grouped):
 
 
 @dataclass(frozen=True)
+class Int4KWeight:
+    """GGUF's Q4_K as the file stores it: per sub-block of 32 weights a 6-bit scale and min,
+    per 256 an fp16 d and dmin. Its products d * sc and dmin * mn are exact in fp32, which a
+    bf16 scale per 32 (Int4Weight as served) is not."""
+    q: torch.Tensor        # uint8 [N, K], values 0..15
+    sc: torch.Tensor       # uint8 [N, K // 32], values 0..63
+    mn: torch.Tensor       # uint8 [N, K // 32], values 0..63
+    d: torch.Tensor        # fp32 [N, K // 256], fp16 values
+    dmin: torch.Tensor     # fp32 [N, K // 256], fp16 values
+
+    SUPER = 256            # weights per d and dmin
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.sc.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d * sc, dmin * mn), fp32 [N, K // 32], as ggml computes them."""
+        per = self.SUPER // self.group
+        return (self.d.repeat_interleave(per, 1) * self.sc.float(),
+                self.dmin.repeat_interleave(per, 1) * self.mn.float())
+
+    def dequantize(self) -> torch.Tensor:
+        scale, mn = (t.repeat_interleave(self.group, 1) for t in self.sub_scales())
+        return self.q.float() * scale - mn
+
+    def as_int4(self) -> Int4Weight:
+        """The same weights in the int4 form (a sub-block is a Q4_1 block of scale d * sc and
+        min -dmin * mn), for the kernels that take that form."""
+        scale, mn = self.sub_scales()
+        return int4_from_affine(self.q, scale, -mn)
+
+
+@dataclass(frozen=True)
 class StackedWeight:
     """The row blocks of one fused projection held in different forms or bits, each as the file
     stores it (a Q4_K_M's Q8_0 attn_v below Q5_0 attn_q and attn_k): w = the parts' rows in order."""
-    parts: tuple[Int4Weight | Int8Weight, ...]
+    parts: tuple[Int4Weight | Int8Weight | Int4KWeight, ...]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -70,7 +110,7 @@ class StackedWeight:
         return torch.cat([p.dequantize() for p in self.parts])
 
 
-QuantWeight = Int4Weight | Int8Weight | StackedWeight
+QuantWeight = Int4Weight | Int8Weight | Int4KWeight | StackedWeight
 
 
 def int4_from_affine(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4Weight:
@@ -125,6 +165,4 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     first = parts[0]
     if any(type(p) is not type(first) or p.group != first.group for p in parts):
         raise ValueError("fused projections need one quantization kind and group size")
-    if isinstance(first, Int4Weight):
-        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
-    return Int8Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale")))
+    return type(first)(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(first)))

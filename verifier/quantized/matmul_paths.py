@@ -35,7 +35,8 @@ from verifier.cpu.machine import cached_measurement
 from verifier.quantized.own_kernels import OWN_PATHS
 from verifier.quantized.qlinear import QuantLinear
 
-FORMAT = 6           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4)
+FORMAT = 7           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4);
+                     # 7: on the head's scan where no decoder weight offers a choice
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
 # timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
@@ -131,8 +132,8 @@ class KernelTimings:
 
 def choosable_owns(linears: list[QuantLinear]) -> tuple[str, ...]:
     """The own kernels the plan chooses among: those of the linears that offer a choice (int4
-    weights: torch's or q4x16), else the first linear's. A model whose file mixes formats (a
-    Q4_K_M) has linears with one own kernel beside them (q8x16), which keep it."""
+    weights: torch's or q4x16; the head's scan last), else the first linear's. A model whose file
+    mixes formats (a Q4_K_M) has linears with one own kernel beside them (q4k, q8x16), which keep it."""
     return next((lin.own_paths() for lin in linears if len(lin.own_paths()) > 1), linears[0].own_paths())
 
 

@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, int4_group, quantize_int4, quantize_int8
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8Weight, QuantWeight, int4_group, quantize_int4,
+                                  quantize_int8)
 
 Q8_GROUP = 32       # weights per scale of a dense weight served as int8 blocks (as GGUF's Q8_0)
 
@@ -26,8 +27,8 @@ def _dense(w: QuantWeight | torch.Tensor) -> torch.Tensor:
 
 
 def _int4(w: QuantWeight | torch.Tensor) -> QuantWeight:
-    """int4 blocks as stored; anything else requantized to int4 groups of 32."""
-    if isinstance(w, Int4Weight):
+    """int4 blocks as stored (Q4_0, Q4_1, Q4_K); anything else requantized to int4 groups of 32."""
+    if isinstance(w, (Int4Weight, Int4KWeight)):
         return w
     dense = _dense(w)
     return quantize_int4(dense, int4_group(dense.shape[1]))

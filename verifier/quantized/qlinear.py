@@ -1,8 +1,8 @@
 """Modules over quantized weights: `QuantLinear` (CPU matmuls), `QuantEmbedding`, `RescoredHead`.
 
 A QuantLinear can run a matmul on the weight's own kernels (`verifier.quantized.own_kernels`:
-torch's int4 and Tercel's q4x16 for int4 weights, torch's int8 and Tercel's q8x16 for int8
-ones) or on a dense copy ("paths"):
+torch's int4 and Tercel's q4x16 for int4 weights, Tercel's q4k for Q4_K ones, torch's int8 and
+Tercel's q8x16 for int8 ones) or on a dense copy ("paths"):
     bf16   oneDNN over a dense bf16 copy of the same weights, packed once
     fp32   oneDNN over a dense fp32 copy
 Its own kernels give each row the same bits whether the row is alone or among others: sampled
@@ -19,7 +19,7 @@ from torch import nn
 
 from verifier.cpu import cpu_ops
 from verifier.model.linear import onednn_available
-from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, StackedWeight
+from verifier.model.quant import Int4KWeight, Int4Weight, Int8Weight, QuantWeight, StackedWeight
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 
 _ONEDNN = onednn_available()
@@ -29,8 +29,11 @@ DENSE_PATHS = ("bf16", "fp32") if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_s
 
 
 def served_weights(w: QuantWeight) -> QuantWeight:
-    """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them."""
+    """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them (Q4_K's own
+    scales are held exactly)."""
     r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    if isinstance(w, Int4KWeight):
+        return w
     if isinstance(w, StackedWeight):
         return StackedWeight(tuple(served_weights(p) for p in w.parts))
     if isinstance(w, Int4Weight):
@@ -46,7 +49,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"no own kernel takes a {type(weight).__name__} of shape {weight.shape}")
         self.out_features, self.in_features = weight.shape
         self.plan = plan                      # shared by the model's layers; not a submodule
-        self.kind = {Int4Weight: "int4", Int8Weight: "int8", StackedWeight: "mixed"}[type(weight)]
+        self.kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", StackedWeight: "mixed"}[type(weight)]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self._dense: dict[str, torch.Tensor] = {}
         # The weights as served (bf16 scales) in unpacked form, kept until the dense copies

@@ -4,7 +4,7 @@ What each weight becomes (the model file's own weights wherever a kernel can tak
 
 | weight | int4 | int8 | gguf |
 |---|---|---|---|
-| projections, GGUF Q4_0 / Q4_1 / Q4_K | the file's blocks (group 32) | requantized per channel | the file's blocks |
+| projections, GGUF Q4_0 / Q4_1 / Q4_K | the file's blocks (group 32; Q4_K with its own scales) | requantized per channel | the file's blocks |
 | projections, GGUF Q5_0 / Q6_K / Q8_0 | requantized, int4 groups of 32 | the file's blocks | the file's blocks |
 | projections, dense (HF, F16/F32; GGUF kinds read dense) | int4 groups of 32 | per channel | int8 groups of 32 |
 | embedding | the file's blocks; a dense table as int8 blocks of 32 (as Q8_0) | the same | the same |
@@ -12,7 +12,7 @@ What each weight becomes (the model file's own weights wherever a kernel can tak
 | MoE router (Mixtral, Qwen3-MoE) | int8, its own kernel for every row | the same | the same |
 
 `gguf` serves each tensor in its own format, as llama.cpp does: a Q4_K_M file mixes Q4_K with
-Q6_K, Q5_0 and Q8_0, which the int4 kernels take and csrc/q8_matmul.c takes respectively. Parts
+Q6_K, Q5_0 and Q8_0, which csrc/q4k_matmul.c and csrc/q8_matmul.c take respectively. Parts
 of one fused projection stored in several formats keep theirs, in one call (`_fused`,
 csrc/mixed_matmul.c); where that kernel is not built they share the more precise one (`_one_form`).
 
@@ -41,7 +41,8 @@ from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.model.quant import Int4Weight, Int8Weight, QuantWeight, StackedWeight, concat_rows, quantize_int8
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8Weight, QuantWeight, StackedWeight, concat_rows,
+                                  quantize_int8)
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
 from verifier.quantized.own_kernels.q8x16 import q8_bits
@@ -161,8 +162,10 @@ def _layout(w: QuantWeight) -> tuple:
 
 
 def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
-    """Parts of one fused projection in one form: int4 parts beside int8 ones requantized to int8
-    groups of 32 (the finer grid), int8 scale groups split to the smallest group (exact)."""
+    """Parts of one fused projection in one form: Q4_K parts as int4 (exact), int4 parts beside
+    int8 ones requantized to int8 groups of 32 (the finer grid), int8 scale groups split to the
+    smallest group (exact)."""
+    parts = [p.as_int4() if isinstance(p, Int4KWeight) else p for p in parts]
     if all(isinstance(p, Int4Weight) for p in parts) or all(isinstance(p, Int8Weight) and p.group == parts[0].group
                                                              for p in parts):
         return parts
@@ -183,7 +186,7 @@ def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
 def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:
     """Set the plan's own kernel for sampled rows (the head's scan too), keep the dense copies
     its bulk path needs, drop the rest and the sources."""
-    plan = timings.plan(choosable_owns(decoder))
+    plan = timings.plan(choosable_owns([*decoder, head.scan]))
     for lin in [*decoder, head.scan]:
         lin.use_own(plan.own if plan.own in lin.own_paths() else lin.own)
         lin.drop_other_owns()
@@ -212,15 +215,21 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
          cache_dir: Path | None, refresh: bool = False,
          timed: list[QuantLinear] | None = None, threads: int | None = None) -> tuple[KernelPlan, KernelTimings]:
     """Time every path over `timed` (default: the whole decoder) or read the timings this
-    machine cached, then keep what the fastest choice per row count needs in all of `decoder`."""
+    machine cached, then keep what the fastest choice per row count needs in all of `decoder`.
+    Where no decoder weight offers a choice of own kernel (every one on its format's only kernel,
+    as a Q4_K_M's), the head's scan, which does, is timed too: its sampled rows' kernel is chosen."""
+    timed = timed or decoder
+    if not any(len(lin.own_paths()) > 1 for lin in timed):
+        timed = [*timed, head.scan]
+
     def measure() -> KernelTimings:
-        for lin in timed or decoder:
-            for path in DENSE_PATHS:
+        for lin in timed:
+            for path in DENSE_PATHS if lin is not head.scan else ():    # the scan takes its own kernel only
                 lin.add_dense(path)
-        return time_paths(timed or decoder, rows)
+        return time_paths(timed, rows)
 
     sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
-               for path in (cpu_ops.Q4_MATMUL, cpu_ops.Q8_MATMUL, cpu_ops.MIXED_MATMUL, *cpu_ops.HEADERS)}
+               for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
     timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh, threads)
     plan = apply_plan(decoder, head, timings)
     log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "act_quant.h"
+#include "q4_nibbles.h"
 
 #define Q4_TILE 16
 #define Q4_BLOCK ACT_BLOCK
@@ -62,15 +63,7 @@ static void tile_ref(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, f
             int64_t j = (r0 + i) * a->nb + b;
             const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
             for (int c = 0; c < Q4_TILE; c++) {
-                int32_t acc[2] = {0, 0};
-                for (int h = 0; h < 2; h++)
-                    for (int g = 0; g < 4; g++)
-                        for (int e = 0; e < 4; e++) {
-                            uint8_t byte = w[64 * g + 4 * c + e];
-                            const int8_t *xh = xq + h * Q4_BLOCK;
-                            acc[h] += (byte & 15) * xh[4 * g + e] + (byte >> 4) * xh[16 + 4 * g + e];
-                        }
-                float f = (float)(acc[0] * 256 + acc[1] - a->s8[j]) * a->d[j];
+                float f = (float)(nibble_sum_ref(w, c, xq) - a->s8[j]) * a->d[j];
                 float *yc = y + i * Q4_TILE + c;
                 *yc = fmaf(bf16_to_f32(sc[c]), f, *yc);
                 *yc = fmaf(bf16_to_f32(ze[c]), a->ds[j], *yc);
@@ -84,28 +77,16 @@ static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const
                                                          float *y) {
     __m512 acc[Q4_ROWS];
     for (int i = 0; i < Q4_ROWS; i++) acc[i] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
         __m512i lo[4], hi[4];
         prefetch_block(w);
-        for (int g = 0; g < 4; g++) {
-            __m512i p = _mm512_loadu_si512(w + 64 * g);
-            lo[g] = _mm512_and_si512(p, low);
-            hi[g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-        }
+        nibbles_load(w, lo, hi);
         __m512 sc = bf16x16(w + 256), ze = bf16x16(w + 288);
         #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) {
             int64_t j = (r0 + i) * a->nb + b;
             const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
-            __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
-            for (int g = 0; g < 4; g++) {
-                s = dot_bcast(s, lo[g], xq + 4 * g);
-                s = dot_bcast(s, hi[g], xq + 16 + 4 * g);
-                t = dot_bcast(t, lo[g], xq + Q4_BLOCK + 4 * g);
-                t = dot_bcast(t, hi[g], xq + Q4_BLOCK + 16 + 4 * g);
-            }
-            s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(s, 8), t), _mm512_set1_epi32(a->s8[j]));
+            __m512i s = _mm512_sub_epi32(nibble_sums(lo, hi, xq), _mm512_set1_epi32(a->s8[j]));
             __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d[j]));
             acc[i] = _mm512_fmadd_ps(sc, f, acc[i]);
             acc[i] = _mm512_fmadd_ps(ze, _mm512_set1_ps(a->ds[j]), acc[i]);
@@ -115,43 +96,22 @@ static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const
 }
 
 #elif IMM_AVX2
-/* One digit's 32 products per channel: vpmaddubsw sums two u8 x s8 products per 16-bit half
- * lane (|2 * 15 * 128| = 3840), eight of those add up in 16 bits exactly (30720 < 32768), and
- * one vpmaddwd then adds the two halves into the channel's 32-bit lane. Widening once per
- * digit instead of once per vpmaddubsw takes a row's multiplies per block from 64 to 36; the
- * sum is the same integer. `x` is the digit's 32 values; lo / hi hold weights 4 g + b and 16 + 4 g + b. */
-static inline __m256i dot32(const __m256i lo[4], const __m256i hi[4], const int8_t *x) {
-    __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(x));
-    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(x + 16)));
-    for (int g = 1; g < 4; g++) {
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[g], bcast4(x + 4 * g)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[g], bcast4(x + 16 + 4 * g)));
-    }
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
-}
-
 /* One loop for every row count: with 16 registers, copies unrolled per count (as the AVX-512
  * path has) spill and measured 10-15% slower at 3 to 8 rows. */
 static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     __m256 acc[Q4_ROWS][2];
     for (int i = 0; i < Q4_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
         prefetch_block(w);
         for (int h = 0; h < 2; h++) {            /* channels 8 h .. 8 h + 7 */
             __m256i lo[4], hi[4];
-            for (int g = 0; g < 4; g++) {
-                __m256i p = _mm256_loadu_si256((const void *)(w + 64 * g + 32 * h));
-                lo[g] = _mm256_and_si256(p, low);
-                hi[g] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-            }
+            nibbles_load(w, h, lo, hi);
             __m256 sc = bf16x8(w + 256 + 16 * h), ze = bf16x8(w + 288 + 16 * h);
             for (int i = 0; i < Q4_ROWS; i++) {
                 if (i == rows) break;
                 int64_t j = (r0 + i) * a->nb + b;
                 const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
-                __m256i s = dot32(lo, hi, xq), t = dot32(lo, hi, xq + Q4_BLOCK);
-                s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(s, 8), t), _mm256_set1_epi32(a->s8[j]));
+                __m256i s = _mm256_sub_epi32(nibble_sums(lo, hi, xq), _mm256_set1_epi32(a->s8[j]));
                 __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
                 acc[i][h] = _mm256_fmadd_ps(sc, f, acc[i][h]);
                 acc[i][h] = _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), acc[i][h]);

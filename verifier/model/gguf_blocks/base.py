@@ -1,11 +1,11 @@
 """What a GGUF block format is to Tercel (`BlockFormat`), and the byte fields formats share.
 
 ggml stores a quantized row as blocks of `weights` weights in `nbytes` bytes each, little-endian.
-A format's `read` turns a tensor's blocks into one of Tercel's two served forms
+A format's `read` turns a tensor's blocks into one of Tercel's served forms
 (`verifier.model.quant`): `Int4Weight` (q 0..15, scale and zero per group), which the int4
-kernels take, or `Int8Weight` (signed q, a scale per group), which the q8x16 kernel takes in
-5, 6 or 8 bits. Either form holds the file's weights exactly; no float round trip beyond the
-scales.
+kernels take, `Int8Weight` (signed q, a scale per group), which the q8x16 kernel takes in
+5, 6 or 8 bits, or `Int4KWeight` (Q4_K's own scales), which the q4k kernel takes. Each holds
+the file's weights exactly; no float round trip beyond the scales.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class BlockFormat:
     name: str                                   # ggml's type name, as GGUFReader reports it
     weights: int                                # weights per block
     nbytes: int                                 # bytes per block
-    form: type                                  # Int4Weight or Int8Weight: what `read` returns
+    form: type                                  # Int4Weight, Int8Weight or Int4KWeight: what `read` returns
     read: Callable[[np.ndarray], QuantWeight]   # uint8 [rows, blocks per row, nbytes] -> the form
 
 

@@ -1,13 +1,13 @@
 """GGUF Q4_K: d fp16, dmin fp16, 12 bytes of 6-bit scales and mins (8 of each), 128 bytes of
 nibbles; sub-block j (32 weights): w = (d * sc[j]) * q - dmin * mn[j], 256 weights per block.
-The 32-byte chunk c holds weights 64 c + l (low halves) and 64 c + 32 + l (high). A sub-block
-is a Q4_1 block whose d and m are products (d * sc, -dmin * mn): Tercel's int4 form in groups
-of 32, served by the same kernels."""
+The 32-byte chunk c holds weights 64 c + l (low halves) and 64 c + 32 + l (high). Served as
+stored (`Int4KWeight`: csrc/q4k_matmul.c takes it); where that kernel is not built, a sub-block
+is a Q4_1 block whose d and m are the products d * sc and -dmin * mn (`Int4KWeight.as_int4`)."""
 import numpy as np
 import torch
 
 from verifier.model.gguf_blocks.base import BlockFormat, f16
-from verifier.model.quant import Int4Weight, int4_from_affine
+from verifier.model.quant import Int4KWeight
 
 
 def k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -20,14 +20,12 @@ def k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def read(blocks: np.ndarray) -> Int4Weight:
+def read(blocks: np.ndarray) -> Int4KWeight:
     n, nsb = blocks.shape[:2]
-    sc, mn = (torch.from_numpy(x).float() for x in k_scales(blocks[..., 4:16]))
-    d = f16(blocks, 0)[..., None] * sc                          # [N, nsb, 8], as ggml computes them
-    m = f16(blocks, 2)[..., None] * mn
+    sc, mn = (torch.from_numpy(np.ascontiguousarray(x).reshape(n, nsb * 8)) for x in k_scales(blocks[..., 4:16]))
     qs = blocks[..., 16:].reshape(n, nsb, 4, 1, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, nsb * 256)     # chunk c: low, then high halves
-    return int4_from_affine(torch.from_numpy(q), d.reshape(n, -1), -m.reshape(n, -1))
+    return Int4KWeight(torch.from_numpy(q), sc, mn, f16(blocks, 0), f16(blocks, 2))
 
 
-FORMAT = BlockFormat("Q4_K", 256, 144, Int4Weight, read)
+FORMAT = BlockFormat("Q4_K", 256, 144, Int4KWeight, read)

@@ -9,11 +9,11 @@ its C source beside the others with its kind in decode_loop.cpp, and a test of i
 """
 from __future__ import annotations
 
-from verifier.model.quant import Int8Weight, QuantWeight, per_channel
-from verifier.quantized.own_kernels import mixed, q4x16, q8x16, torch_int4, torch_int8
+from verifier.model.quant import Int4KWeight, Int8Weight, QuantWeight, per_channel
+from verifier.quantized.own_kernels import mixed, q4k, q4x16, q8x16, torch_int4, torch_int8
 from verifier.quantized.own_kernels.base import OwnKernel
 
-_MODULES = (torch_int4, q4x16, torch_int8, q8x16, mixed)
+_MODULES = (torch_int4, q4x16, torch_int8, q8x16, q4k, mixed)
 KERNELS: dict[str, OwnKernel] = {m.KERNEL.name: m.KERNEL for m in _MODULES}
 OWN_PATHS = frozenset(KERNELS)     # the weights' own (row-invariant) matmul paths; the other paths are dense
 
@@ -21,8 +21,10 @@ OWN_PATHS = frozenset(KERNELS)     # the weights' own (row-invariant) matmul pat
 def kernels_for(w: QuantWeight) -> tuple[QuantWeight, list[OwnKernel]]:
     """The kernels that take `w` here, in `KERNELS`' order, and the weight they take: an int8
     weight in groups that no kernel takes is requantized per channel (torch's int8 kernel takes
-    any such weight)."""
+    any such weight); Q4_K blocks where their kernel is not built take the int4 form (exact)."""
     owns = [k for k in KERNELS.values() if isinstance(w, k.form) and k.offered(w)]
     if not owns and isinstance(w, Int8Weight) and w.group != w.shape[1]:
         return kernels_for(per_channel(w))
+    if not owns and isinstance(w, Int4KWeight):
+        return kernels_for(w.as_int4())
     return w, owns

@@ -21,15 +21,23 @@ def pack_q4(w: Int4Weight) -> torch.Tensor:
     16 + 4 g + e (high nibble); then the 16 scales and the 16 zeros."""
     (n, k), per = w.shape, w.group // Q4_BLOCK
     pad = -n % Q4_TILE
-    q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (w.q, w.scale, w.zero))  # zero channels
+    scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (w.scale, w.zero))  # zero channels
     tiles, blocks = (n + pad) // Q4_TILE, k // Q4_BLOCK
-    q = q.to(torch.uint8).view(tiles, Q4_TILE, blocks, 2, 4, 4)     # weight 16 h + 4 g + e of a block
-    nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:      # [N, K / group] -> bytes [tiles, blocks, 32]
         t = t.repeat_interleave(per, 1).to(torch.bfloat16).view(tiles, Q4_TILE, blocks)
         return t.permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([nibbles, per_block(scale), per_block(zero)], -1).contiguous()
+    return torch.cat([pack_nibbles(w.q), per_block(scale), per_block(zero)], -1).contiguous()
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K / 32, 256]: q (0..15, [N, K]) as csrc/q4_nibbles.h lays a block's
+    nibbles out, channels past N zero."""
+    n, k = q.shape
+    q = F.pad(q.to(torch.uint8), (0, 0, 0, -n % Q4_TILE))
+    tiles, blocks = q.shape[0] // Q4_TILE, k // Q4_BLOCK
+    q = q.view(tiles, Q4_TILE, blocks, 2, 4, 4)     # weight 16 h + 4 g + e of a block
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
 
 
 def _mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
