@@ -55,13 +55,14 @@ _SIGNATURES = {
     "q4_matmul": [_P, _I, _I, _P, _I, _P],
     "q4_matmul_ref": [_P, _I, _I, _P, _I, _P],
     "q4_isa": [],
+    "q8_plane_masks": [],
     "q8_matmul": [_P, _I, _I, _I, _I, _P, _I, _P],
     "q8_matmul_ref": [_P, _I, _I, _I, _I, _P, _I, _P],
     "mixed_matmul": [_P, _P, _I, _I, _I, _P, _I, _P],
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
 }
 _RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
-            "q4_isa": _I, "q8_matmul": _I, "q8_matmul_ref": _I, "mixed_matmul": _I, "mixed_matmul_ref": _I}
+            "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I, "mixed_matmul": _I, "mixed_matmul_ref": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -281,6 +282,12 @@ def q4_isa() -> int:
     """The instructions `q4_matmul` runs on in this build: 512 (AVX-512 VNNI), 256 (AVX2), or
     0 (the scalar reference: no faster than torch's kernel, so the engine does not offer it)."""
     return _library().q4_isa()
+
+
+def q8_plane_masks() -> bool:
+    """Whether `q8_matmul` reads the 5- and 6-bit layouts' higher bits as masks (AVX-512 builds)
+    rather than planes (`verifier.quantized.own_kernels.q8x16.pack_q8`)."""
+    return bool(_library().q8_plane_masks())
 
 
 def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = False) -> torch.Tensor:

@@ -12,8 +12,12 @@
  * the weights 16 (v / 4) + 4 (v % 4) + e, so vectors 0..3 are the first half-block:
  *   5 and 6 bits: bytes 0..255, u's low four bits: byte 64 g + 4 c + e holds vector g's in its
  *                    low nibble and vector 4 + g's in its high one (q4_matmul.c's nibbles);
- *                    then per bit p of u's bits 4 .. bits-1, 64 bytes: bit v of byte 4 c + e is
- *                    bit p of vector v's weight there
+ *                    then per bit p of u's bits 4 .. bits-1, 64 bytes, as planes (AVX2 and
+ *                    scalar builds): bit v of byte 4 c + e is bit p of vector v's weight there;
+ *                    or as masks (AVX-512 builds, Q8_PLANE_MASKS): 8 bytes per vector v, whose
+ *                    bit 4 c + e (little-endian) is that bit, so that one kmovq loads the mask
+ *                    of a masked add where planes took a test per vector (q8_plane_masks tells
+ *                    the packer which)
  *   8 bits:       bytes 0..511, vector v's u at 64 v + 4 c + e (no unpacking)
  *   then the 16 channels' bf16 scales: for weights 0..15, then for 16..31 (group 16), or for
  *                    all 32 (group 32: the bytes the file's Q5_0 or Q8_0 block spends)
@@ -36,6 +40,11 @@
 #define Q8_ROWS 8          /* rows multiplied per pass over a tile's weights (registers) */
 #define Q8_AHEAD 8         /* blocks prefetched ahead, as q4_matmul.c */
 #define Q8_BLOCK_BYTES(planes, halves) (256 + 64 * (planes) + 32 * (halves))
+#if IMM_AVX512                       /* the higher bits' layout: masks where kmovq loads them */
+#define Q8_PLANE_MASKS 1
+#else
+#define Q8_PLANE_MASKS 0
+#endif
 
 typedef struct {
     int64_t planes, bytes;      /* bits - 4, bytes per block */
@@ -52,7 +61,11 @@ static inline int32_t weight_u(const uint8_t *w, int64_t planes, int c, int i) {
     int h = i >= 16, g = (i % 16) / 4, e = i % 4, v = 4 * h + g, byte = 4 * c + e;
     if (planes == 4) return w[64 * v + byte];
     int32_t u = (w[64 * g + byte] >> (4 * h)) & 15;
-    for (int p = 0; p < planes; p++) u |= ((w[256 + 64 * p + byte] >> v) & 1) << (4 + p);
+    for (int p = 0; p < planes; p++) {
+        const uint8_t *plane = w + 256 + 64 * p;
+        int bit = Q8_PLANE_MASKS ? (plane[8 * v + byte / 8] >> (byte % 8)) & 1 : (plane[byte] >> v) & 1;
+        u |= bit << (4 + p);
+    }
     return u;
 }
 
@@ -100,12 +113,11 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
                 u[g] = _mm512_and_si512(p, low);
                 u[4 + g] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             }
-            for (int p = 0; p < wt->planes; p++) {     /* bit v of a plane byte: bit 4 + p of u[v]'s */
-                __m512i plane = _mm512_loadu_si512(w + 256 + 64 * p), bit = _mm512_set1_epi8((char)(16 << p));
+            for (int p = 0; p < wt->planes; p++) {     /* mask v: where bit 4 + p of u[v]'s is set */
+                __mmask64 *masks = (__mmask64 *)(w + 256 + 64 * p);     /* _load_mask64 takes no const */
+                __m512i bit = _mm512_set1_epi8((char)(16 << p));
                 #pragma GCC unroll 8
-                for (int v = 0; v < 8; v++)
-                    u[v] = _mm512_mask_add_epi8(u[v], _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << v))),
-                                                u[v], bit);
+                for (int v = 0; v < 8; v++) u[v] = _mm512_mask_add_epi8(u[v], _load_mask64(masks + v), u[v], bit);
             }
         }
         const uint8_t *sw = w + 256 + 64 * wt->planes;
@@ -259,6 +271,9 @@ void q8_tile(int ref, int64_t bits, int64_t group, const uint8_t *w, const Act *
 }
 
 int64_t q8_block_bytes(int64_t bits, int64_t group) { return weights(bits, group).bytes; }
+
+/* 1 where this build reads the 5- and 6-bit layouts' higher bits as masks, 0 as planes. */
+int64_t q8_plane_masks(void) { return Q8_PLANE_MASKS; }
 
 /* mixed_matmul.c's runner: every 5-, 6- or 8-bit matmul is a weight of one part */
 int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t nparts, int64_t n, int64_t k,

@@ -22,14 +22,16 @@ def q8_bits(w: Int8Weight) -> int:
     return next(b for b in (5, 6, 8) if -(1 << (b - 1)) <= lo and hi < 1 << (b - 1))
 
 
-def pack_q8(w: Int8Weight, bits: int | None = None) -> torch.Tensor:
+def pack_q8(w: Int8Weight, bits: int | None = None, masks: bool | None = None) -> torch.Tensor:
     """uint8 [ceil(N / 16), K / 32, 256 + 64 (bits - 4) + 32 (32 / group)]: `w` (its scales in bf16)
     in the layout csrc/q8_matmul.c describes, u = q + 2^(bits - 1). Per tile of 16 channels and
     block of 32 weights: for 5 and 6 bits u's low nibbles as q4x16's `pack_q4` lays them out and
-    one 64-byte plane per higher bit (bit v of byte 4 c + e: the bit of the weight vector v holds
-    there), for 8 bits the 8 vectors' bytes; then the 16 channels' scales of each group in the block.
-    `bits`: `q8_bits(w)`, where the caller has it."""
+    64 bytes per higher bit, as planes (bit v of byte 4 c + e: the bit of the weight vector v holds
+    there) or as masks (8 bytes per vector v, bit 4 c + e), for 8 bits the 8 vectors' bytes; then
+    the 16 channels' scales of each group in the block. `bits`: `q8_bits(w)`, where the caller has
+    it; `masks`: the layout the library reads (`cpu_ops.q8_plane_masks()`, the default)."""
     bits, (n, k) = bits or q8_bits(w), w.shape
+    masks = cpu_ops.q8_plane_masks() if masks is None else masks
     pad = -n % Q4_TILE
     u = F.pad(w.q.to(torch.int32) + (1 << (bits - 1)), (0, 0, 0, pad))     # padded channels: scale 0
     tiles, blocks = (n + pad) // Q4_TILE, k // Q4_BLOCK
@@ -39,10 +41,20 @@ def pack_q8(w: Int8Weight, bits: int | None = None) -> torch.Tensor:
         return torch.cat([vectors, _group_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
     nib = u & 15
     nibbles = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
-    vector_bit = (1 << torch.arange(8, dtype=torch.int32)).view(2, 4, 1)      # vector v = 4 h + g
-    planes = [(((u >> p) & 1) * vector_bit).sum((3, 4)).permute(0, 2, 1, 3).reshape(tiles, blocks, 64)
-              for p in range(4, bits)]
+    planes = [(_masks if masks else _planes)((u >> p) & 1, tiles, blocks) for p in range(4, bits)]
     return torch.cat([nibbles, *planes, _group_scales(w, tiles, blocks, pad)], -1).to(torch.uint8).contiguous()
+
+
+def _planes(bit: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
+    """bit [tiles, 16 c, blocks, 2 h, 4 g, 4 e] -> bytes [tiles, blocks, 64]: byte 4 c + e, bit v = 4 h + g."""
+    vector_bit = (1 << torch.arange(8, dtype=torch.int32)).view(2, 4, 1)
+    return (bit * vector_bit).sum((3, 4)).permute(0, 2, 1, 3).reshape(tiles, blocks, 64)
+
+
+def _masks(bit: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
+    """The same bits as 8 little-endian 64-bit masks: mask v = 4 h + g, bit 4 c + e."""
+    bit = bit.permute(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 8, 8, 8)      # [.., v, byte, bit in byte]
+    return (bit << torch.arange(8, dtype=torch.int32)).sum(-1).reshape(tiles, blocks, 64)
 
 
 def _group_scales(w: Int8Weight, tiles: int, blocks: int, pad: int) -> torch.Tensor:
