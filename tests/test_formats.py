@@ -13,7 +13,9 @@ from test_kquants import q6_k_bytes
 from test_q4 import _activations
 from verifier.model.gguf_blocks import FORMATS, INT4_NATIVE, read_block_tensor
 from test_q4k import k_weights
-from verifier.model.quant import Int4KWeight, Int4Weight, Int8Weight, StackedWeight, quantize_int4, quantize_int8
+from test_q6k import k_weights as q6_k_weights
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, StackedWeight, quantize_int4,
+                                  quantize_int8)
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 from verifier.quantized.qlinear import QuantLinear, served_weights
 
@@ -60,7 +62,7 @@ def test_every_registered_format_reads_as_gguf_py_dequantizes_it(kind):
 def test_the_int4_native_formats_are_those_read_as_int4():
     assert INT4_NATIVE == {"Q4_0", "Q4_1", "Q4_K"}
     assert {FORMATS[k].form for k in INT4_NATIVE} == {Int4Weight, Int4KWeight}
-    assert all(FORMATS[k].form is Int8Weight for k in set(FORMATS) - INT4_NATIVE)
+    assert all(FORMATS[k].form in (Int8Weight, Int8KWeight) for k in set(FORMATS) - INT4_NATIVE)
 
 
 def _weights() -> list:
@@ -70,9 +72,9 @@ def _weights() -> list:
     w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.05
     six_bit = quantize_int8(w, 16)
     six_bit = Int8Weight(six_bit.q.clamp(-32, 31), six_bit.scale)
-    q4_k = k_weights(24, 256)
-    stacked = StackedWeight((quantize_int4(w[:16], 32), quantize_int8(w[16:], 32), q4_k))    # q4 / q8 / Q4_K parts
-    return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit, q4_k, stacked]
+    q4_k, q6_k = k_weights(24, 256), q6_k_weights(24, 256)
+    stacked = StackedWeight((quantize_int4(w[:16], 32), quantize_int8(w[16:], 32), q4_k, q6_k))  # every part kind
+    return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit, q4_k, q6_k, stacked]
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -121,7 +121,7 @@ def test_each_tensor_runs_on_the_kernel_for_its_own_blocks(mixed_gguf):
     assert gate_up.own in ("int4", "q4x16")             # Q4_1 on the int4 kernels
     layer = target.net.model.layers[1]                  # a downloaded Q4_K_M's choices
     qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
-    assert qkv.loop_fields().s.tolist() == [[384, 4, 256], [128, 6, 16]]       # Q4_K q and k, a Q6_K v
+    assert qkv.loop_fields().s.tolist() == [[384, 4, 256], [128, 6, 256]]      # Q4_K q and k, a Q6_K v
     assert gate_up.loop_fields().s.tolist() == [[256, 4, 256], [256, 4, 0]]   # Q4_K gate, Q4_1 up
     assert (layer.self_attn.o_proj.own, layer.mlp.down_proj.own) == ("q4k", "q4k")
     # the served weights are the file's: x = I gives them back, up to the bf16 rounding of the scales

@@ -73,7 +73,7 @@ def test_padded_channels_and_bad_arguments():
         cpu_ops.q8_matmul(packed, 6, 16, 40, torch.zeros(1, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="5, 6 or 8 bits"):
         cpu_ops.q8_matmul(packed, 7, 16, 40, torch.zeros(1, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="groups of 16 or 32"):
+    with pytest.raises(ValueError, match="groups of 16, 32 or 256"):
         cpu_ops.q8_matmul(packed, 6, 64, 40, torch.zeros(1, 64, dtype=torch.bfloat16))
 
 

@@ -307,7 +307,8 @@ def q4_matmul(packed: torch.Tensor, n: int, x: torch.Tensor, reference: bool = F
 def q8_matmul(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tensor,
               reference: bool = False) -> torch.Tensor:
     """x bf16 [M, K] (contiguous) @ W.T -> bf16 [M, n], for W of `bits` (5, 6 or 8) with a scale per
-    `group` (16 or 32) weights as `verifier.quantized.own_kernels.q8x16.pack_q8` lays it out;
+    `group` (16 or 32; 256: int8 scales per 16 under an fp16 d per 256, Q6_K's) weights as
+    `verifier.quantized.own_kernels.q8x16.pack_q8` lays it out;
     `reference`: through the scalar code."""
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError(f"q8_matmul takes contiguous bf16 activations, got {x.dtype}, strides {x.stride()}")
@@ -316,7 +317,7 @@ def q8_matmul(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tens
     fn = _library().q8_matmul_ref if reference else _library().q8_matmul
     if fn(packed.data_ptr(), bits, group, n, k, x.data_ptr(), m, out.data_ptr()):
         raise ValueError(f"q8_matmul takes K a multiple of 32 (got {k}), 5, 6 or 8 bits (got {bits}) and "
-                         f"groups of 16 or 32 (got {group}), or ran out of memory")
+                         f"groups of 16, 32 or 256 (got {group}; K a multiple of 256 for 256), or ran out of memory")
     return out
 
 

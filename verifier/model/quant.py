@@ -4,6 +4,7 @@
     Int8Weight:  w[n, k] = q[n, k] * scale[n, k // g],                          q in -127..127
     Int4KWeight: w[n, k] = (d[n, k // 256] * sc[n, k // 32]) * q[n, k]
                            - dmin[n, k // 256] * mn[n, k // 32],                q in 0..15 (GGUF's Q4_K)
+    Int8KWeight: w[n, k] = (d[n, k // 256] * sc[n, k // 16]) * q[n, k],        q in -32..31 (GGUF's Q6_K)
 
 The int4 form is the one torch's CPU kernel `_weight_int4pack_mm_for_cpu` computes with
 (group size g of 32 to 256). GGUF's Q4_1 blocks (w = d * q + m, 32 weights per block) map
@@ -97,10 +98,40 @@ class Int4KWeight:
 
 
 @dataclass(frozen=True)
+class Int8KWeight:
+    """GGUF's Q6_K as the file stores it: per 16 weights an int8 scale, per 256 an fp16 d. Its
+    products d * sc are exact in fp32, which a bf16 scale per 16 (Int8Weight as served) is not."""
+    q: torch.Tensor        # int8 [N, K]
+    sc: torch.Tensor       # int8 [N, K // 16]
+    d: torch.Tensor        # fp32 [N, K // 256], fp16 values
+
+    SUPER = 256            # weights per d
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.sc.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def sub_scales(self) -> torch.Tensor:
+        """d * sc, fp32 [N, K // 16], as ggml computes them."""
+        return self.d.repeat_interleave(self.SUPER // self.group, 1) * self.sc.float()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.sub_scales().repeat_interleave(self.group, 1)
+
+    def as_int8(self) -> Int8Weight:
+        """The same weights in the int8 form (a scale d * sc per 16), for kernels that take that form."""
+        return Int8Weight(self.q, self.sub_scales())
+
+
+@dataclass(frozen=True)
 class StackedWeight:
     """The row blocks of one fused projection held in different forms or bits, each as the file
     stores it (a Q4_K_M's Q8_0 attn_v below Q5_0 attn_q and attn_k): w = the parts' rows in order."""
-    parts: tuple[Int4Weight | Int8Weight | Int4KWeight, ...]
+    parts: tuple[Int4Weight | Int8Weight | Int4KWeight | Int8KWeight, ...]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -110,7 +141,7 @@ class StackedWeight:
         return torch.cat([p.dequantize() for p in self.parts])
 
 
-QuantWeight = Int4Weight | Int8Weight | Int4KWeight | StackedWeight
+QuantWeight = Int4Weight | Int8Weight | Int4KWeight | Int8KWeight | StackedWeight
 
 
 def int4_from_affine(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4Weight:

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from verifier.model.quant import (Int4KWeight, Int4Weight, Int8Weight, QuantWeight, int4_group, quantize_int4,
-                                  quantize_int8)
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, int4_group,
+                                  quantize_int4, quantize_int8)
 
 Q8_GROUP = 32       # weights per scale of a dense weight served as int8 blocks (as GGUF's Q8_0)
 
@@ -37,7 +37,7 @@ def _int4(w: QuantWeight | torch.Tensor) -> QuantWeight:
 def _int8(w: QuantWeight | torch.Tensor) -> QuantWeight:
     """int8 blocks as stored (the linear makes them per channel unless a kernel takes their
     groups); anything else requantized per channel."""
-    return w if isinstance(w, Int8Weight) else quantize_int8(_dense(w))
+    return w if isinstance(w, (Int8Weight, Int8KWeight)) else quantize_int8(_dense(w))
 
 
 def _gguf(w: QuantWeight | torch.Tensor) -> QuantWeight:

@@ -19,7 +19,7 @@ from torch import nn
 
 from verifier.cpu import cpu_ops
 from verifier.model.linear import onednn_available
-from verifier.model.quant import Int4KWeight, Int4Weight, Int8Weight, QuantWeight, StackedWeight
+from verifier.model.quant import Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, StackedWeight
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 
 _ONEDNN = onednn_available()
@@ -29,10 +29,10 @@ DENSE_PATHS = ("bf16", "fp32") if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_s
 
 
 def served_weights(w: QuantWeight) -> QuantWeight:
-    """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them (Q4_K's own
-    scales are held exactly)."""
+    """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them (Q4_K's and Q6_K's
+    own scales are held exactly)."""
     r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
-    if isinstance(w, Int4KWeight):
+    if isinstance(w, (Int4KWeight, Int8KWeight)):
         return w
     if isinstance(w, StackedWeight):
         return StackedWeight(tuple(served_weights(p) for p in w.parts))
@@ -49,7 +49,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"no own kernel takes a {type(weight).__name__} of shape {weight.shape}")
         self.out_features, self.in_features = weight.shape
         self.plan = plan                      # shared by the model's layers; not a submodule
-        self.kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", StackedWeight: "mixed"}[type(weight)]
+        self.kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", Int8KWeight: "int8",
+                     StackedWeight: "mixed"}[type(weight)]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self._dense: dict[str, torch.Tensor] = {}
         # The weights as served (bf16 scales) in unpacked form, kept until the dense copies

@@ -41,8 +41,8 @@ from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.model.quant import (Int4KWeight, Int4Weight, Int8Weight, QuantWeight, StackedWeight, concat_rows,
-                                  quantize_int8)
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, StackedWeight,
+                                  concat_rows, quantize_int8)
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
 from verifier.quantized.own_kernels.q8x16 import q8_bits
@@ -158,14 +158,15 @@ def _fused(parts: list[QuantWeight]) -> QuantWeight:
 
 
 def _layout(w: QuantWeight) -> tuple:
-    return (type(w), w.group, q8_bits(w) if isinstance(w, Int8Weight) else 4)
+    return (type(w), w.group, q8_bits(w) if isinstance(w, (Int8Weight, Int8KWeight)) else 4)
 
 
 def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
-    """Parts of one fused projection in one form: Q4_K parts as int4 (exact), int4 parts beside
-    int8 ones requantized to int8 groups of 32 (the finer grid), int8 scale groups split to the
-    smallest group (exact)."""
-    parts = [p.as_int4() if isinstance(p, Int4KWeight) else p for p in parts]
+    """Parts of one fused projection in one form: Q4_K and Q6_K parts as int4 and int8 (exact), int4
+    parts beside int8 ones requantized to int8 groups of 32 (the finer grid), int8 scale groups
+    split to the smallest group (exact)."""
+    parts = [p.as_int4() if isinstance(p, Int4KWeight) else p.as_int8() if isinstance(p, Int8KWeight) else p
+             for p in parts]
     if all(isinstance(p, Int4Weight) for p in parts) or all(isinstance(p, Int8Weight) and p.group == parts[0].group
                                                              for p in parts):
         return parts
@@ -179,7 +180,10 @@ def _to_mode(w: QuantWeight | torch.Tensor, mode: str) -> QuantWeight:
 
 
 def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
-    """The file's own blocks, else a dense table as int8 blocks of 32 (as GGUF's Q8_0)."""
+    """The file's own blocks (Q6_K's in the int8 form, which the C lookups and rescoring take), else
+    a dense table as int8 blocks of 32 (as GGUF's Q8_0)."""
+    if isinstance(block, Int8KWeight):
+        return block.as_int8()
     return block if block is not None else quantize_int8(dense.detach(), Q8_GROUP)
 
 

@@ -10,8 +10,8 @@
  * Weights: the parts' packings one after another, each as its kernel lays it out
  * (q4_matmul.c's int4 tiles, q8_matmul.c's 5-, 6- or 8-bit tiles); parts int64 [nparts, 3]:
  * (rows, bits, group) per part, bits 4 for q4_matmul.c's layout (group 0) or q4k_matmul.c's
- * (group 256, K a multiple of 256), 5, 6 or 8 for q8_matmul.c's (group 16 or 32). A part's rows
- * need not fill its last tile.
+ * (group 256, K a multiple of 256), 5, 6 or 8 for q8_matmul.c's (group 16 or 32, or 256 for its
+ * int8 scales under a d per 256, Q6_K's). A part's rows need not fill its last tile.
  *
  * Exactness: every tile is the part's kernel's own tile function over the same quantized
  * activations, so a row's outputs are bitwise what q4_matmul / q8_matmul give for that part,
@@ -47,8 +47,9 @@ static int64_t lay_out(const int64_t *table, int64_t nparts, int64_t n, int64_t 
     for (int64_t p = 0; p < nparts; p++) {
         Part *pt = &parts[p];
         pt->rows = table[3 * p], pt->bits = table[3 * p + 1], pt->group = table[3 * p + 2];
-        int q8 = (pt->bits == 5 || pt->bits == 6 || pt->bits == 8) && (pt->group == 16 || pt->group == 32);
-        int q4 = pt->bits == 4 && pt->group == 0, q4k = pt->bits == 4 && pt->group == 256 && nb % 8 == 0;
+        int super = pt->group == 256 && nb % 8 == 0;           /* K-quant scales under a d per 256 */
+        int q8 = (pt->bits == 5 || pt->bits == 6 || pt->bits == 8) && (pt->group == 16 || pt->group == 32 || super);
+        int q4 = pt->bits == 4 && pt->group == 0, q4k = pt->bits == 4 && super;
         if (pt->rows < 1 || !(q8 || q4 || q4k)) return -1;
         pt->tile_bytes = nb * (q8 ? q8_block_bytes(pt->bits, pt->group) : q4k ? q4k_block_bytes() : q4_block_bytes());
         pt->first_tile = tiles, pt->out_row = rows, pt->offset = offset;
@@ -77,7 +78,7 @@ int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t np
         float y[MIXED_ROWS * MIXED_TILE];
         for (int64_t r0 = 0; r0 < m; r0 += MIXED_ROWS) {
             int64_t rows = m - r0 < MIXED_ROWS ? m - r0 : MIXED_ROWS;
-            if (pt->group == 256)
+            if (pt->bits == 4 && pt->group == 256)
                 q4k_tile(ref, wt, &a, r0, rows, y);
             else if (pt->bits == 4)
                 q4_tile(ref, wt, &a, r0, rows, y);

@@ -44,19 +44,6 @@ static inline void prefetch_sub(const uint8_t *super, int b) {
     for (int l = 0; l < Q4K_SUB_BYTES; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
-/* IEEE half to single, exact (as vcvtph2ps) */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, man = h & 0x3ff, bits;
-    if (e == 0) {
-        float f = ldexpf((float)man, -24);
-        return sign ? -f : f;
-    }
-    bits = sign | (e == 31 ? 0x7f800000u | (man << 13) : ((e + 112) << 23) | (man << 13));
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* The scalar reference: channel by channel, the operations every path performs. */
 static void q4k_tile_ref(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     for (int64_t i = 0; i < rows * Q4K_TILE; i++) y[i] = 0.0f;

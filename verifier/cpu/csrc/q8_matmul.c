@@ -20,7 +20,11 @@
  *                    the packer which)
  *   8 bits:       bytes 0..511, vector v's u at 64 v + 4 c + e (no unpacking)
  *   then the 16 channels' bf16 scales: for weights 0..15, then for 16..31 (group 16), or for
- *                    all 32 (group 32: the bytes the file's Q5_0 or Q8_0 block spends)
+ *                    all 32 (group 32: the bytes the file's Q5_0 or Q8_0 block spends);
+ *                    or (group 256, Q6_K's own: w = (d * sc) * q per 16 weights, an int8 sc per
+ *                    16 and an fp16 d per 256) the 16 channels' sc, int8, for 0..15 then 16..31,
+ *                    and before every 8 blocks the channels' d, fp16 (32 bytes): 6.56 bits a
+ *                    weight where bf16 scales per 16 take 7, and d * sc exact in fp32
  * Per channel, block and scale group h, with A = 256 (sum of u * hi) + (sum of u * lo) over the
  * group (an exact integer) and S its activations' sum (act_quant.h):
  *   y += scale_h * (float(A - 2^(bits-1) S) * d)          (one fma per group, in order)
@@ -46,10 +50,14 @@
 #define Q8_PLANE_MASKS 0
 #endif
 
+#define Q8_SUPER 8                     /* blocks under one d, for group 256 */
+#define Q8_SUPER_HEAD 32               /* the 16 channels' d, fp16 */
+
 typedef struct {
-    int64_t planes, bytes;      /* bits - 4, bytes per block */
+    int64_t planes, bytes;      /* bits - 4, bytes per block (without the d before a super-block) */
     int32_t off;                /* 2^(bits-1) */
-    int halves;                 /* scales per block: 2 (group 16) or 1 (group 32) */
+    int halves;                 /* scales per block: 2 (group 16 and 256) or 1 (group 32) */
+    int super;                  /* group 256: int8 scales under a d per 8 blocks */
 } Weights;
 
 static inline void prefetch_q8(const Weights *wt, const uint8_t *w) {
@@ -71,9 +79,11 @@ static inline int32_t weight_u(const uint8_t *w, int64_t planes, int c, int i) {
 
 /* The scalar reference: channel by channel, the operations every path performs. */
 static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t rows, const uint8_t *w, float *y) {
+    const uint16_t *dk = NULL;
     for (int64_t i = 0; i < rows * Q8_TILE; i++) y[i] = 0.0f;
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
-        const bf16 *sc = (const bf16 *)(w + 256 + 64 * wt->planes);
+        if (wt->super && b % Q8_SUPER == 0) dk = (const uint16_t *)w, w += Q8_SUPER_HEAD;
+        const uint8_t *sw = w + 256 + 64 * wt->planes;
         for (int64_t i = 0; i < rows; i++) {
             int64_t j = (r0 + i) * a->nb + b;
             const int8_t *xq = a->q + j * 2 * ACT_BLOCK;
@@ -88,7 +98,9 @@ static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t row
                     }
                     for (int q = h * 2 / wt->halves; q < (h + 1) * 2 / wt->halves; q++) s += a->sh[2 * j + q];
                     float f = (float)(hi * 256 + lo - wt->off * s) * a->d[j];
-                    *yc = fmaf(bf16_to_f32(sc[Q8_TILE * h + c]), f, *yc);
+                    float scale = wt->super ? f16_to_f32(dk[c]) * (float)(int8_t)sw[Q8_TILE * h + c]
+                                            : bf16_to_f32(((const bf16 *)sw)[Q8_TILE * h + c]);
+                    *yc = fmaf(scale, f, *yc);
                 }
             }
         }
@@ -97,13 +109,20 @@ static void q8_tile_ref(const Weights *wt, const Act *a, int64_t r0, int64_t row
 
 #if IMM_AVX512
 
+static inline __m512 int8x16(const uint8_t *p) {      /* 16 int8 scales as floats */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+}
+
 static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, const Act *a, int64_t r0,
                                                             const int rows, const uint8_t *w, float *y) {
     __m512 acc[Q8_ROWS];
     for (int i = 0; i < Q8_ROWS; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 dk = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
         __m512i u[8];
+        if (wt->super && b % Q8_SUPER == 0)
+            dk = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)w)), w += Q8_SUPER_HEAD;
         prefetch_q8(wt, w);
         if (wt->planes == 4) {
             for (int v = 0; v < 8; v++) u[v] = _mm512_loadu_si512(w + 64 * v);
@@ -121,7 +140,12 @@ static inline __attribute__((always_inline)) void q8_tile_n(const Weights *wt, c
             }
         }
         const uint8_t *sw = w + 256 + 64 * wt->planes;
-        __m512 sc0 = bf16x16(sw), sc1 = wt->halves == 2 ? bf16x16(sw + 32) : sc0;
+        __m512 sc0, sc1;
+        if (wt->super) {                           /* d * sc: exact in fp32 (11 x 8 bits) */
+            sc0 = _mm512_mul_ps(dk, int8x16(sw)), sc1 = _mm512_mul_ps(dk, int8x16(sw + 16));
+        } else {
+            sc0 = bf16x16(sw), sc1 = wt->halves == 2 ? bf16x16(sw + 32) : sc0;
+        }
         #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) {
             int64_t j = (r0 + i) * a->nb + b;
@@ -196,12 +220,18 @@ static inline __m256i half_sum(const __m256i nib[4], const __m256i top[4], int s
     return _mm256_add_epi32(half_dot4(nib, x), _mm256_slli_epi32(half_dot4(top, x), 4));
 }
 
+static inline __m256 int8x8(const uint8_t *p) {       /* 8 int8 scales as floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p)));
+}
+
 static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t rows, const uint8_t *w, float *y) {
     __m256 acc[Q8_ROWS][2];
     for (int i = 0; i < Q8_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
     const int split = wt->planes > 2;
+    const uint8_t *dk = NULL;
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
+        if (wt->super && b % Q8_SUPER == 0) dk = w, w += Q8_SUPER_HEAD;
         prefetch_q8(wt, w);
         const uint8_t *sw = w + 256 + 64 * wt->planes;
         for (int c = 0; c < 2; c++) {            /* channels 8 c .. 8 c + 7 */
@@ -223,7 +253,13 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
                     for (int v = 0; v < 8; v++) nib[v] = _mm256_or_si256(nib[v], plane_bits(plane, v, 4 + p));
                 }
             }
-            __m256 sc0 = bf16x8(sw + 16 * c), sc1 = wt->halves == 2 ? bf16x8(sw + 32 + 16 * c) : sc0;
+            __m256 sc0, sc1;
+            if (wt->super) {                       /* d * sc: exact in fp32 (11 x 8 bits) */
+                __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dk + 16 * c)));
+                sc0 = _mm256_mul_ps(d8, int8x8(sw + 8 * c)), sc1 = _mm256_mul_ps(d8, int8x8(sw + 16 + 8 * c));
+            } else {
+                sc0 = bf16x8(sw + 16 * c), sc1 = wt->halves == 2 ? bf16x8(sw + 32 + 16 * c) : sc0;
+            }
             for (int i = 0; i < Q8_ROWS; i++) {
                 if (i == rows) break;
                 int64_t j = (r0 + i) * a->nb + b;
@@ -258,8 +294,10 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
 #endif
 
 static Weights weights(int64_t bits, int64_t group) {
+    if (group == 256)                          /* two int8 scales per channel, 16 bytes each half */
+        return (Weights){bits - 4, Q8_BLOCK_BYTES(bits - 4, 2) - 32, 1 << (bits - 1), 2, 1};
     int halves = (int)(ACT_BLOCK / group);
-    return (Weights){bits - 4, Q8_BLOCK_BYTES(bits - 4, halves), 1 << (bits - 1), halves};
+    return (Weights){bits - 4, Q8_BLOCK_BYTES(bits - 4, halves), 1 << (bits - 1), halves, 0};
 }
 
 /* One tile of rows r0 .. r0 + rows (ref: the scalar reference), and a block's bytes: what
@@ -270,7 +308,11 @@ void q8_tile(int ref, int64_t bits, int64_t group, const uint8_t *w, const Act *
     (ref ? q8_tile_ref : q8_tile_fast)(&wt, a, r0, rows, w, y);
 }
 
-int64_t q8_block_bytes(int64_t bits, int64_t group) { return weights(bits, group).bytes; }
+/* A block's share of a tile's bytes (with group 256, an eighth of the d before 8 blocks). */
+int64_t q8_block_bytes(int64_t bits, int64_t group) {
+    Weights wt = weights(bits, group);
+    return wt.bytes + (wt.super ? Q8_SUPER_HEAD / Q8_SUPER : 0);
+}
 
 /* 1 where this build reads the 5- and 6-bit layouts' higher bits as masks, 0 as planes. */
 int64_t q8_plane_masks(void) { return Q8_PLANE_MASKS; }
@@ -280,7 +322,8 @@ int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t np
                      const bf16 *x, int64_t m, bf16 *out);
 
 /* out bf16 [M, N] = x bf16 [M, K] @ W.T for W packed as above with `bits` 5, 6 or 8 and a scale
- * per `group` 16 or 32 weights (ceil(N / 16) tiles, K a multiple of 32). Returns 0, or 1 (a bad K,
+ * per `group` 16 or 32 weights, or Q6_K's own scales (group 256) (ceil(N / 16) tiles, K a multiple of 32,
+ * of 256 for group 256). Returns 0, or 1 (a bad K,
  * bits or group, or no memory). */
 int64_t q8_matmul(const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x, int64_t m,
                   bf16 *out) {

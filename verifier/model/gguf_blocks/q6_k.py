@@ -2,23 +2,23 @@
 group j of 16: w = (d * sc[j]) * (q - 32), 256 weights per block. Each 128-weight half takes 64
 bytes of nibbles (weights l and 64 + l from byte l's halves, 32 + l and 96 + l from byte
 32 + l's) and 32 bytes of bit pairs (byte l: weights l, 32 + l, 64 + l, 96 + l from low to
-high). Tercel's int8 form in groups of 16, q - 32 (6 bits to the q8x16 kernel)."""
+high). Served as stored (`Int8KWeight`: q - 32, the int8 scales and d; the q8x16 kernel takes it
+in 6 bits), or as the int8 form in groups of 16 of scale d * sc (`Int8KWeight.as_int8`)."""
 import numpy as np
 import torch
 
 from verifier.model.gguf_blocks.base import BlockFormat, f16
-from verifier.model.quant import Int8Weight
+from verifier.model.quant import Int8KWeight
 
 
-def read(blocks: np.ndarray) -> Int8Weight:
+def read(blocks: np.ndarray) -> Int8KWeight:
     n, nsb = blocks.shape[:2]
     ql = blocks[..., :128].reshape(n, nsb, 2, 64).astype(np.int16)
     qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32).astype(np.int16)
     low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
     q = low | (((qh >> (2 * np.arange(4)).reshape(4, 1)) & 3) << 4)        # [N, nsb, 2, 4, 32]
-    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
-    scale = f16(blocks, 208)[..., None] * sc                                 # exact: 11 x 8 bits
-    return Int8Weight(torch.from_numpy((q - 32).astype(np.int8).reshape(n, -1)), scale.reshape(n, -1))
+    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, nsb * 16))
+    return Int8KWeight(torch.from_numpy((q - 32).astype(np.int8).reshape(n, -1)), sc, f16(blocks, 208))
 
 
-FORMAT = BlockFormat("Q6_K", 256, 210, Int8Weight, read)
+FORMAT = BlockFormat("Q6_K", 256, 210, Int8KWeight, read)

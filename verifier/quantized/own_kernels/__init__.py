@@ -9,7 +9,7 @@ its C source beside the others with its kind in decode_loop.cpp, and a test of i
 """
 from __future__ import annotations
 
-from verifier.model.quant import Int4KWeight, Int8Weight, QuantWeight, per_channel
+from verifier.model.quant import Int4KWeight, Int8KWeight, Int8Weight, QuantWeight, per_channel
 from verifier.quantized.own_kernels import mixed, q4k, q4x16, q8x16, torch_int4, torch_int8
 from verifier.quantized.own_kernels.base import OwnKernel
 
@@ -21,10 +21,13 @@ OWN_PATHS = frozenset(KERNELS)     # the weights' own (row-invariant) matmul pat
 def kernels_for(w: QuantWeight) -> tuple[QuantWeight, list[OwnKernel]]:
     """The kernels that take `w` here, in `KERNELS`' order, and the weight they take: an int8
     weight in groups that no kernel takes is requantized per channel (torch's int8 kernel takes
-    any such weight); Q4_K blocks where their kernel is not built take the int4 form (exact)."""
+    any such weight); Q4_K and Q6_K blocks where their kernels are not built take the int4 and int8
+    forms (exact)."""
     owns = [k for k in KERNELS.values() if isinstance(w, k.form) and k.offered(w)]
     if not owns and isinstance(w, Int8Weight) and w.group != w.shape[1]:
         return kernels_for(per_channel(w))
     if not owns and isinstance(w, Int4KWeight):
         return kernels_for(w.as_int4())
+    if not owns and isinstance(w, Int8KWeight):
+        return kernels_for(w.as_int8())
     return w, owns

@@ -36,7 +36,7 @@ class LoopFields(NamedTuple):
 @dataclass(frozen=True)
 class OwnKernel:
     name: str                                           # the matmul path's name in timings and plans
-    form: type                                          # the served form it multiplies (Int4Weight, Int8Weight)
+    form: type | tuple[type, ...]                       # the served forms it multiplies (Int4Weight, Int8Weight, ...)
     offered: Callable[[QuantWeight], bool]              # whether it takes this weight on this machine
     pack: Callable[[QuantWeight], Packed]               # the weight (bf16 scales, as served) -> its layout
     mm: Callable[..., torch.Tensor]                     # (x bf16 [M, K], *args) -> bf16 [M, N or more]

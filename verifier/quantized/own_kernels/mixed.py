@@ -5,16 +5,16 @@ would take one form: its widest part's bits, or its int4 parts requantized to in
 import torch
 
 from verifier.cpu import cpu_ops
-from verifier.model.quant import Int4KWeight, Int4Weight, Int8Weight, QuantWeight, StackedWeight
+from verifier.model.quant import Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, StackedWeight
 from verifier.quantized.own_kernels.base import LoopFields, OwnKernel, Packed
 from verifier.quantized.own_kernels.q4k import KERNEL as Q4K, TABLE_GROUP as Q4K_GROUP
 from verifier.quantized.own_kernels.q4x16 import KERNEL as Q4X16
-from verifier.quantized.own_kernels.q8x16 import KERNEL as Q8X16
+from verifier.quantized.own_kernels.q8x16 import KERNEL as Q8X16, table_group as q8_group
 
 MAX_PARTS = 8       # csrc/mixed_matmul.c's MIXED_PARTS
 
 
-_PART_KERNELS = {Int4Weight: Q4X16, Int4KWeight: Q4K, Int8Weight: Q8X16}
+_PART_KERNELS = {Int4Weight: Q4X16, Int4KWeight: Q4K, Int8Weight: Q8X16, Int8KWeight: Q8X16}
 
 
 def _kernel(part: QuantWeight) -> OwnKernel:
@@ -22,8 +22,10 @@ def _kernel(part: QuantWeight) -> OwnKernel:
 
 
 def _group(part: QuantWeight) -> int:
-    """The part's scale group in the kernel's table: 0 for q4x16, 256 for q4k, else the group."""
-    return {Int4Weight: 0, Int4KWeight: Q4K_GROUP}.get(type(part), part.group)
+    """The part's scale group in the kernel's table: 0 for q4x16, 256 for q4k, q8x16's else."""
+    if isinstance(part, Int4Weight):
+        return 0
+    return Q4K_GROUP if isinstance(part, Int4KWeight) else q8_group(part)
 
 
 def offered(w: QuantWeight) -> bool:
