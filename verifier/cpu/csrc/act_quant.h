@@ -74,6 +74,13 @@ static int act_new(Act *a, const bf16 *x, int64_t m, int64_t k) {
 
 static void act_free(Act *a) { free(a->d); }
 
+/* Every cache line of [p, p + n): blocks of 296 or 416 bytes start anywhere in a line, and a
+ * prefetch per 64 bytes from p would leave a block's last line to a demand miss. */
+static inline void prefetch_range(const uint8_t *p, int64_t n) {
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)p + (uintptr_t)n; a += 64)
+        __builtin_prefetch((const void *)a, 0, 3);
+}
+
 static inline void store_row(const float *y, int64_t valid, bf16 *out) {
     for (int64_t i = 0; i < valid; i++) out[i] = f32_to_bf16(y[i]);
 }

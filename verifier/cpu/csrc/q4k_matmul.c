@@ -41,7 +41,7 @@
  * super-block (2368 bytes) ahead, about as far as q4_matmul.c's 8 blocks. */
 static inline void prefetch_sub(const uint8_t *super, int b) {
     const uint8_t *p = super + Q4K_SUPER_BYTES + Q4K_SUB_BYTES * b;
-    for (int l = 0; l < Q4K_SUB_BYTES; l += 64) __builtin_prefetch(p + l, 0, 3);
+    prefetch_range(p, Q4K_SUB_BYTES);
 }
 
 /* The scalar reference: channel by channel, the operations every path performs. */

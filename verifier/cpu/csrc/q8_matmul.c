@@ -61,7 +61,7 @@ typedef struct {
 } Weights;
 
 static inline void prefetch_q8(const Weights *wt, const uint8_t *w) {
-    for (int64_t l = 0; l < wt->bytes; l += 64) __builtin_prefetch(w + Q8_AHEAD * wt->bytes + l, 0, 3);
+    prefetch_range(w + Q8_AHEAD * wt->bytes, wt->bytes);
 }
 
 /* u of channel c, weight i (0..31) of the block at w. */
