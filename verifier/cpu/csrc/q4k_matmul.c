@@ -121,15 +121,18 @@ static void q4k_tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t ro
     __m256 acc[Q4K_ROWS][2];
     for (int i = 0; i < Q4K_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < a->nb / Q4K_SUB; s++, w += Q4K_SUPER_BYTES) {
+        __m256 d[2], dmin[2];                    /* per half of the channels, for the 8 sub-blocks */
+        for (int h = 0; h < 2; h++) {
+            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 16 * h)));
+            dmin[h] = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 32 + 16 * h)));
+        }
         for (int b = 0; b < Q4K_SUB; b++) {
             prefetch_sub(w, b);
             for (int h = 0; h < 2; h++) {        /* channels 8 h .. 8 h + 7 */
                 __m256i lo[4], hi[4];
                 nibbles_load(w + Q4K_HEAD + Q4_NIBBLE_BYTES * b, h, lo, hi);
-                __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 16 * h))),
-                                             bytes_x8(w + 64 + 16 * b + 8 * h));
-                __m256 mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 32 + 16 * h))),
-                                          bytes_x8(w + 192 + 16 * b + 8 * h));
+                __m256 scale = _mm256_mul_ps(d[h], bytes_x8(w + 64 + 16 * b + 8 * h));
+                __m256 mn = _mm256_mul_ps(dmin[h], bytes_x8(w + 192 + 16 * b + 8 * h));
                 for (int i = 0; i < Q4K_ROWS; i++) {
                     if (i == rows) break;
                     int64_t j = (r0 + i) * a->nb + Q4K_SUB * s + b;
