@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from test_q4 import _activations, extreme_activations
+from test_q4 import _activations, assert_near_product, extreme_activations
 from test_q8 import _weights as _int8_weights
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4KWeight, Int4Weight, StackedWeight
@@ -56,10 +56,7 @@ def test_result_is_the_files_weights_product():
     within the 15-bit activations' error. A layout read differently from `pack_q4k` (scales of
     another sub-block or channel, d and dmin swapped, the mins' sign) is far off."""
     w, x = k_weights(200, 512, seed=3), _activations(6, 512)
-    want = x.double() @ w.dequantize().double().t()
-    got = _run(w, x).double()
-    rel = (got - want).abs() / want.abs().clamp_min(1e-3 * want.abs().max())
-    assert rel.median() < 2 ** -9 and ((got - want).norm() / want.norm()) < 3e-3
+    assert_near_product(_run(w, x), x.double() @ w.dequantize().double().t())
 
 
 def test_the_int4_form_holds_the_same_weights():

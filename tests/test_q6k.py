@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from test_q4 import _activations, extreme_activations
+from test_q4 import _activations, assert_near_product, extreme_activations
 from test_q8 import _avx2_q8_matmul
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int8KWeight, Int8Weight
@@ -53,10 +53,7 @@ def test_result_is_the_files_weights_product():
     """Against x @ W.T in float64 on the file's weights (d * sc exact). A layout read differently
     from `pack_q8` (a d of another super-block, scales of another half or channel) is far off."""
     w, x = k_weights(200, 768, seed=3), _activations(6, 768)
-    want = x.double() @ w.dequantize().double().t()
-    got = _run(w, x).double()
-    rel = (got - want).abs() / want.abs().clamp_min(1e-3 * want.abs().max())
-    assert rel.median() < 2 ** -9 and ((got - want).norm() / want.norm()) < 3e-3
+    assert_near_product(_run(w, x), x.double() @ w.dequantize().double().t())
 
 
 def test_the_bytes_are_the_files_and_the_int8_form_the_same_weights():

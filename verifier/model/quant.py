@@ -59,18 +59,12 @@ class Int8Weight(_Grouped):
         return self.q.float() * self.scale.repeat_interleave(self.group, 1)
 
 
-@dataclass(frozen=True)
-class Int4KWeight:
-    """GGUF's Q4_K as the file stores it: per sub-block of 32 weights a 6-bit scale and min,
-    per 256 an fp16 d and dmin. Its products d * sc and dmin * mn are exact in fp32, which a
-    bf16 scale per 32 (Int4Weight as served) is not."""
-    q: torch.Tensor        # uint8 [N, K], values 0..15
-    sc: torch.Tensor       # uint8 [N, K // 32], values 0..63
-    mn: torch.Tensor       # uint8 [N, K // 32], values 0..63
-    d: torch.Tensor        # fp32 [N, K // 256], fp16 values
-    dmin: torch.Tensor     # fp32 [N, K // 256], fp16 values
-
-    SUPER = 256            # weights per d and dmin
+class _KGrouped:
+    """A K-quant as stored: q [N, K] with a small integer scale `sc` per `group` columns under a
+    float d per SUPER."""
+    q: torch.Tensor
+    sc: torch.Tensor
+    SUPER = 256            # weights per d
 
     @property
     def group(self) -> int:
@@ -79,6 +73,18 @@ class Int4KWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
+
+
+@dataclass(frozen=True)
+class Int4KWeight(_KGrouped):
+    """GGUF's Q4_K as the file stores it: per sub-block of 32 weights a 6-bit scale and min,
+    per 256 an fp16 d and dmin. Its products d * sc and dmin * mn are exact in fp32, which a
+    bf16 scale per 32 (Int4Weight as served) is not."""
+    q: torch.Tensor        # uint8 [N, K], values 0..15
+    sc: torch.Tensor       # uint8 [N, K // 32], values 0..63
+    mn: torch.Tensor       # uint8 [N, K // 32], values 0..63
+    d: torch.Tensor        # fp32 [N, K // 256], fp16 values
+    dmin: torch.Tensor     # fp32 [N, K // 256], fp16 values
 
     def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(d * sc, dmin * mn), fp32 [N, K // 32], as ggml computes them."""
@@ -98,22 +104,12 @@ class Int4KWeight:
 
 
 @dataclass(frozen=True)
-class Int8KWeight:
+class Int8KWeight(_KGrouped):
     """GGUF's Q6_K as the file stores it: per 16 weights an int8 scale, per 256 an fp16 d. Its
     products d * sc are exact in fp32, which a bf16 scale per 16 (Int8Weight as served) is not."""
     q: torch.Tensor        # int8 [N, K]
     sc: torch.Tensor       # int8 [N, K // 16]
     d: torch.Tensor        # fp32 [N, K // 256], fp16 values
-
-    SUPER = 256            # weights per d
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.sc.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
 
     def sub_scales(self) -> torch.Tensor:
         """d * sc, fp32 [N, K // 16], as ggml computes them."""
