@@ -61,7 +61,7 @@ def test_result_is_the_files_weights_product():
 
 def test_the_int4_form_holds_the_same_weights():
     w = k_weights(32, 512)
-    assert torch.equal(w.as_int4().dequantize(), w.dequantize())
+    assert torch.equal(w.as_grouped().dequantize(), w.dequantize())
 
 
 def _avx2_library() -> ctypes.CDLL:

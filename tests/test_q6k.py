@@ -59,7 +59,7 @@ def test_result_is_the_files_weights_product():
 def test_the_bytes_are_the_files_and_the_int8_form_the_same_weights():
     w = k_weights(40, 512)
     assert pack_q8(w).shape == (3, 2, 32 + 8 * (256 + 128 + 32))      # 6.56 bits a weight, as the file's
-    assert torch.equal(w.as_int8().dequantize(), w.dequantize())
+    assert torch.equal(w.as_grouped().dequantize(), w.dequantize())
 
 
 def test_the_avx2_build_gives_the_same_bits():

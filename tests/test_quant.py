@@ -45,7 +45,7 @@ def test_q4_k_blocks_decode_to_ggufs_weights():
     assert isinstance(ours, Int4KWeight) and ours.group == 32
     want = torch.from_numpy(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType.Q4_K).reshape(rows, cols))
     assert torch.equal(ours.dequantize(), want)
-    int4 = ours.as_int4()
+    int4 = ours.as_grouped()
     assert isinstance(int4, Int4Weight) and int4.group == 32 and torch.equal(int4.dequantize(), want)
 
 

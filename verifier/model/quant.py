@@ -59,9 +59,10 @@ class Int8Weight(_Grouped):
         return self.q.float() * self.scale.repeat_interleave(self.group, 1)
 
 
-class _KGrouped:
+class KQuantWeight:
     """A K-quant as stored: q [N, K] with a small integer scale `sc` per `group` columns under a
-    float d per SUPER."""
+    float d per SUPER; `as_grouped()` gives the same weights in the form with one float scale per
+    group (Int4Weight or Int8Weight), for the kernels that take only that."""
     q: torch.Tensor
     sc: torch.Tensor
     SUPER = 256            # weights per d
@@ -76,7 +77,7 @@ class _KGrouped:
 
 
 @dataclass(frozen=True)
-class Int4KWeight(_KGrouped):
+class Int4KWeight(KQuantWeight):
     """GGUF's Q4_K as the file stores it: per sub-block of 32 weights a 6-bit scale and min,
     per 256 an fp16 d and dmin. Its products d * sc and dmin * mn are exact in fp32, which a
     bf16 scale per 32 (Int4Weight as served) is not."""
@@ -96,15 +97,15 @@ class Int4KWeight(_KGrouped):
         scale, mn = (t.repeat_interleave(self.group, 1) for t in self.sub_scales())
         return self.q.float() * scale - mn
 
-    def as_int4(self) -> Int4Weight:
-        """The same weights in the int4 form (a sub-block is a Q4_1 block of scale d * sc and
-        min -dmin * mn), for the kernels that take that form."""
+    def as_grouped(self) -> Int4Weight:
+        """The same weights in the int4 form: a sub-block is a Q4_1 block of scale d * sc and
+        min -dmin * mn."""
         scale, mn = self.sub_scales()
         return int4_from_affine(self.q, scale, -mn)
 
 
 @dataclass(frozen=True)
-class Int8KWeight(_KGrouped):
+class Int8KWeight(KQuantWeight):
     """GGUF's Q6_K as the file stores it: per 16 weights an int8 scale, per 256 an fp16 d. Its
     products d * sc are exact in fp32, which a bf16 scale per 16 (Int8Weight as served) is not."""
     q: torch.Tensor        # int8 [N, K]
@@ -118,8 +119,8 @@ class Int8KWeight(_KGrouped):
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.sub_scales().repeat_interleave(self.group, 1)
 
-    def as_int8(self) -> Int8Weight:
-        """The same weights in the int8 form (a scale d * sc per 16), for kernels that take that form."""
+    def as_grouped(self) -> Int8Weight:
+        """The same weights in the int8 form: a scale d * sc per 16."""
         return Int8Weight(self.q, self.sub_scales())
 
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from verifier.cpu import cpu_ops
 from verifier.model.linear import onednn_available
-from verifier.model.quant import Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, StackedWeight
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight,
+                                  StackedWeight)
 from verifier.quantized.own_kernels import KERNELS, kernels_for
 
 _ONEDNN = onednn_available()
@@ -32,7 +33,7 @@ def served_weights(w: QuantWeight) -> QuantWeight:
     """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them (Q4_K's and Q6_K's
     own scales are held exactly)."""
     r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
-    if isinstance(w, (Int4KWeight, Int8KWeight)):
+    if isinstance(w, KQuantWeight):
         return w
     if isinstance(w, StackedWeight):
         return StackedWeight(tuple(served_weights(p) for p in w.parts))

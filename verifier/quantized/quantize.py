@@ -41,7 +41,7 @@ from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, StackedWeight,
+from verifier.model.quant import (Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight, StackedWeight,
                                   concat_rows, quantize_int8)
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
@@ -165,8 +165,7 @@ def _one_form(parts: list[QuantWeight]) -> list[QuantWeight]:
     """Parts of one fused projection in one form: Q4_K and Q6_K parts as int4 and int8 (exact), int4
     parts beside int8 ones requantized to int8 groups of 32 (the finer grid), int8 scale groups
     split to the smallest group (exact)."""
-    parts = [p.as_int4() if isinstance(p, Int4KWeight) else p.as_int8() if isinstance(p, Int8KWeight) else p
-             for p in parts]
+    parts = [p.as_grouped() if isinstance(p, KQuantWeight) else p for p in parts]
     if all(isinstance(p, Int4Weight) for p in parts) or all(isinstance(p, Int8Weight) and p.group == parts[0].group
                                                              for p in parts):
         return parts
@@ -183,7 +182,7 @@ def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
     """The file's own blocks (Q6_K's in the int8 form, which the C lookups and rescoring take), else
     a dense table as int8 blocks of 32 (as GGUF's Q8_0)."""
     if isinstance(block, Int8KWeight):
-        return block.as_int8()
+        return block.as_grouped()
     return block if block is not None else quantize_int8(dense.detach(), Q8_GROUP)
 
 

@@ -2,7 +2,7 @@
 nibbles; sub-block j (32 weights): w = (d * sc[j]) * q - dmin * mn[j], 256 weights per block.
 The 32-byte chunk c holds weights 64 c + l (low halves) and 64 c + 32 + l (high). Served as
 stored (`Int4KWeight`: csrc/q4k_matmul.c takes it); where that kernel is not built, a sub-block
-is a Q4_1 block whose d and m are the products d * sc and -dmin * mn (`Int4KWeight.as_int4`)."""
+is a Q4_1 block whose d and m are the products d * sc and -dmin * mn (`Int4KWeight.as_grouped`)."""
 import numpy as np
 import torch
 

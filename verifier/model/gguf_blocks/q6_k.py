@@ -3,7 +3,7 @@ group j of 16: w = (d * sc[j]) * (q - 32), 256 weights per block. Each 128-weigh
 bytes of nibbles (weights l and 64 + l from byte l's halves, 32 + l and 96 + l from byte
 32 + l's) and 32 bytes of bit pairs (byte l: weights l, 32 + l, 64 + l, 96 + l from low to
 high). Served as stored (`Int8KWeight`: q - 32, the int8 scales and d; the q8x16 kernel takes it
-in 6 bits), or as the int8 form in groups of 16 of scale d * sc (`Int8KWeight.as_int8`)."""
+in 6 bits), or as the int8 form in groups of 16 of scale d * sc (`Int8KWeight.as_grouped`)."""
 import numpy as np
 import torch
 

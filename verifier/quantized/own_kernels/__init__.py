@@ -9,7 +9,7 @@ its C source beside the others with its kind in decode_loop.cpp, and a test of i
 """
 from __future__ import annotations
 
-from verifier.model.quant import Int4KWeight, Int8KWeight, Int8Weight, QuantWeight, per_channel
+from verifier.model.quant import Int8Weight, KQuantWeight, QuantWeight, per_channel
 from verifier.quantized.own_kernels import mixed, q4k, q4x16, q8x16, torch_int4, torch_int8
 from verifier.quantized.own_kernels.base import OwnKernel
 
@@ -26,8 +26,6 @@ def kernels_for(w: QuantWeight) -> tuple[QuantWeight, list[OwnKernel]]:
     owns = [k for k in KERNELS.values() if isinstance(w, k.form) and k.offered(w)]
     if not owns and isinstance(w, Int8Weight) and w.group != w.shape[1]:
         return kernels_for(per_channel(w))
-    if not owns and isinstance(w, Int4KWeight):
-        return kernels_for(w.as_int4())
-    if not owns and isinstance(w, Int8KWeight):
-        return kernels_for(w.as_int8())
+    if not owns and isinstance(w, KQuantWeight):
+        return kernels_for(w.as_grouped())
     return w, owns

@@ -4,9 +4,9 @@ Q4_K, q8x16 for 5-, 6- and 8-bit groups of 16 or 32), all parts in one call. Wit
 would take one form: its widest part's bits, or its int4 parts requantized to int8."""
 import torch
 
-from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, QuantWeight, StackedWeight
-from verifier.quantized.own_kernels.base import LoopFields, OwnKernel, Packed
+import verifier.quantized.own_kernels.parts as parts
+from verifier.quantized.own_kernels.base import OwnKernel, Packed
 from verifier.quantized.own_kernels.q4k import KERNEL as Q4K, TABLE_GROUP as Q4K_GROUP
 from verifier.quantized.own_kernels.q4x16 import KERNEL as Q4X16
 from verifier.quantized.own_kernels.q8x16 import KERNEL as Q8X16, table_group as q8_group
@@ -51,13 +51,4 @@ def pack(w: StackedWeight) -> Packed:
     return Packed((packed, table, w.shape[0]), bits)
 
 
-def _mm(x: torch.Tensor, packed: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    return cpu_ops.mixed_matmul(packed, table, n, x)
-
-
-def loop(p: Packed) -> LoopFields:
-    packed, table, _ = p.args
-    return LoopFields(64, packed, table)
-
-
-KERNEL = OwnKernel("mixed", StackedWeight, offered, pack, _mm, loop)
+KERNEL = OwnKernel("mixed", StackedWeight, offered, pack, parts.mm, parts.loop)

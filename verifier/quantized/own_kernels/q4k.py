@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4KWeight, QuantWeight
-from verifier.quantized.own_kernels.base import Q4_TILE, LoopFields, OwnKernel, Packed
+import verifier.quantized.own_kernels.parts as parts
+from verifier.quantized.own_kernels.base import Q4_TILE, OwnKernel, Packed
 from verifier.quantized.own_kernels.q4x16 import pack_nibbles
 
 SUPER = Int4KWeight.SUPER
@@ -45,13 +46,4 @@ def pack(w: Int4KWeight) -> Packed:
     return Packed((pack_q4k(w), torch.tensor([table(w)], dtype=torch.int64), w.shape[0]), 4)
 
 
-def _mm(x: torch.Tensor, packed: torch.Tensor, parts: torch.Tensor, n: int) -> torch.Tensor:
-    return cpu_ops.mixed_matmul(packed, parts, n, x)
-
-
-def loop(p: Packed) -> LoopFields:
-    packed, parts, _ = p.args
-    return LoopFields(64, packed, parts)
-
-
-KERNEL = OwnKernel("q4k", Int4KWeight, offered, pack, _mm, loop)
+KERNEL = OwnKernel("q4k", Int4KWeight, offered, pack, parts.mm, parts.loop)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int8KWeight, Int8Weight, QuantWeight
 from verifier.quantized.own_kernels.base import Q4_BLOCK, Q4_TILE, LoopFields, OwnKernel, Packed
+from verifier.quantized.own_kernels.q4x16 import pack_nibbles
 
 
 SUPER_GROUP = 256       # csrc/q8_matmul.c's group for Q6_K's own scales (Int8KWeight)
@@ -51,8 +52,7 @@ def pack_q8(w: Int8Weight | Int8KWeight, bits: int | None = None, masks: bool | 
     if bits == 8:                                               # vector v = 4 h + g, byte 4 c + e
         vectors = u.permute(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 512)
         return _with_scales(w, vectors, tiles, blocks, pad)
-    nib = u & 15
-    nibbles = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
+    nibbles = pack_nibbles((w.q.to(torch.int32) + (1 << (bits - 1))) & 15)
     planes = [(_masks if masks else _planes)((u >> p) & 1, tiles, blocks) for p in range(4, bits)]
     return _with_scales(w, torch.cat([nibbles, *planes], -1), tiles, blocks, pad)
 
