@@ -1,7 +1,8 @@
 """The weights' own kernels, one module per kernel, each defining KERNEL (`base.OwnKernel`: the
 form it multiplies, whether it takes a weight here, its packing, its call, its native-loop
 entry). A `QuantLinear` holds every kernel of `KERNELS` that takes its weight; the `KernelPlan`
-chooses among them by measurement.
+chooses among them by measurement. `base` and `parts` (the parts runner's call and loop entry,
+which mixed and q4k share) define no kernel.
 
 Adding a kernel: a module here, its name in `_MODULES` (the order is the default's preference),
 its C source beside the others with its kind in decode_loop.cpp, and a test of its bits
