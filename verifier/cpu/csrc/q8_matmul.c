@@ -229,9 +229,12 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
     for (int i = 0; i < Q8_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
     const int split = wt->planes > 2;
-    const uint8_t *dk = NULL;
+    __m256 dk[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};     /* per half of the channels */
     for (int64_t b = 0; b < a->nb; b++, w += wt->bytes) {
-        if (wt->super && b % Q8_SUPER == 0) dk = w, w += Q8_SUPER_HEAD;
+        if (wt->super && b % Q8_SUPER == 0) {
+            for (int c = 0; c < 2; c++) dk[c] = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 16 * c)));
+            w += Q8_SUPER_HEAD;
+        }
         prefetch_q8(wt, w);
         const uint8_t *sw = w + 256 + 64 * wt->planes;
         for (int c = 0; c < 2; c++) {            /* channels 8 c .. 8 c + 7 */
@@ -255,8 +258,7 @@ static void q8_tile_fast(const Weights *wt, const Act *a, int64_t r0, int64_t ro
             }
             __m256 sc0, sc1;
             if (wt->super) {                       /* d * sc: exact in fp32 (11 x 8 bits) */
-                __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dk + 16 * c)));
-                sc0 = _mm256_mul_ps(d8, int8x8(sw + 8 * c)), sc1 = _mm256_mul_ps(d8, int8x8(sw + 16 + 8 * c));
+                sc0 = _mm256_mul_ps(dk[c], int8x8(sw + 8 * c)), sc1 = _mm256_mul_ps(dk[c], int8x8(sw + 16 + 8 * c));
             } else {
                 sc0 = bf16x8(sw + 16 * c), sc1 = wt->halves == 2 ? bf16x8(sw + 32 + 16 * c) : sc0;
             }
