@@ -144,6 +144,7 @@ def test_the_gpu_recipe_is_one_invocation(tiny_llama_dir, tiny_data, tmp_path, c
                             "--eval-tokens", "8")) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["data"]["regenerated"] and (out / "regenerated.jsonl").is_file()
+    assert summary["dtype"] == "bfloat16"
     assert summary["heldout"]["prompts"] == 2 and summary["heldout"]["verify_steps"] > 0
     err = capsys.readouterr().err
     assert "regenerate" in err and "tok/s" in err

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=0.03, help="share of steps warming up")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="auto",
+                   help="training precision; auto: whichever runs a probe step faster here (bf16 on AMX)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="optimiser steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--seed", type=int, default=0)

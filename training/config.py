@@ -35,8 +35,7 @@ class TrainConfig:
     warmup: float = 0.03               # share of steps with a linear warm-up
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    dtype: str = "fp32"                # fp32 | bf16 (bf16 is for CUDA; CPUs here run it much slower:
-                                       # docs/performance.md, "bf16 against fp32")
+    dtype: str = "auto"                # fp32 | bf16 | auto: the faster here (training/precision.py)
     checkpoint_every: int = 100        # optimiser steps
     resume: bool = False
     seed: int = 0
@@ -51,8 +50,8 @@ class TrainConfig:
             raise ValueError(f"--kind must be eagle3 or small, got {self.kind!r}")
         if not self.data:
             raise ValueError("give at least one --data file or directory")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.dtype not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"--dtype must be fp32, bf16 or auto, got {self.dtype!r}")
         positive_ints(self, ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens", "checkpoint_every",
                              "eval_prompts", "eval_tokens", "small_layers", "regen_max_tokens", "regen_batch"),
                       flag=True)

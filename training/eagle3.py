@@ -16,6 +16,7 @@ import torch
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.format import load_head, save_head
 from drafters.eagle3.head import Eagle3Head
+from training import precision
 from training.config import TrainConfig
 from training.data import TokenizedExample
 from training.features import Features, capture, fingerprint, load_cache, save_cache
@@ -36,12 +37,18 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
     feats = _features(cfg, target, examples, head_cfg.aux_layer_ids)
     head = _new_head(head_cfg, target, draft_ids, cfg.init_from_target, cfg.seed)
     lm_draft = target.net.lm_head.weight.detach()[draft_ids.to(target.device)].float()         # [Vd, Ht]
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    def forward(batch_idx: list[int], dtype: torch.dtype):
+        batch = collate([feats[i] for i in batch_idx]).to(target.device)   # features wait on the CPU
+        with precision.autocast(batch.aux.device, dtype):
+            return batch, ttt_forward(head, batch, lm_draft, steps=cfg.ttt_steps, decay=cfg.step_decay)
+
+    probe = precision.probe_example([len(f) for f in feats])
+    dtype = precision.choose(cfg.dtype, target.device, lambda d: forward(probe, d)[1].loss, params)
 
     def step(batch_idx: list[int]) -> StepResult:
-        batch = collate([feats[i] for i in batch_idx]).to(target.device)   # features wait on the CPU
-        with torch.autocast(device_type=batch.aux.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            stats = ttt_forward(head, batch, lm_draft, steps=cfg.ttt_steps, decay=cfg.step_decay)
+        batch, stats = forward(batch_idx, dtype)
         metrics = {f"acc{s}": a for s, a in enumerate(stats.step_acc[:4]) if a == a}
         return StepResult(stats.loss, int(batch.valid.sum()), metrics)
 
@@ -49,7 +56,6 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
         saved = load_head(path, tc)
         head.load_state_dict(saved.state_dict())
 
-    params = [p for p in head.parameters() if p.requires_grad]
     trainer = Trainer(cfg, params, step, [len(f) for f in feats],
                       save_model=lambda p: save_head(head, p, verifier=cfg.target), load_model=load_model)
     if cfg.resume:
@@ -61,7 +67,8 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
                "feature_tokens": sum(map(len, feats)), "draft_vocab": cfg.draft_vocab,
                "draft_vocab_coverage": round(coverage, 4), "steps": state.step,
                "tokens_seen": state.tokens, "train_seconds": round(state.seconds, 1),
-               "ttt_steps": cfg.ttt_steps, "lr": cfg.lr, "batch_tokens": cfg.batch_tokens}
+               "ttt_steps": cfg.ttt_steps, "dtype": str(dtype).removeprefix("torch."), "lr": cfg.lr,
+               "batch_tokens": cfg.batch_tokens}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

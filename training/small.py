@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from training import precision
 from training.config import TrainConfig
 from training.data import TokenizedExample
 from training.loop import StepResult, Trainer
@@ -28,13 +29,12 @@ log = logging.getLogger("tercel.training")
 def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> dict:
     student, picked = build_student(target, cfg.small_layers)
     log.info("student: %d layers from target layers %s", cfg.small_layers, picked)
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
-    def step(batch_idx: list[int]) -> StepResult:
+    def loss(batch_idx: list[int], dtype: torch.dtype) -> StepResult:
         exs = [examples[i] for i in batch_idx]
         teacher = _teacher_logprobs(target, exs)                     # [sum T, V]
         ids, attn, mask = _pad(exs)
-        with torch.autocast(device_type="cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with precision.autocast("cpu", dtype):
             logits = student(input_ids=ids, attention_mask=attn).logits.float()   # [B, T, V]
         flat = logits[attn.bool()]                                     # rows in teacher order
         keep = mask[attn.bool()]
@@ -45,6 +45,13 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> d
         acc = float((s.argmax(-1) == t.argmax(-1)).float().mean())
         return StepResult(kl, int(attn.sum()), {"acc": acc})
 
+    params = [p for p in student.parameters() if p.requires_grad]
+    probe = precision.probe_example([len(e.input_ids) for e in examples])
+    dtype = precision.choose(cfg.dtype, "cpu", lambda d: loss(probe, d).loss, params)
+
+    def step(batch_idx: list[int]) -> StepResult:
+        return loss(batch_idx, dtype)
+
     def save(path: Path) -> None:
         save_student(student, target, path)
 
@@ -53,7 +60,7 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> d
         student.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
 
     student.train()
-    trainer = Trainer(cfg, [p for p in student.parameters() if p.requires_grad], step,
+    trainer = Trainer(cfg, params, step,
                       [len(e.input_ids) for e in examples], save, load)
     if cfg.resume:
         trainer.resume()
@@ -61,7 +68,8 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> d
     save_student(student, target, Path(cfg.output))
     return {"kind": "small", "target": cfg.target, "examples": len(examples), "layers": cfg.small_layers,
             "init_layers": picked, "steps": state.step, "tokens_seen": state.tokens,
-            "train_seconds": round(state.seconds, 1), "lr": cfg.lr, "batch_tokens": cfg.batch_tokens}
+            "train_seconds": round(state.seconds, 1), "dtype": str(dtype).removeprefix("torch."), "lr": cfg.lr,
+            "batch_tokens": cfg.batch_tokens}
 
 
 def build_student(target, num_layers: int):
