@@ -2,10 +2,12 @@
 git revision's, by context and tree size, interleaved in one process.
 
     python -m bench.attention_kernel --against HEAD~1 [--contexts 300,1500] [--rows 1,2,4,8]
+    python -m bench.attention_kernel --against HEAD~1 --contexts 0,512 --prompt-rows 512
     TERCEL_CPU_ISA=avx2 python -m bench.attention_kernel --against HEAD~1     # the AVX2 build
 
 30 layers of SmolLM2-135M attention (9 query heads on 3 KV heads of 64), one sequence whose
-new rows are a binary tree (node i's parent is (i - 1) // 2), each layer its own random bf16
+new rows are a binary tree (node i's parent is (i - 1) // 2) or, with `--prompt-rows`, a causal
+prompt chunk of that many rows after the context, each layer its own random bf16
 K/V cache in scattered 16-token blocks, on all threads. Every repeat times both libraries one
 after the other; medians over repeats (the first two dropped). Both libraries are checked to
 give the same bits before they are timed.
@@ -53,14 +55,15 @@ def library_at(rev: str, into: Path) -> ctypes.CDLL:
 class Case:
     """One sequence at `ctx` cached tokens verifying an n-node binary tree, over LAYERS caches."""
 
-    def __init__(self, ctx: int, n: int, gen: torch.Generator):
+    def __init__(self, ctx: int, n: int, gen: torch.Generator, prompt: bool = False):
         blocks = -(-(ctx + n) // BLOCK)
         table = torch.randperm(blocks, generator=gen).tolist()
         self.caches = [[torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
                         for _ in range(2)] for _ in range(LAYERS)]
         tree = TokenTree(tokens=list(range(100, 100 + n)), parents=[-1] + [(i - 1) // 2 for i in range(1, n)])
-        seq = SeqInput(list(tree.tokens), ctx, table, mask=tree.ancestor_mask() if n > 1 else None,
-                       logits_indices=list(range(n)))
+        seq = (SeqInput(list(tree.tokens), ctx, table) if prompt else
+               SeqInput(list(tree.tokens), ctx, table, mask=tree.ancestor_mask() if n > 1 else None,
+                        logits_indices=list(range(n))))
         self.plan = row_plan([seq], BLOCK, HEADS // KV_HEADS)
         self.q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
         none = torch.zeros(1, 1)                     # attend reads no rope table
@@ -93,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against", required=True, help="a git revision whose kernel to time beside this checkout's")
     ap.add_argument("--contexts", default="300,1500")
     ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--prompt-rows", default="", help="causal prompt chunks of these many rows instead of trees")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -103,11 +107,12 @@ def main(argv: list[str] | None = None) -> None:
         libs = {args.against: library_at(args.against, Path(tmp)), "this": cpu_ops._library()}
     print(f"attention_kernel: {machine_summary()}, -march={march()}, "
           f"{args.repeats} repeats, ms per {LAYERS} layers")
-    print(f"\n| context | rows | {args.against} | this | ratio |\n|---|---|---|---|---|")
+    prompt = bool(args.prompt_rows)
+    print(f"\n| context | {'prompt rows' if prompt else 'rows'} | {args.against} | this | ratio |\n|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for ctx in map(int, args.contexts.split(",")):
-        for n in map(int, args.rows.split(",")):
-            t = time_case(Case(ctx, n, gen), libs, args.repeats)
+        for n in map(int, (args.prompt_rows or args.rows).split(",")):
+            t = time_case(Case(ctx, n, gen, prompt), libs, args.repeats)
             print(f"| {ctx} | {n} | {t[args.against]:.2f} | {t['this']:.2f} | {t['this'] / t[args.against]:.2f} |")
 
 

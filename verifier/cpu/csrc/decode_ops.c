@@ -373,9 +373,10 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
  * hence a row's bits, depend on W, but never on the batch). Up to VB query vectors that see
  * the same keys in a chunk (a row's query heads of one KV head; in a tree, also other nodes'
  * over the prefix they share) are summed from each K/V load, their accumulators within ACC
- * registers: 3 x 4 (vectors x keys) of AVX-512's 32, 3 x 4 or 6 x 2 of AVX2's 16.
- * Which vectors share a load changes no arithmetic: each key's dot product and each output's
- * sum run in the same order whatever shares them. */
+ * registers: 3 x 4 (vectors x keys) of AVX-512's 32, 3 x 4 or 6 x 2 of AVX2's 16. The values'
+ * weighted sums share each V load among up to VW vectors (6 x 4 of AVX-512's registers, 6 x 2
+ * of AVX2's). Which vectors share a load changes no arithmetic: each key's dot product and each
+ * output's sum run in the same order whatever shares them. */
 #if defined(__AVX512F__)
 #define W 16
 #define VB 3
@@ -385,6 +386,7 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
 #define VB 6
 #define ACC 12
 #endif
+#define VW 6
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
@@ -474,7 +476,7 @@ static inline void weigh_values(const Item *it, const int *v, const int nb, int6
     const int64_t *list = it->list[v[0]];
     for (int64_t g0 = 0; g0 < D / W; g0 += gw) {
         const int64_t w = D / W - g0 < gw ? D / W - g0 : gw;
-        vf acc[VB][4];
+        vf acc[VW][4];
         for (int b = 0; b < nb; b++)
             for (int64_t g = 0; g < w; g++) acc[b][g] = (vf){0};
         for (int64_t i = c0; i < to; i++) {
@@ -497,13 +499,13 @@ static inline int same_keys(const Item *it, int a, int b, int64_t c0, const int6
     return memcmp(it->list[a] + c0, it->list[b] + c0, sizeof(int64_t) * (to[a] - c0)) == 0;
 }
 
-/* The item's vectors with keys in this chunk, in bundles of up to VB that see the same keys
+/* The item's vectors with keys in this chunk, in bundles of up to cap that see the same keys
  * (consecutive vectors, in order); returns the bundle count. */
-static int bundles(const Item *it, int64_t c0, const int64_t *to, int (*member)[VB], int *size) {
+static int bundles(const Item *it, int64_t c0, const int64_t *to, int cap, int (*member)[VW], int *size) {
     int nbund = 0;
     for (int r = 0; r < it->nq; r++) {
         if (to[r] <= c0) continue;
-        if (nbund && size[nbund - 1] < VB && same_keys(it, member[nbund - 1][0], r, c0, to))
+        if (nbund && size[nbund - 1] < cap && same_keys(it, member[nbund - 1][0], r, c0, to))
             member[nbund - 1][size[nbund - 1]++] = r;
         else
             member[nbund][0] = r, size[nbund++] = 1;
@@ -511,12 +513,15 @@ static int bundles(const Item *it, int64_t c0, const int64_t *to, int (*member)[
     return nbund;
 }
 
-/* scores / weigh_values with nb (1..VB) a constant, so that each count keeps its accumulators
+/* scores / weigh_values with nb (1..most) a constant, so that each count keeps its accumulators
  * in registers */
-_Static_assert(VB <= 6, "BY_COUNT names counts up to 6");
-#define CASE(call, n) case n: call((n) < VB ? (n) : VB); break;
-#define BY_COUNT(call, nb)                                                                          \
-    switch (nb) { CASE(call, 1) CASE(call, 2) CASE(call, 3) CASE(call, 4) CASE(call, 5) default: call(VB); }
+_Static_assert(VB <= VW && VW <= 6, "BY_COUNT names counts up to 6");
+#define CASE(call, n, most) case n: call((n) < (most) ? (n) : (most)); break;
+#define BY_COUNT(call, nb, most)                                                                    \
+    switch (nb) {                                                                                   \
+    CASE(call, 1, most) CASE(call, 2, most) CASE(call, 3, most) CASE(call, 4, most) CASE(call, 5, most) \
+    default: call(most);                                                                            \
+    }
 
 /* s = cap * tanh(s / cap) over one vector's cnt scores and their group's pads (Gemma 2) */
 static inline void soft_cap(float *sc, int64_t cnt, float cap) {
@@ -546,15 +551,16 @@ static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
 static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
                                 const int64_t D, float scale, float cap, float *score, float *part) {
     int64_t to[QV] = {0};     /* (nq <= QV, which the compiler cannot see) */
-    int member[QV][VB], size[QV];
+    int member[QV][VW], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
-    const int nbund = bundles(it, c0, to, member, size);
+    int nbund = bundles(it, c0, to, VB, member, size);
     for (int u = 0; u < nbund; u++) {
         const int *v = member[u];
 #define SCORES(nb) scores(it, v, nb, c0, to[v[0]], kc, vc, nkv, D, scale, score, u == 0)
-        BY_COUNT(SCORES, size[u])
+        BY_COUNT(SCORES, size[u], VB)
 #undef SCORES
     }
+    nbund = bundles(it, c0, to, VW, member, size);
     vf o[QV][256 / W];
     for (int u = 0; u < nbund; u++) {
         const int *v = member[u];
@@ -564,7 +570,7 @@ static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, cons
             pr[D] = chunk_softmax(score + v[b] * CH, to[v[b]] - c0, pr + D + 1);
         }
 #define WEIGH(nb) weigh_values(it, v, nb, c0, to[v[0]], vc, nkv, D, score, o)
-        BY_COUNT(WEIGH, size[u])
+        BY_COUNT(WEIGH, size[u], VW)
 #undef WEIGH
     }
     for (int r = 0; r < it->nq; r++) {
