@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from conftest import SHARED_DATA
 from drafters.conversations import DataError, load_conversations, parse_line
@@ -186,3 +187,21 @@ def test_bad_command_lines(tmp_path, capsys):
         TrainConfig(kind="eagle3", data=("x",), output="o", ttt_steps=0)
     with pytest.raises(ValueError, match="--kind"):
         TrainConfig(kind="medusa", data=("x",), output="o")
+
+
+def test_features_are_the_served_targets_taps_and_predictions(tiny_llama_dir):
+    """The head drafts from the target as it serves (here int4), so it trains on that target's
+    tapped hidden states, and each position's label is the token that target predicts there
+    (its quantized head's scan and rescoring), not the dense model's."""
+    from training.data import TokenizedExample
+    from training.features import capture
+    from verifier.target import TargetModel
+    ids = list(range(300, 340))
+    ex = [TokenizedExample("a", tuple(ids), tuple([1] * len(ids)))]
+    served = capture(TargetModel(str(tiny_llama_dir), quantization="int4"), ex, (0, 1))[0]
+    dense = capture(TargetModel(str(tiny_llama_dir)), ex, (0, 1))[0]
+    assert not torch.equal(served.aux, dense.aux)
+    llm = LLM(str(tiny_llama_dir), quantization="int4", max_model_len=256, num_kv_blocks=64)
+    for t in (4, 17, 39):
+        out = llm.generate([ids[:t + 1]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
+        assert out.token_ids[0] == int(served.argmax[t])

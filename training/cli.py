@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=0.03, help="share of steps warming up")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--quantization", default="auto",
+                   help="the target as it will serve: replies, features and the evaluation come from it")
     p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="auto",
                    help="training precision; auto: whichever runs a probe step faster here (bf16 on AMX)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="optimiser steps")
@@ -124,7 +126,8 @@ def _regenerate(cfg: TrainConfig, convs, out: Path):
     from training.regenerate import regenerate
     path = out / "regenerated.jsonl"
     regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
-               temperature=cfg.regen_temperature, batch_size=cfg.regen_batch, seed=cfg.seed)
+               temperature=cfg.regen_temperature, batch_size=cfg.regen_batch, seed=cfg.seed,
+               quantization=cfg.quantization)
     regen, _ = load_conversations([str(path)])
     wanted = {c.id for c in convs}
     return [c for c in regen if c.id in wanted]
@@ -133,7 +136,8 @@ def _regenerate(cfg: TrainConfig, convs, out: Path):
 def _evaluate(cfg: TrainConfig, drafter: str) -> dict:
     from training.data import load_prompts
     from training.evaluate import evaluate_drafter
-    res = evaluate_drafter(cfg.target, drafter, load_prompts(cfg.eval_data, cfg.eval_prompts), cfg.eval_tokens)
+    res = evaluate_drafter(cfg.target, drafter, load_prompts(cfg.eval_data, cfg.eval_prompts), cfg.eval_tokens,
+                           quantization=cfg.quantization)
     log.info("held-out: mean accepted length %.2f over %d prompts", res.mean_accepted_length, res.prompts)
     return res.as_dict()
 

@@ -13,6 +13,8 @@ class TrainConfig:
     data: tuple[str, ...]              # JSONL files or directories of them
     output: str                        # the trained drafter (and checkpoints/) go here
     target: str = DEFAULT_MODEL
+    quantization: str = "auto"         # the target as it serves: regeneration, features and evaluation
+                                       # run it (auto: as LLM loads it; int4 for GGUF Q4 on the CPU)
     # data
     limit_per_source: int | None = None  # seeded sample of at most this many conversations per source
     max_len: int = 1024                # tokens per conversation after templating
@@ -50,6 +52,10 @@ class TrainConfig:
             raise ValueError(f"--kind must be eagle3 or small, got {self.kind!r}")
         if not self.data:
             raise ValueError("give at least one --data file or directory")
+        from spec.config import QUANTIZATION_CHOICES
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.dtype not in ("fp32", "bf16", "auto"):
             raise ValueError(f"--dtype must be fp32, bf16 or auto, got {self.dtype!r}")
         positive_ints(self, ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens", "checkpoint_every",

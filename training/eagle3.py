@@ -74,7 +74,10 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
 
 
 def _features(cfg: TrainConfig, target, examples, aux_layers) -> list[Features]:
-    key = fingerprint(str(target.model_dir), tuple(aux_layers), examples)
+    """The tapped hidden states of the target as it serves (`--quantization`): the head drafts
+    from those, so it trains on them; `target` (dense) gives the head its initial weights."""
+    served = target if cfg.quantization == "none" else _served(cfg)
+    key = fingerprint(str(served.model_dir), tuple(aux_layers), examples, served.quantization)
     if cfg.feature_cache:
         cached = load_cache(cfg.feature_cache, key)
         if cached is not None:
@@ -84,11 +87,16 @@ def _features(cfg: TrainConfig, target, examples, aux_layers) -> list[Features]:
     total = sum(len(ex.input_ids) for ex in examples)
     start = time.perf_counter()
     with tqdm(total=total, desc="target features", unit="tok", dynamic_ncols=True, mininterval=2.0) as bar:
-        feats = capture(target, examples, tuple(aux_layers), progress=bar.update)
+        feats = capture(served, examples, tuple(aux_layers), progress=bar.update)
     log.info("target features: %d tokens in %.0f s", total, time.perf_counter() - start)
     if cfg.feature_cache:
         save_cache(cfg.feature_cache, key, feats)
     return feats
+
+
+def _served(cfg: TrainConfig):
+    from verifier.target import TargetModel
+    return TargetModel(cfg.target, quantization=cfg.quantization)
 
 
 def collate(feats: list[Features]) -> Batch:

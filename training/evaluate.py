@@ -23,13 +23,13 @@ class EvalResult:
 
 
 def evaluate_drafter(target: str, drafter: str, prompts: list[list[dict]], new_tokens: int,
-                     speculation=None, llm=None) -> EvalResult:
+                     speculation=None, llm=None, quantization: str = "auto") -> EvalResult:
     """`prompts`: chat turns (see `training.data.load_prompts`)."""
     from spec.adaptive import AdaptiveConfig
     from spec.llm import LLM
     from verifier.sampling.sampling_params import SamplingParams
     # Whole trees: τ measures the drafter, not what the cost model would verify on this machine.
-    llm = llm or LLM(target, drafter=drafter, adaptive=AdaptiveConfig(enabled=False),
+    llm = llm or LLM(target, drafter=drafter, adaptive=AdaptiveConfig(enabled=False), quantization=quantization,
                      **({"speculation": speculation} if speculation else {}))
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     outs = [llm.chat(p, params)[0] for p in prompts]       # batch 1, as the figures are quoted

@@ -8,8 +8,11 @@ Per token t of an example the target gives:
 - `argmax [T]`: the target's full-vocabulary prediction for token t+1 (positions whose
   argmax is outside the draft vocabulary are masked, as the public recipe does).
 
-The features come from Tercel's own target forward (prefill over paged KV blocks), so
-training sees exactly the numbers serving sees. A cache directory holds
+The features come from Tercel's own target forward (prefill over paged KV blocks) in the
+quantization it serves (`train-drafter --quantization`, auto as `LLM` loads it: int4 for the
+default model on the CPU), and the labels from its own head, so training sees the numbers
+drafting will read (until 2026-12-05 they came from the dense fp32 model, whose taps differ from
+the int4 model's by 0.7-2% relative). A cache directory holds
 `meta.json` and `shard-NNNNN.safetensors`; it is reused when target, taps and examples match.
 """
 from __future__ import annotations
@@ -43,8 +46,10 @@ class Features:
         return len(self.input_ids)
 
 
-def fingerprint(target_dir: str, aux_layers: tuple[int, ...], examples: list[TokenizedExample]) -> str:
-    h = hashlib.sha256(json.dumps([str(target_dir), list(aux_layers)]).encode())
+def fingerprint(target_dir: str, aux_layers: tuple[int, ...], examples: list[TokenizedExample],
+                quantization: str = "none") -> str:
+    h = hashlib.sha256(json.dumps([str(target_dir), list(aux_layers)] +
+                                  ([] if quantization == "none" else [quantization])).encode())
     for ex in examples:
         h.update(ex.id.encode())
         h.update(torch.tensor(ex.input_ids, dtype=torch.int32).numpy().tobytes())
@@ -73,7 +78,7 @@ def capture(target, examples: list[TokenizedExample], aux_layers: tuple[int, ...
         fwd = target.forward(ForwardBatch(seqs, capture_layers=capture_layers))
         aux = torch.cat([fwd.hidden[i] for i in aux_layers], dim=-1)            # [sum T, 3Ht]
         final = target.net.model.norm(fwd.hidden[n_layers])                    # [sum T, Ht]
-        argmax = _argmax_logits(target.net.lm_head.weight, final)
+        argmax = _argmax_logits(target.net.lm_head, final)
         start = 0
         for ex in group:
             end = start + len(ex.input_ids)
@@ -99,9 +104,13 @@ def _groups(examples: list[TokenizedExample], batch_tokens: int):
         yield group
 
 
-def _argmax_logits(weight: torch.Tensor, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    # [T, V] logits in row chunks: the full matrix for a 2k-token batch would be 400 MB.
-    return torch.cat([(x[i:i + chunk] @ weight.T).argmax(-1) for i in range(0, len(x), chunk)])
+def _argmax_logits(head: torch.nn.Module, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The target's prediction per row of x, by its own head (a quantized target's is its scan
+    and exact rescoring, as it serves); [T, V] logits in row chunks: the full matrix for a
+    2k-token batch would be 400 MB."""
+    def logits(rows):
+        return rows @ head.weight.T if isinstance(head, torch.nn.Linear) else head(rows)
+    return torch.cat([logits(x[i:i + chunk]).argmax(-1) for i in range(0, len(x), chunk)])
 
 
 # ---- the disk cache ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ log = logging.getLogger("tercel.training")
 
 def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
                max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 32,
-               seed: int = 0, llm=None) -> list[Conversation]:
+               seed: int = 0, quantization: str = "auto", llm=None) -> list[Conversation]:
     from spec.llm import LLM
     from verifier.sampling.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
     done = _read_done(out)
     todo = [c for c in conversations if c.id not in done and _prompt_turns(c)]
     log.info("regenerating %d replies (%d already in %s)", len(todo), len(done), out)
-    llm = llm or LLM(model, max_num_seqs=batch_size, seed=seed)
+    llm = llm or LLM(model, max_num_seqs=batch_size, seed=seed, quantization=quantization)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature)
     engine, start, tokens = llm.engine, time.perf_counter(), 0
     pending = {f"regen-{i}": c for i, c in enumerate(todo)}
