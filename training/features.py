@@ -11,9 +11,10 @@ Per token t of an example the target gives:
 The features come from Tercel's own target forward (prefill over paged KV blocks) in the
 quantization it serves (`train-drafter --quantization`, auto as `LLM` loads it: int4 for the
 default model on the CPU), and the labels from its own head, so training sees the numbers
-drafting will read (until 2026-12-05 they came from the dense fp32 model, whose taps differ from
-the int4 model's by 0.7-2% relative; a head trained on either drafted alike: docs/eagle3.md). A cache directory holds
-`meta.json` and `shard-NNNNN.safetensors`; it is reused when target, taps and examples match.
+drafting will read (until 2026-12-05 they came from the dense fp32 model, whose taps differ
+from the int4 model's by 0.7-2% relative; a head trained on either drafted alike:
+docs/eagle3.md). A cache directory holds `meta.json` and `shard-NNNNN.safetensors`; it is
+reused when target, quantization, taps and examples match.
 """
 from __future__ import annotations
 
