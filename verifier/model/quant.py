@@ -25,13 +25,13 @@ INT4_GROUPS = (32, 64, 128, 256)    # group sizes the int4 kernel takes
 
 
 class _Grouped:
-    """q [N, K] with one scale per `group` columns of a row."""
+    """q [N, K] with one scale per `group` columns of a row (`SCALES` names that scale)."""
     q: torch.Tensor
-    scale: torch.Tensor
+    SCALES = "scale"
 
     @property
     def group(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
+        return self.q.shape[1] // getattr(self, self.SCALES).shape[1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,21 +59,12 @@ class Int8Weight(_Grouped):
         return self.q.float() * self.scale.repeat_interleave(self.group, 1)
 
 
-class KQuantWeight:
+class KQuantWeight(_Grouped):
     """A K-quant as stored: q [N, K] with a small integer scale `sc` per `group` columns under a
     float d per SUPER; `as_grouped()` gives the same weights in the form with one float scale per
     group (Int4Weight or Int8Weight), for the kernels that take only that."""
-    q: torch.Tensor
-    sc: torch.Tensor
+    SCALES = "sc"
     SUPER = 256            # weights per d
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.sc.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
 
 
 @dataclass(frozen=True)
