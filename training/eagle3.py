@@ -67,7 +67,7 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
                "feature_tokens": sum(map(len, feats)), "draft_vocab": cfg.draft_vocab,
                "draft_vocab_coverage": round(coverage, 4), "steps": state.step,
                "tokens_seen": state.tokens, "train_seconds": round(state.seconds, 1),
-               "ttt_steps": cfg.ttt_steps, "dtype": str(dtype).removeprefix("torch."), "lr": cfg.lr,
+               "ttt_steps": cfg.ttt_steps, "dtype": precision.label(dtype), "lr": cfg.lr,
                "batch_tokens": cfg.batch_tokens}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -20,8 +20,12 @@ PROBE_TOKENS = 512      # the probe is the example nearest this long: seconds ev
 
 def autocast(device: torch.device | str, dtype: torch.dtype):
     """The context a training step runs in: bf16 autocast, or nothing for fp32."""
-    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    return torch.autocast(device_type=kind, dtype=dtype, enabled=dtype != torch.float32)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def label(dtype: torch.dtype) -> str:
+    """The dtype as a training summary states it ("float32", "bfloat16")."""
+    return str(dtype).removeprefix("torch.")
 
 
 def probe_example(lengths: list[int]) -> list[int]:
@@ -36,7 +40,7 @@ def choose(setting: str, device: torch.device | str, step: Callable[[torch.dtype
     times, the fastest run counting. The probe's gradients are discarded."""
     if setting != "auto":
         return DTYPES[setting]
-    if str(device).startswith("cuda"):
+    if torch.device(device).type == "cuda":
         return torch.bfloat16
     seconds = {name: _fastest(step, dtype, params, repeats) for name, dtype in DTYPES.items()}
     name = min(seconds, key=seconds.get)

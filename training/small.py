@@ -68,7 +68,7 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> d
     save_student(student, target, Path(cfg.output))
     return {"kind": "small", "target": cfg.target, "examples": len(examples), "layers": cfg.small_layers,
             "init_layers": picked, "steps": state.step, "tokens_seen": state.tokens,
-            "train_seconds": round(state.seconds, 1), "dtype": str(dtype).removeprefix("torch."), "lr": cfg.lr,
+            "train_seconds": round(state.seconds, 1), "dtype": precision.label(dtype), "lr": cfg.lr,
             "batch_tokens": cfg.batch_tokens}
 
 
