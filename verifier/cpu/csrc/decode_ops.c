@@ -23,6 +23,10 @@
 
 #include "bf16.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define LANES 16
 
 /* sum of a[i] * b[i] with LANES partial sums and a fixed final order (n % LANES == 0 or not) */
@@ -394,9 +398,13 @@ typedef uint32_t vu __attribute__((vector_size(W * 4)));
 static inline vf loadw(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
 static inline vf load_bf16w(const bf16 *p) {
+#if W == 16     /* one widening load: GCC splits the generic form below into halves and inserts */
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
     vh h;
     memcpy(&h, p, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 
 static inline v8f fold8(vf a) {        /* lane i + lane i + 8 (W = 16) */
