@@ -123,26 +123,29 @@ static inline v8f sum8x8(const v8f a[8]) {
     return __builtin_shuffle(z, order);
 }
 
-/* exp for x <= 0 on 8 lanes (softmax after the max is subtracted; silu's exp(-|g|)): Cephes'
- * expf polynomial, about 1 ulp, without branches. */
-static inline v8f exp_neg8(v8f x) {
-    const v8f one = {1, 1, 1, 1, 1, 1, 1, 1};
-    v8i low = x < -87.0f;
-    x = (v8f)(((v8i)x & ~low) | ((v8i)(one * -87.0f) & low));
-    v8f t = x * 1.44269504088896341f + 0.5f;
-    v8f n = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);   /* trunc toward 0 */
-    n = n - (v8f)((v8i)one & (n > t));                                        /* floor */
-    v8f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v8f p = one * 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
-}
+/* exp for x <= 0 lane by lane (softmax after the max is subtracted; silu's exp(-|g|)): Cephes'
+ * expf polynomial, about 1 ulp, without branches. One body for each vector width (V float
+ * lanes, I the int lanes of as many): each lane's arithmetic, hence its bits, is the same. */
+#define EXP_NEG(name, V, I)                                                                      \
+    static inline V name(V x) {                                                                  \
+        const V one = (V){0} + 1.0f;                                                             \
+        I low = x < -87.0f;                                                                      \
+        x = (V)(((I)x & ~low) | ((I)(one * -87.0f) & low));                                      \
+        V t = x * 1.44269504088896341f + 0.5f;                                                   \
+        V n = __builtin_convertvector(__builtin_convertvector(t, I), V);     /* trunc toward 0 */ \
+        n = n - (V)((I)one & (n > t));                                       /* floor */          \
+        V r = x - n * 0.693359375f;                                                              \
+        r = r - n * -2.12194440e-4f;                                                             \
+        V p = one * 1.9875691500e-4f;                                                            \
+        p = p * r + 1.3981999507e-3f;                                                            \
+        p = p * r + 8.3334519073e-3f;                                                            \
+        p = p * r + 4.1665795894e-2f;                                                            \
+        p = p * r + 1.6666665459e-1f;                                                            \
+        p = p * r + 5.0000001201e-1f;                                                            \
+        p = p * r * r + r + 1.0f;                                                                \
+        return p * (V)((__builtin_convertvector(n, I) + 127) << 23);                             \
+    }
+EXP_NEG(exp_neg8, v8f, v8i)
 
 /* tanh on 8 lanes: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|); +-1 where e underflows */
 static inline v8f tanh8(v8f x) {
@@ -394,6 +397,8 @@ void rope_store(const bf16 *qkv, const float *bias, const float *cos_tab, const 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+EXP_NEG(exp_negw, vf, vi)
 
 static inline vf loadw(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
@@ -539,15 +544,18 @@ static inline void soft_cap(float *sc, int64_t cnt, float cap) {
 /* p = exp(s - m) over one vector's cnt scores (the rest of their group of 8 zeroed); returns
  * m, the largest score, and puts the sum of p (key i's term in lane i % 8) in *l. */
 static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
-    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    vi lane;
+    for (int j = 0; j < W; j++) lane[j] = j;
     v8f mv = load8(sc);                  /* a short last group's pads are copies of a visible key */
     for (int64_t i = 8; i < cnt; i += 8) mv = max8v(mv, load8(sc + i));
     float m = max8(mv);
     v8f total = {0};
-    for (int64_t i = 0; i < cnt; i += 8) {
-        v8f e = (v8f)((v8i)exp_neg8(load8(sc + i) - m) & (lane + (int32_t)i < (int32_t)cnt));
-        store8(sc + i, e);
-        total += e;
+    /* W exponentials at a time (a group of 8 past the last is read and written, never used),
+     * summed 8 lanes at a time in key order, as on 8-lane machines */
+    for (int64_t i = 0; i < cnt; i += W) {
+        vf e = (vf)((vi)exp_negw(loadw(sc + i) - m) & (lane + (int32_t)i < (int32_t)cnt));
+        memcpy(sc + i, &e, sizeof e);
+        for (int h = 0; h < W; h += 8) total += load8(sc + i + h);
     }
     *l = sum8(total);
     return m;
