@@ -154,6 +154,43 @@ def test_a_tree_node_attends_exactly_like_the_same_token_decoded_after_its_ances
     assert torch.equal(in_tree[3], alone[0])
 
 
+# 70 rows after 300 cached keys cross a chunk of 256 keys mid-prompt; 37 after 0 end mid-group
+@pytest.mark.parametrize("d,ctx,n", [(64, 0, 37), (64, 300, 70), (128, 17, 40)])
+def test_prompt_rows_match_a_dense_reference_and_leave_the_same_bits_in_any_chunking(d, ctx, n):
+    """Prompt rows (Rows.tiles: AMX tiles where this machine has them, see
+    cpu_ops.attention_tiles) against the fp32 reference, and bitwise the same whether the
+    prompt runs in one call, in three chunks whose later slots still hold garbage (NaN: not
+    written yet), or beside another sequence, on all threads or one."""
+    block, nh, nkv = 16, 9, 3
+    tables = _tables([ctx + n, 50], block)
+    kc, vc = _bf(sum(map(len, tables)) * block, nkv, d), _bf(sum(map(len, tables)) * block, nkv, d)
+    q = torch.randn(n, nh, d, generator=G)
+    hd = _heads(nh, nkv, d, d ** -0.5)
+    whole = torch.empty(n, nh * d, dtype=torch.bfloat16)
+    cpu_ops.attend(hd, row_plan([SeqInput([1] * n, ctx, tables[0])], block, nh // nkv, prompt=True), q, kc, vc, whole)
+    seq = SeqInput([1] * n, ctx, tables[0])
+    torch.testing.assert_close(whole.float(), _dense_attention(q, kc.float(), vc.float(), seq, block, d ** -0.5),
+                               rtol=1e-2, atol=1e-2)
+    slot = lambda p: tables[0][p // block] * block + p % block  # noqa: E731
+    for parallel_from in (0, NEVER):
+        hd.parallel_from = parallel_from
+        chunks = []
+        for a, b in ((0, 5), (5, n // 2 + 3), (n // 2 + 3, n)):
+            k2, v2 = kc.clone(), vc.clone()
+            future = [slot(p) for p in range(ctx + b, ctx + n)]
+            k2[future], v2[future] = float("nan"), float("nan")
+            out = torch.empty(b - a, nh * d, dtype=torch.bfloat16)
+            cpu_ops.attend(hd, row_plan([SeqInput([1] * (b - a), ctx + a, tables[0])], block, nh // nkv, prompt=True),
+                           q[a:b].contiguous(), k2, v2, out)
+            chunks.append(out)
+        assert torch.equal(torch.cat(chunks), whole)
+        beside = torch.empty(n + 20, nh * d, dtype=torch.bfloat16)
+        pair = [SeqInput([1] * 20, 30, tables[1]), SeqInput([1] * n, ctx, tables[0])]
+        cpu_ops.attend(hd, row_plan(pair, block, nh // nkv, prompt=True), torch.cat([torch.randn(20, nh, d), q]),
+                       kc, vc, beside)
+        assert torch.equal(beside[20:], whole)
+
+
 def _ints(address: int, n: int) -> list[int]:
     import ctypes
     return list((ctypes.c_int64 * n).from_address(address))

@@ -32,7 +32,7 @@ CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on firs
 DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL = SOURCES = [
     CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c"]
 INTEGER_MATMULS = SOURCES[1:]      # one runner (mixed_matmul.c) over the layouts' tiles
-HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h"]   # included by the sources: part of the library's cache key
+HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]   # included by the sources: part of the library's cache key
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -48,6 +48,7 @@ _SIGNATURES = {
     "rows_per_unit": [_I],
     "row_lists": [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P],
     "attend": [_P, _P, _P, _P, _P, _P],
+    "attention_tiles": [],
     "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
     "prefetch_kv": [_P, _P, _P, _P],
     "argmax_f32": [_P, _I],
@@ -61,7 +62,7 @@ _SIGNATURES = {
     "mixed_matmul": [_P, _P, _I, _I, _I, _P, _I, _P],
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
 }
-_RETURNS = {"row_lists": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
+_RETURNS = {"row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
             "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I, "mixed_matmul": _I, "mixed_matmul_ref": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
@@ -109,9 +110,13 @@ def compile_library(sources: list[Path], args: list[str], compilers: tuple[str, 
     return out
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def _load(path: Path, strict: bool = True) -> ctypes.CDLL:
+    """The library at `path` with its functions' signatures set; `strict` False skips functions
+    it does not have (an older revision's, loaded by bench/attention_kernel.py)."""
     lib = ctypes.CDLL(str(path))
     for name, args in _SIGNATURES.items():
+        if not strict and not hasattr(lib, name):
+            continue
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = _RETURNS.get(name)
     return lib
@@ -136,7 +141,7 @@ class Rows(ctypes.Structure):
     unit: rows of one sequence attended together). It keeps the array it points into alive
     (`keep`). Built by `verifier.quantized.cpu_forward.row_plan`."""
     _fields_ = [("rows", _I), ("units", _I), ("longest", _I), ("pos", _P), ("slot", _P), ("count", _P),
-                ("start", _P), ("keys", _P), ("unit_first", _P), ("unit_width", _P)]
+                ("start", _P), ("keys", _P), ("unit_first", _P), ("unit_width", _P), ("tiles", _I)]
 
 
 def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed: torch.Tensor,
@@ -268,6 +273,12 @@ def attend(hd: Heads, rows: Rows, q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """out bf16 [T, NH * D] = attention of q fp32 [T, NH, D] over the bf16 caches [.., NKV, D]."""
     _library().attend(ctypes.byref(hd), ctypes.byref(rows), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       out.data_ptr())
+
+
+def attention_tiles() -> bool:
+    """Whether prompt rows' attention runs on AMX tiles here (`csrc/attention_tiles.h`: built
+    for a CPU with AMX-BF16, and the kernel lets the process use them); else on vectors."""
+    return bool(_library().attention_tiles())
 
 
 def attention(hd: Heads, rows: Rows, qkv: torch.Tensor, bias: torch.Tensor | None, q_ws: torch.Tensor,

@@ -33,12 +33,14 @@ from verifier.quantized.gemma_cpu import gemma_cpu_layers, gemma_forward_rows, g
 from verifier.quantized.qlinear import QuantLinear
 
 
-def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> cpu_ops.Rows:
+def row_plan(seqs: list[SeqInput], block_size: int, group: int, prompt: bool = False) -> cpu_ops.Rows:
     """The rows of one forward as the C kernels read them, built once for all its layers;
     rows are laid out sequence after sequence. `group`: query heads per KV head. A causal
     sequence's rows share one key list (each row reads a prefix of it); a tree's nodes each
-    get their own (the prefix, then the node's ancestors). Plain arrays, not tensors: this
-    runs once per forward, and a small torch.tensor costs about 5 us."""
+    get their own (the prefix, then the node's ancestors). `prompt`: the rows are prompt rows
+    (before each sequence's first sampled one), whose attention may run on AMX tiles
+    (csrc/attention_tiles.h). Plain arrays, not tensors: this runs once per forward, and a
+    small torch.tensor costs about 5 us."""
     b, rows, num_keys = len(seqs), 0, 0
     info = array("q", bytes(40 * b))            # [5, B]: first row, new tokens, cached, table, mask
     tables, masks, positions = array("i"), array("B"), []
@@ -59,7 +61,8 @@ def row_plan(seqs: list[SeqInput], block_size: int, group: int) -> cpu_ops.Rows:
     units = cpu_ops.row_lists(info, tables, masks or array("B", b"\0"), block_size, cpu_ops.rows_per_unit(group),
                               out, rows)
     pos, slot, count, start, first, width, keys = (out.buffer_info()[0] + 8 * rows * i for i in range(7))
-    plan = cpu_ops.Rows(rows, units, max(s.kv_len for s in seqs), pos, slot, count, start, keys, first, width)
+    plan = cpu_ops.Rows(rows, units, max(s.kv_len for s in seqs), pos, slot, count, start, keys, first, width,
+                        int(prompt))
     plan.keep = out
     return plan
 

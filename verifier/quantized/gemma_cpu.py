@@ -81,7 +81,7 @@ def windowed(plan: cpu_ops.Rows, window: int) -> cpu_ops.Rows:
     kept = count.clamp(max=window)
     cut = torch.cat([kept, start + count - kept])                   # [2 T]: counts, then starts
     rows = cpu_ops.Rows(t, plan.units, min(plan.longest, window), plan.pos, plan.slot, cut.data_ptr(),
-                        cut.data_ptr() + 8 * t, plan.keys, plan.unit_first, plan.unit_width)
+                        cut.data_ptr() + 8 * t, plan.keys, plan.unit_first, plan.unit_width, plan.tiles)
     rows.keep = (plan, cut)
     return rows
 

@@ -76,7 +76,7 @@ class QuantizedRunner:
         """Every row of the batch on one path: the own kernels (`own`) or the plan's bulk path."""
         ids, _, rows, offsets = flatten(batch)
         cfg = self.net.cfg
-        plan = row_plan(batch.seqs, kv.block_size, cfg.num_heads // cfg.num_kv_heads)
+        plan = row_plan(batch.seqs, kv.block_size, cfg.num_heads // cfg.num_kv_heads, prompt=not own)
         tokens = [t for s in batch.seqs for t in (s.logits_tokens or [None] * len(s.sample_indices))]
         logits, taps = forward_rows(self.net, self.heads, self.layers, torch.tensor(ids), plan,
                                     kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own,

@@ -514,7 +514,7 @@ static inline int same_keys(const Item *it, int a, int b, int64_t c0, const int6
 
 /* The item's vectors with keys in this chunk, in bundles of up to cap that see the same keys
  * (consecutive vectors, in order); returns the bundle count. */
-static int bundles(const Item *it, int64_t c0, const int64_t *to, int cap, int (*member)[VW], int *size) {
+static int bundles(const Item *it, int64_t c0, const int64_t *to, int cap, int (*member)[QV], int *size) {
     int nbund = 0;
     for (int r = 0; r < it->nq; r++) {
         if (to[r] <= c0) continue;
@@ -567,7 +567,7 @@ static inline float chunk_softmax(float *sc, int64_t cnt, float *l) {
 static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
                                 const int64_t D, float scale, float cap, float *score, float *part) {
     int64_t to[QV] = {0};     /* (nq <= QV, which the compiler cannot see) */
-    int member[QV][VW], size[QV];
+    int member[QV][QV], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
     int nbund = bundles(it, c0, to, VB, member, size);
     for (int u = 0; u < nbund; u++) {
@@ -599,6 +599,12 @@ static inline void attend_chunk(const Item *it, int64_t c0, const bf16 *kc, cons
         for (int64_t g = 0; g < D / W; g++) memcpy(pr + g * W, &o[r][g], sizeof(vf));
     }
 }
+
+#include "attention_tiles.h"
+
+/* Whether prompt rows' attention runs on AMX tiles in this process (built for them, and
+ * allowed by the kernel). */
+int64_t attention_tiles(void) { return TILES_BUILT && tiles_usable(); }
 
 static void attend_chunk_d64(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv, float scale,
                              float cap, float *score, float *part) {
@@ -648,6 +654,7 @@ typedef struct {
     const int64_t *count, *start;               /* [rows] the row's visible keys: keys[start .. start + count) */
     const int64_t *keys;                        /* KV slots, in logical order */
     const int64_t *unit_first, *unit_width;     /* [units] */
+    int64_t tiles;                              /* prompt rows only: attention may take the tiles */
 } Rows;
 
 /* Rows a unit holds: its query vectors (rows x the query heads of a KV head) fill QV. */
@@ -728,6 +735,13 @@ static void attend_item(const Work *w, int64_t i, float *score) {
     int64_t nhq = h0 + w->heads <= (kvh + 1) * w->group ? w->heads : (kvh + 1) * w->group - h0;
     Item it = unit_item(hd, w->rw, w->q, u, kvh, h0, nhq, w->out);
     float *part = w->parts + i * QV * w->stride;
+#if TILES_BUILT
+    if (w->rw->tiles && tiles_on && hd->d % 64 == 0) {
+        attend_chunk_tiles(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->d, hd->scale, hd->softcap, score,
+                           part);
+        return;
+    }
+#endif
     if (hd->d == 64)
         attend_chunk_d64(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->scale, hd->softcap, score, part);
     else if (hd->d == 128)
@@ -757,6 +771,7 @@ static void merge_group(const Work *w, int64_t g) {
  * region, even of one thread, costs about as much as a small forward's attention. */
 void attend(const Heads *hd, const Rows *rw, const float *q, const bf16 *k_cache, const bf16 *v_cache, bf16 *out) {
     const int64_t group = hd->nh / hd->nkv, heads = group < QV ? group : QV, splits = (group + heads - 1) / heads;
+    if (rw->tiles) tiles_usable();      /* before the threads read tiles_on */
     Work w = {hd, rw, q, k_cache, v_cache, out, group, heads, splits, hd->nkv * splits, hd->d + 2, NULL, NULL};
     w.first = malloc(sizeof(int64_t) * (rw->units + 1));
     w.first[0] = 0;
