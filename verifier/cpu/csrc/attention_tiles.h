@@ -4,9 +4,9 @@
  * KV cache on tiles. Scores: K rows as they lie in the cache (16 keys x 32 dims) times q
  * rounded to bf16, 16 keys x 16 vectors a tile, transposed in registers to a vector's row of
  * scores; the softmax as attend_chunk's; values: p rounded to bf16 (16 vectors x 32 keys)
- * times V regrouped in pairs of keys, 16 vectors x 16 dims a tile. About a tenth of the vector
- * path's arithmetic instructions per key and vector, where a prompt chunk has 16 vectors on
- * every KV head to share each tile.
+ * times V regrouped in pairs of keys, 16 vectors x 16 dims a tile. Each tile instruction serves
+ * all 16 vectors of a KV head (a prompt chunk fills them); what is left per vector is the
+ * softmax. Timings: docs/quantization.md, "Attention".
  *
  * Only prompt rows (Rows.tiles: the rows before a sequence's first sampled one) take it: a
  * decode row and a tree's nodes keep the vector path, so speculation's rows are unchanged
