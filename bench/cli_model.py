@@ -65,6 +65,9 @@ def attention_report(a) -> str:
     for rows in sorted({r for r, _ in a.serial}):
         cells = sorted(c for c in a.serial if c[0] == rows)
         lines.append(f"| {rows} | " + " | ".join(f"{a.serial[c]:.1f} / {a.parallel[c]:.1f}" for c in cells) + " |")
+    from verifier.cpu import cpu_ops
     lines += ["", "Attention stays on one thread at every size measured." if a.parallel_from == NEVER else
-              f"Attention runs on all threads from {a.parallel_from} (rows x keys x query heads)."]
+              f"Attention runs on all threads from {a.parallel_from} (rows x keys x query heads).",
+              "Prompt rows attend on AMX tiles." if cpu_ops.attention_tiles() else
+              "Prompt rows attend on vectors (no AMX tiles here)."]
     return "\n".join(lines)
