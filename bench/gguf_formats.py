@@ -45,6 +45,7 @@ class Tercel:
     def run(self, prompts: list[str]) -> float:
         if self.llm.engine.drafter is not None:
             self.llm.engine.drafter.forget_history()      # no drafting from its own earlier replies
+        self.llm.engine.reset_prefix_cache()              # every repeat prefills its prompts
         start = time.perf_counter()
         outs = [self.llm.chat([[{"role": "user", "content": p}]], self.params)[0] for p in prompts]   # batch 1
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)

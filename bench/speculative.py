@@ -23,7 +23,8 @@ rag at 128 tokens); decode tok/s counts the tokens after the first over the time
 speculation speeds up; vLLM's TPOT). Speedups are ratios of runs in the same process,
 interleaved per repeat (plain, drafter, plain, drafter, ...), reported as medians. Before each
 repeat every drafter forgets what it learned from earlier requests (suffix decoding's cached
-outputs), so a repeat never drafts from its own prompts' earlier replies.
+outputs), so a repeat never drafts from its own prompts' earlier replies, and the prefix
+cache is emptied, so every run prefills its prompts.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: boo
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=ignore_eos)
     if llm.engine.drafter is not None:
         llm.engine.drafter.forget_history()
+    llm.engine.reset_prefix_cache()     # every run prefills its prompts, as the first did
     t = time.perf_counter()
     outs = [llm.generate(p, params, speculate=speculate)[0] for p in prompts]
     wall = time.perf_counter() - t

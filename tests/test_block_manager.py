@@ -255,13 +255,16 @@ def forge(block_q: tuple[int, ...], block_q2: tuple[int, ...]) -> tuple[int, boo
     """
     bm = make(num_blocks=8, block_size=4)
     p, x = [1, 2, 3, 4], [5, 6, 7, 8]
-    admit(bm, 1, p + list(block_q) + x + [9])
+    admit(bm, 1, p + list(block_q) + x)
     victim_x = bm.block_table(1)[2]
-    bm.free(1)  # LRU, tail first: X's block, Q's, P's
+    admit(bm, 9, list(range(100, 120)))  # the rest of the pool, held meanwhile
+    bm.free(1)  # LRU, tail first: X's block, Q's, P's; no block free
     bm.check_integrity()
-    # P hits; P+Q2 must be computed, in the block after P: Q's, a continuation of P
-    # this seq is about to replace (BlockManager._take_fresh_block). X's block stays cached.
+    # P hits; P+Q2 must be computed, in the block after P: Q's, a continuation of P this
+    # seq diverges from, taken first when no block is free (BlockManager._take_fresh_block).
+    # X's block stays cached.
     assert admit(bm, 2, p + list(block_q2)) == 4
+    bm.free(9)
     cached = admit(bm, 3, p + list(block_q2) + x + [9])
     reused = victim_x in bm.block_table(3)[: cached // 4]  # served as cached, not recomputed in place
     bm.free(2)
@@ -663,15 +666,30 @@ def test_a_prefix_hit_grows_into_its_stale_continuation_and_evicts_nothing_else_
 
 
 def test_a_prompt_diverging_inside_a_block_replaces_the_orphaned_rest_in_order():
-    bm = make(6)
+    bm = make(5)
     admit(bm, 1, list(range(12)))                  # blocks 0, 1, 2
     admit(bm, 2, list(range(100, 108)))            # blocks 3, 4
     bm.free(2)
-    bm.free(1)                                     # LRU: 4, 3, 2, 1, 0; block 5 free
+    bm.free(1)                                     # LRU: 4, 3, 2, 1, 0; no block free
     bm.allocate(3, list(range(6)) + [60] * 6)      # hits 0; diverges inside block 1
     # block 1 continues block 0; block 2 hangs off block 1's old hash, now gone: an orphan
     assert bm.block_table(3) == [0, 1, 2]
+    bm.free(3)
     assert bm.allocate(4, list(range(100, 108)) + [5]) == 8    # seq 2's blocks are still cached
+    bm.check_integrity()
+
+
+def test_prompts_sharing_a_first_block_keep_each_others_blocks_while_the_pool_has_room():
+    """Two conversations with one system prompt (block 0): the second diverges after it and
+    takes free blocks, so the first's turn is still cached when it comes back."""
+    bm = make(16)
+    first, second = list(range(12)), list(range(4)) + [50] * 8
+    admit(bm, 1, first)                            # blocks 0, 1, 2
+    bm.free(1)
+    assert admit(bm, 2, second) == 4               # hits block 0 only
+    assert 1 not in bm.block_table(2) and 2 not in bm.block_table(2)
+    bm.free(2)
+    assert admit(bm, 3, first + [9]) == 12         # the first prompt whole from the cache
     bm.check_integrity()
 
 

@@ -461,18 +461,19 @@ class BlockManager:
         Block `after + 1` (after: the sequence's last block) is preferred, so that a
         sequence's blocks form one physical run that attention reads as a view, not a
         gather. It is taken when free (a tree step's temporary block comes back to the
-        same place after truncate), or when cached and unused but worth nothing to the
-        cache: a continuation of this sequence's own prefix (parent key `after_hash`),
-        which it is about to recompute or diverge from, or an orphan whose parent block
-        was evicted, which no lookup can reach. A prompt that shares a system prompt with
-        an earlier one thus replaces that one's diverged blocks in order. Any other cached
-        block is only evicted in LRU order.
+        same place after truncate); when cached and unused but an orphan, whose parent block
+        was evicted, which no lookup can reach; and, once the free list is empty, when it
+        continues this sequence's prefix (parent key `after_hash`): another prompt that
+        shared the prefix and diverged, whose blocks then go in order rather than the LRU
+        head's. While free blocks remain that continuation stays cached: conversations that
+        share a system prompt would otherwise evict each other's turns at every request.
+        Any other cached block is only evicted in LRU order.
         """
         want = None if after is None else after + 1
         if want in self._free:
             del self._free[want]
             block_id = want
-        elif want in self._evictable and self._worthless(self._blocks[want], after_hash):
+        elif want in self._evictable and self._worthless(self._blocks[want], None if self._free else after_hash):
             del self._evictable[want]
             self._unpublish(self._blocks[want])
             block_id = want
@@ -485,7 +486,8 @@ class BlockManager:
         return block_id
 
     def _worthless(self, block: _Block, after_hash: bytes | None) -> bool:
-        """A cached block the prefix cache loses nothing by: see _take_fresh_block."""
+        """A cached block to take before the LRU head: an orphan, or a continuation of
+        `after_hash` (None: none counts); see _take_fresh_block."""
         parent = block.parent_hash
         # A block-0 entry (root parent) is never an orphan, nor a continuation of a seq's blocks.
         if parent is None or parent == ROOT_DIGEST:
