@@ -32,7 +32,8 @@ CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on firs
 DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL = SOURCES = [
     CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c"]
 INTEGER_MATMULS = SOURCES[1:]      # one runner (mixed_matmul.c) over the layouts' tiles
-HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]   # included by the sources: part of the library's cache key
+# included by the sources: part of the library's cache key
+HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -62,8 +63,9 @@ _SIGNATURES = {
     "mixed_matmul": [_P, _P, _I, _I, _I, _P, _I, _P],
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
 }
-_RETURNS = {"row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I, "q4_matmul_ref": _I,
-            "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I, "mixed_matmul": _I, "mixed_matmul_ref": _I}
+_RETURNS = {"row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I,
+            "q4_matmul_ref": _I, "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I,
+            "mixed_matmul": _I, "mixed_matmul_ref": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
