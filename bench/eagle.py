@@ -20,6 +20,7 @@ import torch
 from bench.data import mtbench_first_turns
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
+from spec.threads import ThreadConfig
 
 
 def run_prompt(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, float, object]:
@@ -77,8 +78,10 @@ def main() -> None:
     spec_cfg = None
     if args.depth or args.topk or args.budget:
         spec_cfg = SpecConfig(num_speculative_tokens=args.depth or 6, topk=args.topk or 1, budget=args.budget)
-    plain = LLM(max_num_seqs=1)
-    speculative = LLM(max_num_seqs=1, drafter=args.drafter, **({"speculation": spec_cfg} if spec_cfg else {}))
+    fixed = ThreadConfig(adaptive=False)   # the governor would take the other engine for a neighbour
+    plain = LLM(max_num_seqs=1, thread_tuning=fixed)
+    speculative = LLM(max_num_seqs=1, drafter=args.drafter, thread_tuning=fixed,
+                      **({"speculation": spec_cfg} if spec_cfg else {}))
     prompts = [plain.apply_chat_template([{"role": "user", "content": t}])
                for t in mtbench_first_turns(args.prompts)]
     # Warm both engines once (first-call allocations are not what we measure).

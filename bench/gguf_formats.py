@@ -38,7 +38,9 @@ class Cell:
 class Tercel:
     def __init__(self, model: str, drafter: str | None, threads: int | None, max_tokens: int):
         from spec import LLM, SamplingParams
-        self.llm = LLM(model, drafter=drafter, num_threads=threads)
+        from spec.threads import ThreadConfig
+        # the governor off: another engine of this process running would look like a neighbour
+        self.llm = LLM(model, drafter=drafter, num_threads=threads, thread_tuning=ThreadConfig(adaptive=False))
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         self.quantization = self.llm.engine.target.quantization
 

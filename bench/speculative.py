@@ -12,7 +12,9 @@ the end of their turn (the other sets run `--new-tokens` past it).
 
 `--same-engine` adds each drafter's speedup over plain decoding on its own engine (the
 drafter's requests run with speculation off, interleaved): two engines in one process can
-differ in speed by several per cent whatever they run (docs/performance.md).
+differ in speed by several per cent whatever they run (docs/performance.md). Every engine runs
+on all threads, the thread governor off: while one engine runs, the others' governors would
+count its CPUs as a neighbour's and start their next run on one thread.
 
 `--tree default` runs each drafter with its own default tree under the adaptive controller
 (the offline API's default); `--whole-tree-too` adds each drafter verifying its whole tree
@@ -42,6 +44,7 @@ from bench.row_costs import cached_prefix, tree_batch
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
+from spec.threads import ThreadConfig
 from verifier.cpu.machine import machine_summary
 
 
@@ -104,13 +107,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = SpecConfig(num_speculative_tokens=args.gamma, topk=args.topk) if args.tree == "gamma" else None
-    plain = LLM(max_num_seqs=1, quantization=args.quantization)
+    # Each engine on all threads: the thread governor would read the CPUs another engine of this
+    # process used while it waited as a neighbour's, and start its next run on one thread.
+    fixed = {"max_num_seqs": 1, "quantization": args.quantization, "thread_tuning": ThreadConfig(adaptive=False)}
+    plain = LLM(**fixed)
     drafters = {}
     for d in args.drafters.split(","):
-        drafters[d] = LLM(max_num_seqs=1, drafter=d, speculation=spec, quantization=args.quantization)
+        drafters[d] = LLM(drafter=d, speculation=spec, **fixed)
         if args.whole_tree_too:
-            drafters[f"{d} (whole tree)"] = LLM(max_num_seqs=1, drafter=d, speculation=spec,
-                                                quantization=args.quantization, adaptive=AdaptiveConfig(enabled=False))
+            drafters[f"{d} (whole tree)"] = LLM(drafter=d, speculation=spec, adaptive=AdaptiveConfig(enabled=False),
+                                                **fixed)
     report = {"machine": machine_summary(), "quantization": args.quantization, "threads": torch.get_num_threads(),
               "gamma": args.gamma if spec else "default", "topk": args.topk if spec else "default", "tasks": {}}
     if not args.no_curve:
