@@ -69,19 +69,26 @@ _RETURNS = {"row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error = ""                 # why the library is not there (the compiler's messages), once tried
 
 
 def available() -> bool:
     return _library() is not None
 
 
+def build_error() -> str:
+    """Why the kernels did not build ("" where they did or were not tried)."""
+    return _error
+
+
 def _library() -> ctypes.CDLL | None:
-    global _lib, _tried
+    global _lib, _tried, _error
     if not _tried:
         _tried = True
         try:
             _lib = _load(_build())
         except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
+            _error = f"{e}\n{(getattr(e, 'stderr', None) or b'').decode(errors='replace')}"
             log.warning("the fused CPU kernels could not be built (%s); quantized CPU weights are off", e)
     return _lib
 
