@@ -473,7 +473,7 @@ class BlockManager:
         if want in self._free:
             del self._free[want]
             block_id = want
-        elif want in self._evictable and self._worthless(self._blocks[want], None if self._free else after_hash):
+        elif want in self._evictable and self._worthless(self._blocks[want], after_hash):
             del self._evictable[want]
             self._unpublish(self._blocks[want])
             block_id = want
@@ -486,13 +486,13 @@ class BlockManager:
         return block_id
 
     def _worthless(self, block: _Block, after_hash: bytes | None) -> bool:
-        """A cached block to take before the LRU head: an orphan, or a continuation of
-        `after_hash` (None: none counts); see _take_fresh_block."""
+        """A cached block to take before a free one or the LRU head: an orphan, or, with no
+        block free, a continuation of `after_hash`; see _take_fresh_block."""
         parent = block.parent_hash
         # A block-0 entry (root parent) is never an orphan, nor a continuation of a seq's blocks.
         if parent is None or parent == ROOT_DIGEST:
             return False
-        return parent == after_hash or parent not in self._cache
+        return parent not in self._cache or (not self._free and parent == after_hash)
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; at zero the block goes to the LRU list or the free list."""

@@ -105,11 +105,10 @@ static inline KeyRows tile_keys(const int64_t *list, int64_t i, int m, const bf1
 static void tile_queries(const Item *it, int64_t D, uint32_t (*qb)[16][16]) {
     for (int64_t s = 0; s < D / 32; s++) {
         __m512 r[16];
-        for (int b = 0; b < 16; b++) {      /* vector b's 16 pairs of dims 32 s .. 32 s + 32 */
-            const float *q = it->q[b < it->nq ? b : 0] + 32 * s;
-            r[b] = b < it->nq ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q))
+        for (int b = 0; b < 16; b++)        /* vector b's 16 pairs of dims 32 s .. 32 s + 32 */
+            r[b] = b < it->nq ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(it->q[b] + 32 * s + 16),
+                                                            _mm512_loadu_ps(it->q[b] + 32 * s))
                               : _mm512_setzero_ps();
-        }
         transpose16(r);
         for (int k = 0; k < 16; k++) _mm512_store_ps((float *)qb[s][k], r[k]);
     }
