@@ -98,16 +98,16 @@ class TokenTree:
         node i may attend to. A fresh CPU tensor on every call."""
         import torch
 
+        # Row by row in bytes, a node's row its parent's plus itself: every verify step builds
+        # one, and a torch indexing op per depth cost more than the rest of the step's bookkeeping.
         n = self.num_nodes
-        # The root's parent is taken as the root itself: it is every node's ancestor anyway.
-        parent = torch.tensor([0, *self.parents[1:]], dtype=torch.long)  # [n]
-        rows = torch.arange(n)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        anc = rows.clone()  # anc[i]: i's ancestor `step` levels up (stuck at the root)
-        for _ in range(self.max_depth + 1):
-            mask[rows, anc] = True
-            anc = parent[anc]
-        return mask
+        rows = bytearray(n * n)
+        rows[0] = 1
+        for i in range(1, n):
+            p = self.parents[i] * n
+            rows[i * n:i * n + n] = rows[p:p + n]
+            rows[i * n + i] = 1
+        return torch.frombuffer(rows, dtype=torch.bool).view(n, n)
 
     def positions(self, start: int) -> list[int]:
         """RoPE positions when the root sits at `start` (the request's cached length)."""
