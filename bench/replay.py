@@ -1,0 +1,209 @@
+"""What a lookup drafter could gain at best on this machine: the target's greedy replies replayed
+through the drafter, without running the target again, against this machine's verify-cost curve.
+
+    python -m bench.replay --tasks summarization,rag,mtbench --drafters suffix,tree:suffix+ngram --limit 5 --threads 2
+
+Per task: the plain engine's greedy replies (as bench.speculative runs them: `--new-tokens`, past
+EOS), what a forward costs at 1 to N rows after the prompts' median length (a decode row, then
+bench.row_costs' trees; row counts interleaved), and what a prompt's prefill costs. Each drafter then proposes at every
+step of every reply, with its default tree's limits, and the step takes the longest path of the
+tree that the reply follows. Per drafter:
+
+- tau: tokens per step when every step verifies the whole tree (steps without a draft count);
+  drafted: the share of steps with a draft; nodes: draft nodes per step; propose: ms per step;
+- bounds on the speedup over plain decoding, of the decode and end to end (each prompt's
+  prefill counted once on both sides): "oracle", every step verifying only the path that is
+  accepted (what a controller that knew the outcome would verify: none that decides before the
+  target's logits, as an exact one must, can do better), and "whole", every step verifying the
+  whole tree. The engine's own work per step (scheduling, acceptance: about 0.3-0.8 ms, more
+  for trees) is left out of both sides, so the bounds are optimistic.
+
+Lookup drafters only (n-gram, datastore, suffix and `tree:` of them): a draft model or an
+EAGLE head would need the target's states, which a replay does not have.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.row_costs import cached_prefix, tree_batch
+from bench.speculative import prompt_sets
+from drafters.base import DraftRequest, Drafter, LookupDrafter
+from drafters.kinds import build_drafter, default_speculation
+from drafters.tree_merge import TokenTreeDrafter
+from spec import LLM, SamplingParams
+from spec.step_cost import CostCurve
+from spec.threads import ThreadConfig
+from tree.token_tree import TokenTree
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu.machine import machine_summary
+
+
+@dataclass(frozen=True)
+class Reply:
+    prompt: list[int]
+    output: list[int]
+
+
+@dataclass
+class Replayed:
+    """One drafter over one task's replies: per step, (draft nodes, nodes accepted)."""
+    steps: list[tuple[int, int]]
+    propose_s: float
+
+    @property
+    def tau(self) -> float:
+        return sum(a + 1 for _, a in self.steps) / len(self.steps)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A task's measured costs: one forward by rows, and one prompt's prefill, in ms."""
+    forward: CostCurve
+    prefill_ms: float
+
+
+def accepted(tree: TokenTree, future: list[int]) -> int:
+    """How many draft nodes a step keeps when the reply goes on with `future`: the longest
+    root path whose tokens it follows (greedy, point-mass acceptance)."""
+    node = 0
+    for n, token in enumerate(future):
+        child = tree.child_with_token(node, token)
+        if child is None:
+            return n
+        node = child
+    return len(future)
+
+
+def replay(drafter: Drafter, replies: list[Reply], limits, params: SamplingParams) -> Replayed:
+    """Each reply step by step as the engine would draft it (seq ids in order, each finished
+    after its reply, so suffix decoding sees the earlier replies, as in bench.speculative)."""
+    drafter.forget_history()
+    steps, propose_s = [], 0.0
+    for seq, r in enumerate(replies):
+        done = 0                                    # output tokens before this step's root, emitted
+        while done < len(r.output) - 1:
+            # as the engine's limits: the bonus token of a step never passes the reply's end
+            depth = min(limits.num_speculative_tokens, len(r.output) - 2 - done, limits.max_nodes)
+            tree = TokenTree.single(r.output[done])
+            if depth >= 1:
+                req = DraftRequest(seq, r.prompt + r.output[:done + 1], params, None, max_depth=depth,
+                                   max_nodes=limits.max_nodes, topk=limits.topk, num_prompt=len(r.prompt))
+                start = time.perf_counter()
+                tree = drafter.propose([req])[0].tree
+                propose_s += time.perf_counter() - start
+            kept = accepted(tree, r.output[done + 1:])
+            steps.append((tree.num_nodes - 1, kept))
+            done += kept + 1
+        drafter.finish(seq, r.prompt + r.output, len(r.prompt))
+        drafter.release(seq)
+    return Replayed(steps, propose_s)
+
+
+def bounds(run: Replayed, cost: Costs, prompts: int) -> dict[str, float]:
+    """Speedups over plain decoding: each step's forward at the rows it verifies, plus drafting."""
+    plain = sum(a + 1 for _, a in run.steps) * cost.forward(1)
+    drafting = run.propose_s * 1e3
+    oracle = sum(cost.forward(a + 1) for _, a in run.steps) + drafting
+    whole = sum(cost.forward(n + 1) for n, _ in run.steps) + drafting
+    prefill = prompts * cost.prefill_ms
+    return {"decode_oracle": plain / oracle, "decode_whole": plain / whole,
+            "end_to_end_oracle": (prefill + plain) / (prefill + oracle),
+            "end_to_end_whole": (prefill + plain) / (prefill + whole), "prefill_share": prefill / (prefill + plain)}
+
+
+def greedy_replies(llm: LLM, conversations: list[list[dict]], params: SamplingParams) -> list[Reply]:
+    out = []
+    for c in conversations:
+        o = llm.generate(llm.apply_chat_template(c), params)[0]
+        out.append(Reply(list(o.prompt_token_ids), list(o.token_ids)))
+    return out
+
+
+def forward_ms(llm: LLM, ctx: int, rows: int, rounds: int) -> dict[int, float]:
+    """Median ms of one forward after ctx cached tokens: a decode row at 1, a tree of n nodes
+    with every node's logits from 2 (bench.row_costs' trees), row counts interleaved per round."""
+    target, times = llm.engine.target, {n: [] for n in range(1, rows + 1)}
+    with cached_prefix(llm, ctx, rows) as table:
+        batches = {n: tree_batch(ctx, n, table, logits=True) for n in range(2, rows + 1)}
+        batches[1] = ForwardBatch([SeqInput([100], ctx, table, sampled_from=0)])
+        for round_ in range(rounds + 2):       # the first two rounds warm the blocks up, untimed
+            for n, batch in batches.items():
+                start = time.perf_counter()
+                target.forward(batch)
+                if round_ >= 2:
+                    times[n].append(time.perf_counter() - start)
+    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+
+
+def measure_costs(llm: LLM, replies: list[Reply], rows: int, rounds: int) -> Costs:
+    """The forward's curve after the prompts' median length, and the mean prefill of a prompt
+    (its first token, the prefix cache emptied before each)."""
+    ctx = int(statistics.median(len(r.prompt) for r in replies))
+    ms = forward_ms(llm, ctx, rows, rounds)
+    start, one = time.perf_counter(), SamplingParams(temperature=0, max_tokens=1)
+    for r in replies:
+        llm.engine.reset_prefix_cache()
+        llm.generate(r.prompt, one)
+    prefill = (time.perf_counter() - start) * 1e3 / len(replies)
+    return Costs(CostCurve.measured(ms), prefill)
+
+
+def lookup_only(drafter: Drafter, name: str) -> Drafter:
+    parts = drafter.parts if isinstance(drafter, TokenTreeDrafter) else [drafter]
+    if not all(isinstance(p, LookupDrafter) for p in parts):
+        raise SystemExit(f"bench.replay replays lookup drafters only; {name} needs the target's states")
+    return drafter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="summarization,rag,mtbench")
+    ap.add_argument("--drafters", default="suffix")
+    ap.add_argument("--limit", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=30, help="forwards per row count for the cost curve")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(max_num_seqs=1, quantization=args.quantization, thread_tuning=ThreadConfig(adaptive=False))
+    drafters = {d: lookup_only(build_drafter(d, llm.engine.target, default_speculation(d)), d)
+                for d in args.drafters.split(",")}
+    report = {"machine": machine_summary(), "threads": torch.get_num_threads(), "tasks": {}}
+    print(f"{report['machine']}; {report['threads']} threads\n")
+    print("| task | drafter | tau | drafted | nodes | propose ms | decode: oracle / whole | end to end: oracle / whole |")
+    print("|---|---|---|---|---|---|---|---|")
+    for task, conversations in prompt_sets(args.tasks.split(","), args.limit).items():
+        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=task != "agent")
+        replies = greedy_replies(llm, conversations, params)
+        limits = {d: default_speculation(d) for d in drafters}
+        cost = measure_costs(llm, replies, max(s.max_nodes for s in limits.values()) + 1, args.rounds)
+        report["tasks"][task] = {"forward_ms": dict(zip(cost.forward.rows, cost.forward.ms)),
+                                 "prefill_ms": cost.prefill_ms, "drafters": {}}
+        for d, drafter in drafters.items():
+            run = replay(drafter, replies, limits[d], params)
+            b = bounds(run, cost, len(replies))
+            steps = len(run.steps)
+            row = {"tau": run.tau, "drafted": sum(n > 0 for n, _ in run.steps) / steps,
+                   "nodes": sum(n for n, _ in run.steps) / steps, "propose_ms": run.propose_s * 1e3 / steps, **b}
+            report["tasks"][task]["drafters"][d] = row
+            print(f"| {task} | {d} | {row['tau']:.2f} | {row['drafted']:.2f} | {row['nodes']:.1f} | "
+                  f"{row['propose_ms']:.2f} | {b['decode_oracle']:.2f}x / {b['decode_whole']:.2f}x | "
+                  f"{b['end_to_end_oracle']:.2f}x / {b['end_to_end_whole']:.2f}x |", flush=True)
+        print(f"| {task} | (prefill {b['prefill_share']:.0%} of plain's time; 1 row {cost.forward(1):.2f} ms, "
+              f"2 rows {cost.forward(2):.2f}, 4 rows {cost.forward(4):.2f}) | | | | | | |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
