@@ -26,7 +26,11 @@ every request's at the rate its steps are forgotten: what a request's text offer
 proposal must not switch a cheap drafter off until the next probe. After drafting, with the
 proposals in hand, how many of each proposal's nodes are verified. Now and then a request probes: it drafts whatever its worth and verifies one node
 beyond its cut (nodes judged not to pay are never verified otherwise, and their estimates
-would never recover); probes that fail come ever rarer. Both depend on past steps and on
+would never recover); probes that fail come ever rarer, and one whose extra node was accepted
+is followed by another at the next step, which drafts and cuts on what the probe showed and
+tries the node after: a drafter that turns good is followed in as many steps as its tree has
+nodes, not one node per `probe_every` steps (nor, with its worth judged before the probe, a
+request left not drafting until its next probe). Both depend on past steps and on
 the proposals, never on this step's target logits, so rejection sampling keeps the output exactly the
 target's. A seeded sampled request keeps its whole tree: its draws reproduce only along one
 speculation path, and the choice depends on timing.
@@ -121,6 +125,7 @@ class SpecHistory:
     steps: int = 0              # steps it decoded in
     next_probe: int = 0         # the step of its next probe
     reach: int = 0              # nodes the last probe verified, until a cut keeps as many (0: none)
+    probe_node: int = 0         # the node a probe verified beyond its cut, until its outcome is seen
 
     @property
     def probing(self) -> bool:
@@ -244,6 +249,7 @@ class AdaptiveController:
         c = self.config
         if cut < nodes:
             h.reach, cut = cut + 1, cut + 1
+            h.probe_node = cut
             h.interval = min(2 * h.interval, c.max_probe_every)
         h.next_probe = h.steps + h.interval
         return cut
@@ -258,7 +264,10 @@ class AdaptiveController:
 
     def observe(self, cand: Candidate, accepted: Iterable[int]) -> None:
         """A verified proposal (`cand`, as trimmed) and the node indices it accepted."""
-        accepted = set(accepted)
+        accepted, h = set(accepted), cand.history
+        if h.probe_node and h.probe_node in accepted:     # the node beyond the cut paid: look further at once
+            h.interval, h.next_probe = self.config.probe_every, h.steps + 1
+        h.probe_node = 0
         cand.history.ranks.observe(len(cand.depths), accepted)
         self.prior.observe(len(cand.depths), accepted)
         if cand.scores is not None:

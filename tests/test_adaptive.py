@@ -184,6 +184,27 @@ def test_a_request_that_stops_paying_stops_drafting_and_is_probed():
     assert hist.interval == 4                # probes every probe_every steps again
 
 
+def test_a_probe_whose_node_pays_is_followed_by_another_at_once():
+    """Where a row costs half a step, an unknown node's first guess (0.5) only ties with plain
+    decoding: nodes join through probes. One whose extra node was accepted probes again at the
+    next step, so a drafter that is always right is verified in full within as many steps as its
+    tree has nodes, not one node more every `probe_every` steps."""
+    ctl = controller(5.0, probe_every=16)
+    chain = lambda h, n: Candidate(h, tuple(range(1, n + 1)), (0.9,) * n, "match")     # noqa: E731
+    hist, kept = ctl.history(), []
+    for _ in range(40):
+        if not ctl.drafts(hist, 1, 1):
+            kept.append(0)
+            continue
+        (k,) = ctl.trim([chain(hist, 4)], 1, 1)
+        kept.append(k)
+        if k:
+            ctl.observe(chain(hist, k), list(range(1, k + 1)))        # every node accepted
+    first = next(i for i, k in enumerate(kept) if k)
+    assert kept[first:first + 4] == [1, 2, 3, 4] and set(kept[first + 4:]) == {4}
+    # (probes that fail still come ever rarer: the test above)
+
+
 def test_a_request_starts_from_every_requests_worth_and_looks_again_while_drafting_pays_elsewhere():
     """One weak proposal must not switch a request off until its probe: a new request starts
     from what every request's cuts were worth, and one that stopped drafting returns toward it
