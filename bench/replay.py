@@ -15,8 +15,11 @@ tree that the reply follows. Per drafter:
   prefill counted once on both sides): "oracle", every step verifying only the path that is
   accepted (what a controller that knew the outcome would verify: none that decides before the
   target's logits, as an exact one must, can do better), and "whole", every step verifying the
-  whole tree. The engine's own work per step (scheduling, acceptance: about 0.3-0.8 ms, more
-  for trees) is left out of both sides, so the bounds are optimistic.
+  whole tree; and "policy", the engine's adaptive controller choosing each step's nodes from
+  the same curve (a replay of its own, since its cuts change where each step starts), which
+  says how much of the oracle's gain the controller takes. The engine's own work per step
+  (scheduling, acceptance: about 0.3-0.8 ms, more for trees) is left out of every column, so
+  the figures are optimistic.
 
 Lookup drafters only (n-gram, datastore, suffix and `tree:` of them): a draft model or an
 EAGLE head would need the target's states, which a replay does not have.
@@ -33,11 +36,12 @@ import torch
 
 from bench.row_costs import cached_prefix, tree_batch
 from bench.speculative import prompt_sets
-from drafters.base import DraftRequest, Drafter, LookupDrafter
+from drafters.base import DraftRequest, Drafter, LookupDrafter, Proposal
 from drafters.kinds import build_drafter, default_speculation
 from drafters.tree_merge import TokenTreeDrafter
 from spec import LLM, SamplingParams
-from spec.step_cost import CostCurve
+from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate, SpecHistory
+from spec.step_cost import CostCurve, StepCost, StepSample
 from spec.threads import ThreadConfig
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
@@ -68,53 +72,104 @@ class Costs:
     prefill_ms: float
 
 
+def accepted_path(tree: TokenTree, future: list[int]) -> list[int]:
+    """The draft nodes a step keeps when the reply goes on with `future`: the longest root
+    path whose tokens it follows (greedy, point-mass acceptance), as node indices."""
+    path, node = [], 0
+    for token in future:
+        node = tree.child_with_token(node, token)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
 def accepted(tree: TokenTree, future: list[int]) -> int:
-    """How many draft nodes a step keeps when the reply goes on with `future`: the longest
-    root path whose tokens it follows (greedy, point-mass acceptance)."""
-    node = 0
-    for n, token in enumerate(future):
-        child = tree.child_with_token(node, token)
-        if child is None:
-            return n
-        node = child
-    return len(future)
+    return len(accepted_path(tree, future))
 
 
-def replay(drafter: Drafter, replies: list[Reply], limits, params: SamplingParams) -> Replayed:
+class Policy:
+    """The engine's adaptive controller (spec/adaptive.py) over one replayed request at a time,
+    its step costs taken from the measured curve: what the engine would verify, without the
+    host's noise (the engine's own work around each forward is left out, as in the bounds)."""
+
+    def __init__(self, curve: CostCurve, config: AdaptiveConfig = AdaptiveConfig()):
+        self.controller = AdaptiveController(config, StepCost(curve, config.smoothing))
+        self.history: SpecHistory | None = None
+
+    def start(self) -> None:
+        self.history = self.controller.history()
+
+    def drafts(self) -> bool:
+        return self.controller.drafts(self.history, 1, 1)
+
+    def cut(self, prop: Proposal) -> Proposal | None:
+        """The proposal as verified (None: a plain step)."""
+        if not prop.num_draft_nodes:
+            return None
+        (keep,) = self.controller.trim([self._candidate(prop)], 1, 1)
+        return prop.truncated(keep) if keep else None
+
+    def observe(self, verified: Proposal | None, path: list[int], drafted: bool, draft_s: float) -> None:
+        nodes = verified.num_draft_nodes if verified is not None else 0
+        if verified is not None:
+            self.controller.observe(self._candidate(verified), path)
+        forward_s = self.controller.cost.curve(1 + nodes) / 1e3
+        self.controller.cost.observe(StepSample(1 + nodes, 1, int(drafted), nodes, False, forward_s, draft_s,
+                                                forward_s + draft_s))
+
+    def _candidate(self, prop: Proposal) -> Candidate:
+        return Candidate(self.history, prop.tree.depths[1:], prop.scores, prop.score_kind)
+
+
+def replay(drafter: Drafter, replies: list[Reply], limits, params: SamplingParams,
+           policy: Policy | None = None) -> Replayed:
     """Each reply step by step as the engine would draft it (seq ids in order, each finished
-    after its reply, so suffix decoding sees the earlier replies, as in bench.speculative)."""
+    after its reply, so suffix decoding sees the earlier replies, as in bench.speculative).
+    Without a policy every step verifies the whole tree; with one, what the policy keeps."""
     drafter.forget_history()
     steps, propose_s = [], 0.0
     for seq, r in enumerate(replies):
+        if policy is not None:
+            policy.start()
         done = 0                                    # output tokens before this step's root, emitted
         while done < len(r.output) - 1:
             # as the engine's limits: the bonus token of a step never passes the reply's end
             depth = min(limits.num_speculative_tokens, len(r.output) - 2 - done, limits.max_nodes)
-            tree = TokenTree.single(r.output[done])
-            if depth >= 1:
+            verified, drafted, spent = None, False, 0.0
+            if depth >= 1 and (policy is None or policy.drafts()):
                 req = DraftRequest(seq, r.prompt + r.output[:done + 1], params, None, max_depth=depth,
                                    max_nodes=limits.max_nodes, topk=limits.topk, num_prompt=len(r.prompt))
                 start = time.perf_counter()
-                tree = drafter.propose([req])[0].tree
-                propose_s += time.perf_counter() - start
-            kept = accepted(tree, r.output[done + 1:])
-            steps.append((tree.num_nodes - 1, kept))
-            done += kept + 1
+                verified = drafter.propose([req])[0]
+                spent, drafted = time.perf_counter() - start, True
+                if policy is not None:
+                    verified = policy.cut(verified)
+            tree = verified.tree if verified is not None else TokenTree.single(r.output[done])
+            path = accepted_path(tree, r.output[done + 1:])
+            if policy is not None:
+                policy.observe(verified, path, drafted, spent)
+            steps.append((tree.num_nodes - 1, len(path)))
+            propose_s += spent
+            done += len(path) + 1
         drafter.finish(seq, r.prompt + r.output, len(r.prompt))
         drafter.release(seq)
     return Replayed(steps, propose_s)
 
 
-def bounds(run: Replayed, cost: Costs, prompts: int) -> dict[str, float]:
-    """Speedups over plain decoding: each step's forward at the rows it verifies, plus drafting."""
+def bounds(run: Replayed, cost: Costs, prompts: int, policy: Replayed | None = None) -> dict[str, float]:
+    """Speedups over plain decoding: each step's forward at the rows it verifies, plus drafting
+    ("oracle" and "whole" from `run`, whole-tree steps; "policy" from `policy`'s own replay)."""
     plain = sum(a + 1 for _, a in run.steps) * cost.forward(1)
-    drafting = run.propose_s * 1e3
-    oracle = sum(cost.forward(a + 1) for _, a in run.steps) + drafting
-    whole = sum(cost.forward(n + 1) for n, _ in run.steps) + drafting
     prefill = prompts * cost.prefill_ms
-    return {"decode_oracle": plain / oracle, "decode_whole": plain / whole,
-            "end_to_end_oracle": (prefill + plain) / (prefill + oracle),
-            "end_to_end_whole": (prefill + plain) / (prefill + whole), "prefill_share": prefill / (prefill + plain)}
+    times = {"oracle": sum(cost.forward(a + 1) for _, a in run.steps) + run.propose_s * 1e3,
+             "whole": sum(cost.forward(n + 1) for n, _ in run.steps) + run.propose_s * 1e3}
+    if policy is not None:
+        times["policy"] = sum(cost.forward(n + 1) for n, _ in policy.steps) + policy.propose_s * 1e3
+    out = {f"decode_{k}": plain / t for k, t in times.items()}
+    out.update({f"end_to_end_{k}": (prefill + plain) / (prefill + t) for k, t in times.items()})
+    out["prefill_share"] = prefill / (prefill + plain)
+    return out
 
 
 def greedy_replies(llm: LLM, conversations: list[list[dict]], params: SamplingParams) -> list[Reply]:
@@ -179,7 +234,8 @@ def main() -> None:
                 for d in args.drafters.split(",")}
     report = {"machine": machine_summary(), "threads": torch.get_num_threads(), "tasks": {}}
     print(f"{report['machine']}; {report['threads']} threads\n")
-    print("| task | drafter | tau | drafted | nodes | propose ms | decode: oracle / whole | end to end: oracle / whole |")
+    print("| task | drafter | tau | drafted | nodes | propose ms | decode: oracle / whole / policy (its tau) | "
+          "end to end: oracle / whole / policy |")
     print("|---|---|---|---|---|---|---|---|")
     for task, conversations in prompt_sets(args.tasks.split(","), args.limit).items():
         params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=task != "agent")
@@ -190,14 +246,16 @@ def main() -> None:
                                  "prefill_ms": cost.prefill_ms, "drafters": {}}
         for d, drafter in drafters.items():
             run = replay(drafter, replies, limits[d], params)
-            b = bounds(run, cost, len(replies))
+            chosen = replay(drafter, replies, limits[d], params, Policy(cost.forward))
+            b = bounds(run, cost, len(replies), chosen)
             steps = len(run.steps)
-            row = {"tau": run.tau, "drafted": sum(n > 0 for n, _ in run.steps) / steps,
+            row = {"tau": run.tau, "policy_tau": chosen.tau, "drafted": sum(n > 0 for n, _ in run.steps) / steps,
                    "nodes": sum(n for n, _ in run.steps) / steps, "propose_ms": run.propose_s * 1e3 / steps, **b}
             report["tasks"][task]["drafters"][d] = row
             print(f"| {task} | {d} | {row['tau']:.2f} | {row['drafted']:.2f} | {row['nodes']:.1f} | "
-                  f"{row['propose_ms']:.2f} | {b['decode_oracle']:.2f}x / {b['decode_whole']:.2f}x | "
-                  f"{b['end_to_end_oracle']:.2f}x / {b['end_to_end_whole']:.2f}x |", flush=True)
+                  f"{row['propose_ms']:.2f} | {b['decode_oracle']:.2f}x / {b['decode_whole']:.2f}x / "
+                  f"{b['decode_policy']:.2f}x ({chosen.tau:.2f}) | {b['end_to_end_oracle']:.2f}x / "
+                  f"{b['end_to_end_whole']:.2f}x / {b['end_to_end_policy']:.2f}x |", flush=True)
         print(f"| {task} | (prefill {b['prefill_share']:.0%} of plain's time; 1 row {cost.forward(1):.2f} ms, "
               f"2 rows {cost.forward(2):.2f}, 4 rows {cost.forward(4):.2f}) | | | | | | |", flush=True)
     if args.json:

@@ -1,7 +1,7 @@
 """bench/replay.py: the accepted path, the step-by-step replay and the speedup bounds (no model)."""
 import pytest
 
-from bench.replay import Costs, Replayed, Reply, accepted, bounds, replay
+from bench.replay import Costs, Policy, Replayed, Reply, accepted, bounds, replay
 from drafters.base import LookupDrafter, Proposal
 from drafters.config import SpecConfig
 from spec.step_cost import CostCurve
@@ -56,3 +56,17 @@ def test_bounds_on_a_flat_curve_are_tau_and_a_whole_tree_pays_its_rows():
     assert b["decode_whole"] == pytest.approx(8 * 5 / (9 + 9 + 7))
     assert b["end_to_end_oracle"] == pytest.approx((40 + 40) / (40 + 20))
     assert b["prefill_share"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("right", [0, 8])
+def test_the_policy_stops_verifying_what_never_pays_and_keeps_what_always_does(right):
+    prompt, output = list(range(10, 20)), list(range(100, 300))
+    steep = CostCurve((1, 2), (5.0, 7.5))                       # a row costs half a step
+    run = replay(Knows(prompt + output, right), [Reply(prompt, output)], SpecConfig(num_speculative_tokens=4),
+                 GREEDY, Policy(steep))
+    assert sum(a + 1 for _, a in run.steps) == len(output) - 1
+    late = run.steps[len(run.steps) // 2:]
+    if right == 0:      # probes only: most late steps verify nothing
+        assert sum(n > 0 for n, _ in late) < len(late) / 4
+    else:               # every node accepted: the controller verifies them
+        assert run.tau > 3 and all(n == a for n, a in run.steps)
