@@ -284,9 +284,12 @@ void embed_int8(const int64_t *ids, int64_t rows, const int8_t *q, const float *
         for (int64_t e = 0; e < h; e++) out[t * h + e] = (float)q[ids[t] * h + e] * scale[ids[t] * (h / g) + e / g];
 }
 
-/* out[t, i] = bf16(silu(g) * u) for gu[t] = [g (inter) | u (inter)]; inter % 8 == 0 */
+/* out[t, i] = bf16(silu(g) * u) for gu[t] = [g (inter) | u (inter)]; inter % 8 == 0. Rows split
+ * among the threads where each gets two or more (a prompt chunk's): element by element, so the
+ * bits do not depend on the split. */
 void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
     const v8f one = {1, 1, 1, 1, 1, 1, 1, 1};
+    #pragma omp parallel for schedule(static) if (rows >= 2 * omp_get_max_threads())
     for (int64_t t = 0; t < rows; t++) {
         const bf16 *g = gu + t * 2 * inter, *u = g + inter;
         for (int64_t i = 0; i < inter; i += 8) {
