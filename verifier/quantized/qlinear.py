@@ -112,8 +112,11 @@ class QuantLinear(nn.Module):
         path = self.plan.bulk if self.plan.bulk in self.paths() else self.own    # another kind's own kernel
         if not tile:
             return self.run(path, x)
-        x = F.pad(x, (0, 0, 0, -m % tile))
-        return torch.cat([self.run(path, x[i:i + tile]) for i in range(0, m, tile)])[:m]
+        whole = m - m % tile            # whole tiles as views of x: only the last one is copied, padded
+        outs = [self.run(path, x[i:i + tile]) for i in range(0, whole, tile)]
+        if whole < m:
+            outs.append(self.run(path, F.pad(x[whole:], (0, 0, 0, tile - (m - whole))))[:m - whole])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def run_own(self, x: torch.Tensor) -> torch.Tensor:
         """x bf16 [M, K], contiguous -> bf16 [M, N] on the row-invariant kernel the plan chose."""
