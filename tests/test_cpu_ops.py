@@ -39,6 +39,23 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(out.float(), F.silu(g) * u, rtol=1e-2, atol=1e-2)
 
 
+def test_silu_mul_gives_a_value_the_same_bits_in_any_row_count_and_lane():
+    """Rows split among the threads and lanes of a vector width or of the 8-wide tail: each
+    element's bits are its own (the decode and prompt rows of one token must agree)."""
+    gu = _bf(64, 2 * 104) * 6
+    whole = torch.empty(64, 104, dtype=torch.bfloat16)
+    cpu_ops.silu_mul(gu, whole)
+    for r in (0, 31, 63):
+        alone = torch.empty(1, 104, dtype=torch.bfloat16)
+        cpu_ops.silu_mul(gu[r:r + 1].contiguous(), alone)
+        assert torch.equal(alone.view(torch.int16), whole[r:r + 1].view(torch.int16))
+    g, u = gu[0, :104], gu[0, 104:]
+    wide = torch.empty(1, 96, dtype=torch.bfloat16)              # the first 96 in full vectors
+    cpu_ops.silu_mul(torch.cat([g[8:], u[8:]])[None].contiguous(), wide)
+    assert torch.equal(wide[0, 88:].view(torch.int16), whole[0, 96:].view(torch.int16))   # tail lanes there
+    assert torch.equal(wide[0, :8].view(torch.int16), whole[0, 8:16].view(torch.int16))
+
+
 @pytest.mark.parametrize("v", [1000, 1037, 49152])
 def test_scan_topk_finds_the_k_largest_and_converts_the_row(v):
     rows, k = 3, 16

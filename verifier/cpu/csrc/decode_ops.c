@@ -284,24 +284,6 @@ void embed_int8(const int64_t *ids, int64_t rows, const int8_t *q, const float *
         for (int64_t e = 0; e < h; e++) out[t * h + e] = (float)q[ids[t] * h + e] * scale[ids[t] * (h / g) + e / g];
 }
 
-/* out[t, i] = bf16(silu(g) * u) for gu[t] = [g (inter) | u (inter)]; inter % 8 == 0. Rows split
- * among the threads where each gets two or more (a prompt chunk's): element by element, so the
- * bits do not depend on the split. */
-void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
-    const v8f one = {1, 1, 1, 1, 1, 1, 1, 1};
-    #pragma omp parallel for schedule(static) if (rows >= 2 * omp_get_max_threads())
-    for (int64_t t = 0; t < rows; t++) {
-        const bf16 *g = gu + t * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i += 8) {
-            v8f a = load_bf16x8(g + i);
-            v8i neg = a < 0.0f;
-            v8f e = exp_neg8((v8f)((v8i)a | (v8i)(one * -0.0f)));           /* exp(-|a|) */
-            v8f num = (v8f)(((v8i)e & neg) | ((v8i)one & ~neg));             /* a < 0 ? e : 1 */
-            store_bf16x8(out + t * inter + i, a * (num / (one + e)) * load_bf16x8(u + i));
-        }
-    }
-}
-
 /* out[t, i] = bf16(gelu_tanh(g) * u) for gu[t] = [g (inter) | u (inter)], gelu_tanh(g) =
  * g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Gemma's GeGLU); inter % 8 == 0 */
 void gelu_tanh_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
@@ -413,6 +395,36 @@ static inline vf load_bf16w(const bf16 *p) {
     memcpy(&h, p, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
 #endif
+}
+
+/* bf16(silu(g) * u) of one vector of lanes at g, u -> o: one body per vector width (V float
+ * lanes; I, U their int and uint lanes; H as many uint16), each lane's operations the same. */
+#define SILU_MUL(name, V, I, U, H, EXP, LOAD)                                                  \
+    static inline void name(const bf16 *g, const bf16 *u, bf16 *o) {                           \
+        const V one = (V){0} + 1.0f;                                                           \
+        V a = LOAD(g);                                                                         \
+        I neg = a < 0.0f;                                                                      \
+        V e = EXP((V)((I)a | (I)(one * -0.0f)));                        /* exp(-|a|) */        \
+        V num = (V)(((I)e & neg) | ((I)one & ~neg));                    /* a < 0 ? e : 1 */    \
+        U b = (U)(a * (num / (one + e)) * LOAD(u));                                            \
+        H h = __builtin_convertvector((b + 0x7fffu + ((b >> 16) & 1u)) >> 16, H);              \
+        memcpy(o, &h, sizeof h);                                                               \
+    }
+SILU_MUL(silu_mul8, v8f, v8i, v8u, v8h, exp_neg8, load_bf16x8)
+SILU_MUL(silu_mulw, vf, vi, vu, vh, exp_negw, load_bf16w)
+
+/* out[t, i] = bf16(silu(g) * u) for gu[t] = [g (inter) | u (inter)]; inter % 8 == 0. W lanes at a
+ * time, 8 for a tail; rows split among the threads where each gets two or more (a prompt
+ * chunk's): element by element, so the bits depend on neither. */
+void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
+    #pragma omp parallel for schedule(static) if (rows >= 2 * omp_get_max_threads())
+    for (int64_t t = 0; t < rows; t++) {
+        const bf16 *g = gu + t * 2 * inter, *u = g + inter;
+        bf16 *o = out + t * inter;
+        int64_t i = 0;
+        for (; i + W <= inter; i += W) silu_mulw(g + i, u + i, o + i);
+        for (; i < inter; i += 8) silu_mul8(g + i, u + i, o + i);
+    }
 }
 
 static inline v8f fold8(vf a) {        /* lane i + lane i + 8 (W = 16) */
