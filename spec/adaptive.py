@@ -268,7 +268,7 @@ class AdaptiveController:
         if h.probe_node and h.probe_node in accepted:     # the node beyond the cut paid: look further at once
             h.interval, h.next_probe = self.config.probe_every, h.steps + 1
         h.probe_node = 0
-        cand.history.ranks.observe(len(cand.depths), accepted)
+        h.ranks.observe(len(cand.depths), accepted)
         self.prior.observe(len(cand.depths), accepted)
         if cand.scores is not None:
             for node, (score, depth) in enumerate(zip(cand.scores, cand.depths), start=1):
