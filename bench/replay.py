@@ -5,9 +5,9 @@ through the drafter, without running the target again, against this machine's ve
 
 Per task: the plain engine's greedy replies (as bench.speculative runs them: `--new-tokens`, past
 EOS), what a forward costs at 1 to N rows after the prompts' median length (a decode row, then
-bench.row_costs' trees; row counts interleaved), and what a prompt's prefill costs. Each drafter then proposes at every
-step of every reply, with its default tree's limits, and the step takes the longest path of the
-tree that the reply follows. Per drafter:
+bench.row_costs' trees; row counts interleaved), and what a prompt's prefill costs. Each
+drafter then proposes at every step of every reply, with its default tree's limits, and the
+step takes the longest path of the tree that the reply follows. Per drafter:
 
 - tau: tokens per step when every step verifies the whole tree (steps without a draft count);
   drafted: the share of steps with a draft; nodes: draft nodes per step; propose: ms per step;
@@ -216,6 +216,41 @@ def lookup_only(drafter: Drafter, name: str) -> Drafter:
     return drafter
 
 
+def prefill_share(cost: Costs, replies: list[Reply]) -> float:
+    """The prefill's share of plain decoding's time over the replies."""
+    prefill = len(replies) * cost.prefill_ms
+    return prefill / (prefill + sum(len(r.output) - 1 for r in replies) * cost.forward(1))
+
+
+def task_rows(llm: LLM, drafters: dict[str, Drafter], replies: list[Reply], params: SamplingParams,
+              rounds: int) -> dict:
+    """One task: its measured costs and, per drafter, tau, drafting and the three speedups."""
+    limits = {d: default_speculation(d) for d in drafters}
+    cost = measure_costs(llm, replies, max(s.max_nodes for s in limits.values()) + 1, rounds)
+    out = {"forward_ms": dict(zip(cost.forward.rows, cost.forward.ms)), "prefill_ms": cost.prefill_ms,
+           "prefill_share": prefill_share(cost, replies), "drafters": {}}
+    for d, drafter in drafters.items():
+        run = replay(drafter, replies, limits[d], params)
+        chosen = replay(drafter, replies, limits[d], params, Policy(cost.forward))
+        steps = len(run.steps)
+        out["drafters"][d] = {"tau": run.tau, "policy_tau": chosen.tau,
+                              "drafted": sum(n > 0 for n, _ in run.steps) / steps,
+                              "nodes": sum(n for n, _ in run.steps) / steps,
+                              "propose_ms": run.propose_s * 1e3 / steps, **bounds(run, cost, len(replies), chosen)}
+    return out
+
+
+def _print_task(task: str, rows: dict) -> None:
+    for d, r in rows["drafters"].items():
+        print(f"| {task} | {d} | {r['tau']:.2f} | {r['drafted']:.2f} | {r['nodes']:.1f} | {r['propose_ms']:.2f} | "
+              f"{r['decode_oracle']:.2f}x / {r['decode_whole']:.2f}x / {r['decode_policy']:.2f}x "
+              f"({r['policy_tau']:.2f}) | {r['end_to_end_oracle']:.2f}x / {r['end_to_end_whole']:.2f}x / "
+              f"{r['end_to_end_policy']:.2f}x |")
+    ms = rows["forward_ms"]
+    print(f"| {task} | (prefill {rows['prefill_share']:.0%} of plain's time; 1 row {ms[1]:.2f} ms, "
+          f"2 rows {ms[2]:.2f}, 4 rows {ms[4]:.2f}) | | | | | | |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="summarization,rag,mtbench")
@@ -239,25 +274,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for task, conversations in prompt_sets(args.tasks.split(","), args.limit).items():
         params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=task != "agent")
-        replies = greedy_replies(llm, conversations, params)
-        limits = {d: default_speculation(d) for d in drafters}
-        cost = measure_costs(llm, replies, max(s.max_nodes for s in limits.values()) + 1, args.rounds)
-        report["tasks"][task] = {"forward_ms": dict(zip(cost.forward.rows, cost.forward.ms)),
-                                 "prefill_ms": cost.prefill_ms, "drafters": {}}
-        for d, drafter in drafters.items():
-            run = replay(drafter, replies, limits[d], params)
-            chosen = replay(drafter, replies, limits[d], params, Policy(cost.forward))
-            b = bounds(run, cost, len(replies), chosen)
-            steps = len(run.steps)
-            row = {"tau": run.tau, "policy_tau": chosen.tau, "drafted": sum(n > 0 for n, _ in run.steps) / steps,
-                   "nodes": sum(n for n, _ in run.steps) / steps, "propose_ms": run.propose_s * 1e3 / steps, **b}
-            report["tasks"][task]["drafters"][d] = row
-            print(f"| {task} | {d} | {row['tau']:.2f} | {row['drafted']:.2f} | {row['nodes']:.1f} | "
-                  f"{row['propose_ms']:.2f} | {b['decode_oracle']:.2f}x / {b['decode_whole']:.2f}x / "
-                  f"{b['decode_policy']:.2f}x ({chosen.tau:.2f}) | {b['end_to_end_oracle']:.2f}x / "
-                  f"{b['end_to_end_whole']:.2f}x / {b['end_to_end_policy']:.2f}x |", flush=True)
-        print(f"| {task} | (prefill {b['prefill_share']:.0%} of plain's time; 1 row {cost.forward(1):.2f} ms, "
-              f"2 rows {cost.forward(2):.2f}, 4 rows {cost.forward(4):.2f}) | | | | | | |", flush=True)
+        rows = task_rows(llm, drafters, greedy_replies(llm, conversations, params), params, args.rounds)
+        report["tasks"][task] = rows
+        _print_task(task, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
