@@ -1,4 +1,4 @@
-"""`tercel bench accept | grid | speed | serve | kernels | quality | structured`.
+"""`tercel bench accept | grid | speed | serve | kernels | quality | structured | replay`.
 
     tercel bench accept --drafter ngram --gamma 1:6 --tasks rag,summarization --limit 10
     tercel bench grid --drafter ngram,eagle3:HEAD --gamma 2:6 --topk 1,2 --budget 4:8 \\
@@ -9,6 +9,7 @@
     tercel bench kernels
     tercel bench quality --quantization int4,int8 --limit 30
     tercel bench structured --drafter ngram,datastore:../shared/data/train --limit 16
+    tercel bench replay --drafter suffix,ngram --tasks summarization,rag --limit 5 --ignore-eos
 
 Every run prints markdown tables on stdout; --json keeps a machine-readable report that is
 rewritten after each finished run, so an interrupted benchmark continues with --resume.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("accept", "grid", "speed", "serve", "kernels", "quality", "structured")
+COMMANDS = ("accept", "grid", "speed", "serve", "kernels", "quality", "structured", "replay")
 
 
 def add_bench_args(sub) -> None:
@@ -86,6 +87,9 @@ def run_bench(args) -> int:
         if args.what == "structured":
             from bench.structured import run_structured_bench
             return run_structured_bench(args)
+        if args.what == "replay":
+            from bench.replay import run_replay_cli
+            return run_replay_cli(args)
         if args.what in ("kernels", "quality"):
             from bench.cli_model import run_model_bench
             return run_model_bench(args)

@@ -2,6 +2,7 @@
 through the drafter, without running the target again, against this machine's verify-cost curve.
 
     python -m bench.replay --tasks summarization,rag,mtbench --drafters suffix,tree:suffix+ngram --limit 5 --threads 2
+    tercel bench replay --drafter suffix,ngram --tasks summarization,rag --limit 5 --max-tokens 128 --ignore-eos
 
 Per task: the plain engine's greedy replies (as bench.speculative runs them: `--new-tokens`, past
 EOS), what a forward costs at 1 to N rows after the prompts' median length (a decode row, then
@@ -36,9 +37,8 @@ import torch
 
 from bench.row_costs import cached_prefix, tree_batch
 from bench.speculative import prompt_sets
-from drafters.base import DraftRequest, Drafter, LookupDrafter, Proposal
+from drafters.base import DraftRequest, Drafter, Proposal
 from drafters.kinds import build_drafter, default_speculation
-from drafters.tree_merge import TokenTreeDrafter
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate, SpecHistory
 from spec.step_cost import CostCurve, StepCost, StepSample
@@ -46,6 +46,9 @@ from spec.threads import ThreadConfig
 from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.cpu.machine import machine_summary
+
+
+ROUNDS = 30          # forwards per row count for a task's cost curve
 
 
 @dataclass(frozen=True)
@@ -209,11 +212,16 @@ def measure_costs(llm: LLM, replies: list[Reply], rows: int, rounds: int) -> Cos
     return Costs(CostCurve.measured(ms), prefill)
 
 
-def lookup_only(drafter: Drafter, name: str) -> Drafter:
-    parts = drafter.parts if isinstance(drafter, TokenTreeDrafter) else [drafter]
-    if not all(isinstance(p, LookupDrafter) for p in parts):
-        raise SystemExit(f"bench.replay replays lookup drafters only; {name} needs the target's states")
-    return drafter
+LOOKUPS = ("ngram", "datastore", "suffix")
+
+
+def check_lookup(drafter: str) -> None:
+    """ValueError unless `drafter` is a lookup drafter or a `tree:` of them (by its string)."""
+    kind, _, arg = drafter.partition(":")
+    parts = [p.partition(":")[0] for p in filter(None, arg.split("+"))] if kind == "tree" else [kind]
+    if not parts or any(p not in LOOKUPS for p in parts):
+        raise ValueError(f"bench replay replays lookup drafters only ({', '.join(LOOKUPS)} and tree: of them); "
+                         f"{drafter!r} needs the target's states")
 
 
 def prefill_share(cost: Costs, replies: list[Reply]) -> float:
@@ -251,13 +259,52 @@ def _print_task(task: str, rows: dict) -> None:
           f"2 rows {ms[2]:.2f}, 4 rows {ms[4]:.2f}) | | | | | | |", flush=True)
 
 
+def run(llm: LLM, drafter_names: list[str], tasks: dict[str, list[list[dict]]], new_tokens: int,
+        until_eos: set[str], rounds: int = ROUNDS, json_path: str | None = None) -> dict:
+    """Every task's replies through every drafter; prints the table, returns (and writes) the report."""
+    for d in drafter_names:
+        check_lookup(d)
+    drafters = {d: build_drafter(d, llm.engine.target, default_speculation(d)) for d in drafter_names}
+    report = {"machine": machine_summary(), "threads": torch.get_num_threads(), "tasks": {}}
+    print(f"{report['machine']}; {report['threads']} threads\n")
+    print("| task | drafter | tau | drafted | nodes | propose ms | decode: oracle / whole / policy (its tau) | "
+          "end to end: oracle / whole / policy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for task, conversations in tasks.items():
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=task not in until_eos)
+        rows = task_rows(llm, drafters, greedy_replies(llm, conversations, params), params, rounds)
+        report["tasks"][task] = rows
+        _print_task(task, rows)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=2)
+    return report
+
+
+def run_replay_cli(args) -> int:
+    """`tercel bench replay`: the dataset's first turns (--dataset, --tasks, --limit), replies of
+    --max-tokens (past EOS with --ignore-eos), the first of --quantization."""
+    for d in args.drafter.split(","):
+        check_lookup(d)
+    from bench.cli_args import split_names
+    from bench.data import load_datasets
+    data = load_datasets(args.dataset or ["specbench"], split_names(args.tasks), args.limit)
+    tasks = {t: [p.messages() for p in ps] for t, ps in data.by_task().items()}
+    model = {"model": args.model} if args.model else {}
+    llm = LLM(**model, max_num_seqs=1, quantization=args.quantization.split(",")[0],
+              thread_tuning=ThreadConfig(adaptive=False))
+    until_eos = set() if args.ignore_eos else set(tasks)
+    run(llm, args.drafter.split(","), tasks, args.max_tokens, until_eos, json_path=args.json)
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="summarization,rag,mtbench")
     ap.add_argument("--drafters", default="suffix")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=30, help="forwards per row count for the cost curve")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="forwards per row count for the cost curve")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -265,21 +312,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(max_num_seqs=1, quantization=args.quantization, thread_tuning=ThreadConfig(adaptive=False))
-    drafters = {d: lookup_only(build_drafter(d, llm.engine.target, default_speculation(d)), d)
-                for d in args.drafters.split(",")}
-    report = {"machine": machine_summary(), "threads": torch.get_num_threads(), "tasks": {}}
-    print(f"{report['machine']}; {report['threads']} threads\n")
-    print("| task | drafter | tau | drafted | nodes | propose ms | decode: oracle / whole / policy (its tau) | "
-          "end to end: oracle / whole / policy |")
-    print("|---|---|---|---|---|---|---|---|")
-    for task, conversations in prompt_sets(args.tasks.split(","), args.limit).items():
-        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=task != "agent")
-        rows = task_rows(llm, drafters, greedy_replies(llm, conversations, params), params, args.rounds)
-        report["tasks"][task] = rows
-        _print_task(task, rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    run(llm, args.drafters.split(","), prompt_sets(args.tasks.split(","), args.limit), args.new_tokens,
+        {"agent"}, args.rounds, args.json)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,21 @@ def test_speed_compares_with_hf_generate_and_prompt_lookup(tmp_path, tiny_llama_
     assert "hf-generate" in text and "hf-prompt-lookup" in text and "TTFT" in text
 
 
+def test_replay_prices_each_drafter_three_ways(tmp_path, tiny_llama_dir, capsys):
+    out = tmp_path / "replay.json"
+    rc = tercel(["bench", "replay", "--model", str(tiny_llama_dir), *TINY_GRID, "--drafter", "ngram,suffix",
+                 "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert set(report["tasks"]) == {"qa", "rag"}
+    for task in report["tasks"].values():
+        assert set(task["drafters"]) == {"ngram", "suffix"} and task["forward_ms"]["1"] > 0
+        for row in task["drafters"].values():
+            assert row["tau"] >= 1 and row["policy_tau"] >= 1 and 0 <= row["prefill_share"] < 1
+            assert all(row[f"decode_{k}"] > 0 for k in ("oracle", "whole", "policy"))
+    assert "oracle / whole / policy" in capsys.readouterr().out
+
+
 def test_interrupted_run_keeps_results_and_resumes(tmp_path, tiny_llama_dir, monkeypatch):
     out = tmp_path / "grid.json"
     args = ["bench", "grid", "--model", str(tiny_llama_dir), *TINY_GRID, "--gamma", "2,3", "--json", str(out)]
@@ -187,6 +202,8 @@ def test_interrupted_run_keeps_results_and_resumes(tmp_path, tiny_llama_dir, mon
     (["grid", "--limit", "0"], "--limit must be >= 1"),
     (["grid", "--temperature", "hot"], "--temperature"),
     (["serve", "--url", "http://127.0.0.1:9"], "cannot connect"),
+    (["replay", "--drafter", "suffix,small:/nowhere"], "lookup drafters only"),
+    (["replay", "--drafter", "tree:eagle3+ngram"], "lookup drafters only"),
 ])
 def test_bad_input_exits_2_with_a_message(bad, message, tiny_llama_dir, capsys):
     assert tercel(["bench", *bad, "--model", str(tiny_llama_dir), "--max-tokens", "4"]) == 2
