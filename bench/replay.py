@@ -75,20 +75,9 @@ class Costs:
     prefill_ms: float
 
 
-def accepted_path(tree: TokenTree, future: list[int]) -> list[int]:
-    """The draft nodes a step keeps when the reply goes on with `future`: the longest root
-    path whose tokens it follows (greedy, point-mass acceptance), as node indices."""
-    path, node = [], 0
-    for token in future:
-        node = tree.child_with_token(node, token)
-        if node is None:
-            break
-        path.append(node)
-    return path
-
-
 def accepted(tree: TokenTree, future: list[int]) -> int:
-    return len(accepted_path(tree, future))
+    """How many draft nodes a step keeps when the reply goes on with `future` (greedy)."""
+    return len(tree.follow(future))
 
 
 class Policy:
@@ -149,7 +138,7 @@ def replay(drafter: Drafter, replies: list[Reply], limits, params: SamplingParam
                 if policy is not None:
                     verified = policy.cut(verified)
             tree = verified.tree if verified is not None else TokenTree.single(r.output[done])
-            path = accepted_path(tree, r.output[done + 1:])
+            path = tree.follow(r.output[done + 1:])
             if policy is not None:
                 policy.observe(verified, path, drafted, spent)
             steps.append((tree.num_nodes - 1, len(path)))

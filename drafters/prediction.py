@@ -129,13 +129,3 @@ def join_prediction(predicted: Proposal, own: Proposal | None, max_nodes: int) -
     return Proposal(merge_trees([predicted.tree, own.tree]).truncated(max_nodes + 1))
 
 
-def chain_nodes(tree: TokenTree, start: int, chain: tuple[int, ...]) -> list[int]:
-    """The nodes of `chain` still in `tree` below node `start` (after the engine's cut and the
-    grammar's pruning), from the top down."""
-    nodes, u = [], start
-    for token in chain:
-        u = tree.child_with_token(u, token)
-        if u is None:
-            break
-        nodes.append(u)
-    return nodes

@@ -24,7 +24,7 @@ import torch
 
 from drafters.base import DraftRequest, Prediction
 from drafters.config import SpecConfig
-from drafters.prediction import PredictionDrafter, chain_nodes, join_prediction
+from drafters.prediction import PredictionDrafter, join_prediction
 from spec.adaptive import AdaptiveController, Candidate
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
@@ -789,7 +789,7 @@ class LLMEngine:
     def _count_prediction(req: Request, plan: SeqPlan) -> None:
         """The prediction's tokens verified this step (what the cut and the grammar left of its
         chain) and how many of them were accepted."""
-        nodes = chain_nodes(plan.proposal.tree, plan.forced, plan.predicted)
+        nodes = plan.proposal.tree.follow(plan.predicted, plan.forced)
         accepted = len(set(nodes) & set(plan.accepted))
         req.spec.prediction_accepted += accepted
         req.spec.prediction_rejected += len(nodes) - accepted

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafters.base import DraftDistributions, DraftRequest, Prediction, Proposal
-from drafters.prediction import PredictionDrafter, PredictionIndex, chain_nodes, join_prediction
+from drafters.prediction import PredictionDrafter, PredictionIndex, join_prediction
 from tree.token_tree import TokenTree
 from verifier.sampling.sampling_params import SamplingParams
 
@@ -88,10 +88,11 @@ def test_join_lets_the_chain_replace_a_sampled_tree_whatever_it_drew():
     assert join_prediction(Proposal(TokenTree.single(0)), sampled, 4) is sampled
 
 
-def test_chain_nodes_finds_what_the_cut_and_the_grammar_left_of_the_chain():
+def test_the_chain_is_found_where_the_cut_and_the_grammar_left_it():
     tree = TokenTree((0, 8, 1, 2, 5), (-1, 0, 1, 2, 1))      # forced 8, then the chain 1, 2 and a 5 beside it
-    assert chain_nodes(tree, 1, (1, 2, 3)) == [2, 3]
-    assert chain_nodes(tree, 1, (4,)) == []
+    assert tree.follow((1, 2, 3), 1) == [2, 3]
+    assert tree.follow((4,), 1) == []
+    assert tree.follow((8, 5)) == [1, 4]
 
 
 def test_prediction_holds_token_ids():

@@ -91,6 +91,17 @@ class TokenTree:
         self._check_node(node)
         return self._child_by_token.get((node, token))
 
+    def follow(self, tokens, start: int = 0) -> list[int]:
+        """The nodes below `start` that carry `tokens` in turn, as far as the tree goes: the
+        path greedy acceptance keeps when the target continues with them."""
+        nodes, u = [], start
+        for token in tokens:
+            u = self.child_with_token(u, token)
+            if u is None:
+                break
+            nodes.append(u)
+        return nodes
+
     # ----- what the verifier needs ------------------------------------------------------
 
     def ancestor_mask(self) -> torch.Tensor:
