@@ -413,18 +413,25 @@ static inline vf load_bf16w(const bf16 *p) {
 SILU_MUL(silu_mul8, v8f, v8i, v8u, v8h, exp_neg8, load_bf16x8)
 SILU_MUL(silu_mulw, vf, vi, vu, vh, exp_negw, load_bf16w)
 
+static void silu_mul_row(const bf16 *g, const bf16 *u, int64_t inter, bf16 *o) {
+    int64_t i = 0;
+    for (; i + W <= inter; i += W) silu_mulw(g + i, u + i, o + i);
+    for (; i < inter; i += 8) silu_mul8(g + i, u + i, o + i);
+}
+
 /* out[t, i] = bf16(silu(g) * u) for gu[t] = [g (inter) | u (inter)]; inter % 8 == 0. W lanes at a
  * time, 8 for a tail; rows split among the threads where each gets two or more (a prompt
- * chunk's): element by element, so the bits depend on neither. */
+ * chunk's), without a parallel region for fewer (a decode step's, once per layer): element by
+ * element, so the bits depend on neither. */
 void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out) {
-    #pragma omp parallel for schedule(static) if (rows >= 2 * omp_get_max_threads())
-    for (int64_t t = 0; t < rows; t++) {
-        const bf16 *g = gu + t * 2 * inter, *u = g + inter;
-        bf16 *o = out + t * inter;
-        int64_t i = 0;
-        for (; i + W <= inter; i += W) silu_mulw(g + i, u + i, o + i);
-        for (; i < inter; i += 8) silu_mul8(g + i, u + i, o + i);
+    if (rows < 2 * omp_get_max_threads()) {
+        for (int64_t t = 0; t < rows; t++) silu_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter, inter,
+                                                        out + t * inter);
+        return;
     }
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < rows; t++) silu_mul_row(gu + t * 2 * inter, gu + t * 2 * inter + inter, inter,
+                                                    out + t * inter);
 }
 
 static inline v8f fold8(vf a) {        /* lane i + lane i + 8 (W = 16) */
