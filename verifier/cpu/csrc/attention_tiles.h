@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #define TILES_BUILT 1
+#define TILES_MAX_D 256          /* head dims the stack buffers hold (gather, qb); wider heads take vectors */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -120,7 +121,7 @@ static void tile_queries(const Item *it, int64_t D, uint32_t (*qb)[16][16]) {
 static void tile_scores(const Item *it, const int *v, int nb, int64_t c0, int64_t to, const bf16 *kc,
                         const bf16 *vc, int64_t nkv, int64_t D, float scale, uint32_t (*qb)[16][16], float *score,
                         int ahead) {
-    bf16 gather[4][16 * 256] __attribute__((aligned(64)));
+    bf16 gather[4][16 * TILES_MAX_D] __attribute__((aligned(64)));
     float c[4][16][16] __attribute__((aligned(64)));
     const int64_t *list = it->list[v[0]], n = it->n[v[0]];
     for (int64_t i0 = c0; i0 < to; i0 += 64) {
@@ -225,13 +226,13 @@ static void tile_values(const Item *it, const int *v, int nb, int64_t c0, int64_
     }
 }
 
-/* attend_chunk on tiles (D % 64 == 0): part[r] = (o [D], m, l) per vector of the item. */
+/* attend_chunk on tiles (D % 64 == 0, D <= TILES_MAX_D): part[r] = (o [D], m, l) per vector of the item. */
 static void attend_chunk_tiles(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
                                const int64_t D, float scale, float cap, float *score, float *part) {
     int64_t to[QV] = {0};
     int member[QV][QV], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
-    uint32_t qb[256 / 32][16][16] __attribute__((aligned(64)));
+    uint32_t qb[TILES_MAX_D / 32][16][16] __attribute__((aligned(64)));
     const int nbund = bundles(it, c0, to, QV, member, size);
     tile_queries(it, D, qb);
     tiles_configure();

@@ -758,7 +758,7 @@ static void attend_item(const Work *w, int64_t i, float *score) {
     Item it = unit_item(hd, w->rw, w->q, u, kvh, h0, nhq, w->out);
     float *part = w->parts + i * QV * w->stride;
 #if TILES_BUILT
-    if (w->rw->tiles && tiles_on && hd->d % 64 == 0) {
+    if (w->rw->tiles && tiles_on && hd->d % 64 == 0 && hd->d <= TILES_MAX_D) {
         attend_chunk_tiles(&it, j % chunks * CH, w->k_cache, w->v_cache, hd->nkv, hd->d, hd->scale, hd->softcap, score,
                            part);
         return;
