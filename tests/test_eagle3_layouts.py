@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from conftest import random_eagle_head
@@ -282,3 +282,23 @@ def test_harmless_keys_load(tmp_path, style):
     plain = load_head(_saved_head(tmp_path / "plain", style), TARGET)
     busy = load_head(_saved_head(tmp_path / "busy", style, **edits), TARGET)
     assert busy.cfg == plain.cfg
+
+
+@pytest.mark.parametrize("style", ["eagle", "speculators"])
+def test_lm_head_from_target_is_not_stored_and_comes_from_the_target(tmp_path, style):
+    head = random_eagle_head(TARGET, draft_vocab=64)
+    head.cfg = dataclasses.replace(head.cfg, lm_head_from_target=True)
+    root = save_head(head, tmp_path / style, style=style)
+    assert not any(k.endswith("lm_head.weight") for k in load_file(str(root / "model.safetensors")))
+    table = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
+    loaded = load_head(root, TARGET, target_head=lambda: table)
+    assert loaded.cfg.lm_head_from_target
+    assert torch.equal(loaded.lm_head.weight, table[head.draft_to_target])
+    with pytest.raises(HeadMismatchError, match="lm_head_from_target.*target_head"):
+        load_head(root, TARGET)
+    with pytest.raises(HeadMismatchError, match=r"\(256, 32\)"):
+        load_head(root, TARGET, target_head=lambda: table[:, :32])
+    tensors = load_file(str(root / "model.safetensors"))
+    save_file({**tensors, "lm_head.weight": table[:64].clone()}, str(root / "model.safetensors"))
+    with pytest.raises(HeadMismatchError, match="one or the other"):
+        load_head(root, TARGET, target_head=lambda: table)

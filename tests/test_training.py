@@ -7,9 +7,11 @@ import logging
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from conftest import SHARED_DATA
 from drafters.conversations import DataError, load_conversations, parse_line
+from drafters.eagle3 import load_head
 from spec import LLM, SamplingParams
 from training.cli import main as train_main
 from training.config import TrainConfig
@@ -17,6 +19,7 @@ from training.data import tokenize_conversation
 from training.loop import plan_batches
 from training.vocab import select_draft_vocab
 from verifier.model.tokenizer import Tokenizer
+from verifier.target import TargetModel
 
 
 def write_jsonl(path, rows):
@@ -195,7 +198,6 @@ def test_features_are_the_served_targets_taps_and_predictions(tiny_llama_dir):
     (its quantized head's scan and rescoring), not the dense model's."""
     from training.data import TokenizedExample
     from training.features import capture
-    from verifier.target import TargetModel
     ids = list(range(300, 340))
     ex = [TokenizedExample("a", tuple(ids), tuple([1] * len(ids)))]
     served = capture(TargetModel(str(tiny_llama_dir), quantization="int4"), ex, (0, 1))[0]
@@ -205,3 +207,23 @@ def test_features_are_the_served_targets_taps_and_predictions(tiny_llama_dir):
     for t in (4, 17, 39):
         out = llm.generate([ids[:t + 1]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
         assert out.token_ids[0] == int(served.argmax[t])
+
+
+def test_eagle3_lm_head_from_target_stays_the_targets_rows(tiny_llama_dir, tiny_data, tmp_path):
+    """--lm-head-from-target: the LM head is frozen at the target's rows, left out of the file,
+    and put back from the target at load (resume and serving alike)."""
+    out = tmp_path / "tied"
+    common = _args(tiny_llama_dir, tiny_data, out, "--draft-vocab", "512", "--ttt-steps", "2",
+                   "--lm-head-from-target")
+    assert train_main(common + ["--max-tokens", "600"]) == 0
+    assert train_main(common + ["--resume", "--epochs", "2"]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "midlayer.mlp.up_proj.weight" in f.keys()
+    assert json.loads((out / "config.json").read_text())["lm_head_from_target"] is True
+    target = TargetModel(str(tiny_llama_dir))
+    head = load_head(out, target.config, target_head=target.output_table)
+    assert torch.equal(head.lm_head.weight, target.net.lm_head.weight[head.draft_to_target])
+    assert "LM head | the target's rows" in (out / "README.md").read_text()
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"eagle3:{out}")
+    o = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(o.token_ids) == 8 and o.stats.draft_tokens > 0

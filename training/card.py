@@ -22,6 +22,8 @@ def write_card(out: Path, summary: dict, command: str | None = None, notes: str 
         lines += [f"| draft vocabulary | {s.get('draft_vocab')} tokens "
                   f"({100 * s.get('draft_vocab_coverage', 0):.1f}% of reply tokens) |",
                   f"| training-time-test steps | {s.get('ttt_steps')} |"]
+        if s.get("lm_head_from_target"):
+            lines.append("| LM head | the target's rows of the draft vocabulary (frozen, not stored) |")
     ho = s.get("heldout")
     if ho:
         lines.append(f"| held-out mean accepted length | {ho['mean_accepted_length']:.2f} "

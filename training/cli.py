@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-decay", type=float, default=0.8, help="eagle3: loss weight decay per step")
     p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
                    help="eagle3: start from random weights instead of the target's last layer")
+    p.add_argument("--lm-head-from-target", action="store_true",
+                   help="eagle3: the LM head is the target's rows of the draft vocabulary, frozen and not "
+                        "saved (a head half the size; Tercel loads it with the target)")
     p.add_argument("--small-layers", type=int, default=4, help="small: decoder layers")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many trained tokens")

@@ -28,6 +28,7 @@ class TrainConfig:
     ttt_steps: int = 7                 # eagle3: draft steps unrolled in training (the paper's 7)
     step_decay: float = 0.8            # eagle3: loss weight of step s is decay**s
     init_from_target: bool = True      # eagle3: start the head from the target's last layer and LM head
+    lm_head_from_target: bool = False  # eagle3: LM head = the target's draft-vocabulary rows, frozen, not saved
     small_layers: int = 4              # small: decoder layers of the distilled model
     # optimisation
     epochs: int = 1

@@ -6,6 +6,7 @@ saved in the EAGLE layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -33,7 +34,8 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
                                      if getattr(target.tokenizer, "eos_token_id", None) is not None else ())
     draft_ids, coverage = select_draft_vocab(examples, cfg.draft_vocab, tc.vocab_size, always=eos)
     log.info("draft vocabulary: %d tokens cover %.1f%% of assistant tokens", cfg.draft_vocab, 100 * coverage)
-    head_cfg = Eagle3Config.for_target(tc, cfg.draft_vocab)
+    head_cfg = dataclasses.replace(Eagle3Config.for_target(tc, cfg.draft_vocab),
+                                   lm_head_from_target=cfg.lm_head_from_target)
     feats = _features(cfg, target, examples, head_cfg.aux_layer_ids)
     head = _new_head(head_cfg, target, draft_ids, cfg.init_from_target, cfg.seed)
     lm_draft = target.net.lm_head.weight.detach()[draft_ids.to(target.device)].float()         # [Vd, Ht]
@@ -53,7 +55,7 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
         return StepResult(stats.loss, int(batch.valid.sum()), metrics)
 
     def load_model(path: Path) -> None:
-        saved = load_head(path, tc)
+        saved = load_head(path, tc, target_head=lambda: target.net.lm_head.weight.detach())
         head.load_state_dict(saved.state_dict())
 
     trainer = Trainer(cfg, params, step, [len(f) for f in feats],
@@ -67,7 +69,7 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
                "feature_tokens": sum(map(len, feats)), "draft_vocab": cfg.draft_vocab,
                "draft_vocab_coverage": round(coverage, 4), "steps": state.step,
                "tokens_seen": state.tokens, "train_seconds": round(state.seconds, 1),
-               "ttt_steps": cfg.ttt_steps, "dtype": precision.label(dtype), "lr": cfg.lr,
+               "ttt_steps": cfg.ttt_steps, "lm_head_from_target": cfg.lm_head_from_target, "dtype": precision.label(dtype), "lr": cfg.lr,
                "batch_tokens": cfg.batch_tokens}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -123,6 +125,10 @@ def _new_head(hc: Eagle3Config, target, draft_ids: torch.Tensor, from_target: bo
     head.set_vocab_map(draft_ids)
     if from_target:
         _init_from_target(head, target, draft_ids)
+    if hc.lm_head_from_target:        # what the loader will put there, kept as it is
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.net.lm_head.weight[draft_ids.to(target.device)])
+        head.lm_head.weight.requires_grad_(False)
     head.use_target_embedding(_frozen_embedding(target))
     head.init_rotary()
     return head.train()

@@ -129,6 +129,15 @@ class TargetModel:
             self._full_embedding = nn.Embedding.from_pretrained(table, freeze=True)
         return self._full_embedding
 
+    def output_table(self) -> torch.Tensor:
+        """The dense output head [vocab, hidden] fp32 as the checkpoint holds it (the embedding when
+        tied), for an EAGLE-3 head that borrows its rows: the same numbers under any quantization."""
+        try:
+            table = load_tensor(self.model_dir, "lm_head.weight")
+        except KeyError:
+            table = load_tensor(self.model_dir, "model.embed_tokens.weight")
+        return table.float()
+
     def close(self) -> None:
         """Release what outlives the object (nothing on one rank; the worker ranks under TP)."""
 

@@ -23,6 +23,12 @@ Flags. Any key that changes the forward and that this head does not implement (e
 named, instead of ignored; so is any key in `eagle_config` this module does not know and
 any unknown `true` boolean (every behaviour flag the public formats added defaults to
 false). Harmless keys (`torch_dtype`, `transformers_version`, rope settings...) pass.
+
+`lm_head_from_target` (Tercel's own, written only when true): the head's LM head is the
+target's output rows of the draft vocabulary (EAGLE-1 reused the target's head the same way),
+frozen in training and not stored, so the file is about half as large; loading it needs the
+target's output table (`load_head(..., target_head=...)`). Other engines expect `lm_head.weight`
+in the file and cannot load such a head as it is.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ AUX_CONVENTIONS = {"layer_input": 0, "vllm": 0, "layer_output": 1, "sglang": 1}
 HEAD_FLAGS: dict[str, tuple] = {
     "norm_before_residual": (False, True),
     "norm_output": (False, True),               # EAGLE-3.1: norm(h) is fed to the next step
+    "lm_head_from_target": (False, True),       # Tercel: lm_head is the target's rows, not stored
     "norm_before_fc": (False,),                 # one RMSNorm over cat(aux) before fc
     "fc_norm": (False,),                        # an RMSNorm per tapped state before fc
     "use_aux_hidden_state": (True,),            # False: no fc, EAGLE-1 style input
@@ -100,6 +107,8 @@ class Eagle3Config:
     rope: RopeConfig = field(default_factory=RopeConfig)
     norm_before_residual: bool = False  # speculators option: residual taken after hidden_norm
     norm_output: bool = False           # EAGLE-3.1: the next step gets norm(h) instead of h
+    lm_head_from_target: bool = False   # lm_head = the target's output rows of the draft vocabulary,
+                                        # frozen in training and taken from the target at load
 
     def __post_init__(self):
         if len(self.aux_layer_ids) != 3:
@@ -163,6 +172,7 @@ class Eagle3Config:
             rope=rope_from_hf(layer),
             norm_before_residual=bool(flags.get("norm_before_residual", False)),
             norm_output=bool(flags.get("norm_output", False)),
+            lm_head_from_target=bool(flags.get("lm_head_from_target", False)),
         )
 
     # ---- writing ---------------------------------------------------------------------
@@ -182,6 +192,8 @@ class Eagle3Config:
                "aux_hidden_state_layer_ids_convention": "layer_input"}
         # Top level in both layouts: where vLLM (and speculators) read them.
         flags = {"norm_before_residual": self.norm_before_residual, "norm_output": self.norm_output}
+        if self.lm_head_from_target:     # written only when set: other engines need lm_head stored
+            flags["lm_head_from_target"] = True
         if style == "eagle":
             return {**layer, "draft_vocab_size": self.draft_vocab_size,
                     "target_hidden_size": self.target_hidden_size, **flags, "eagle_config": aux}

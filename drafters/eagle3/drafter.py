@@ -27,11 +27,10 @@ from drafters.eagle3.head import Eagle3Head, attend
 from drafters.registry import register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
-from verifier.model.loader import DEFAULT_MODEL
+from verifier.model.loader import ALIASES, resolve_model_dir
 
 CATCH_UP_CHUNK = 512
-SHIPPED_HEADS = Path(__file__).parent / "heads"
-DEFAULT_HEAD = SHIPPED_HEADS / DEFAULT_MODEL
+SHIPPED_HEADS = Path(__file__).parent / "heads"      # one folder per model alias it was trained for
 
 
 @dataclass
@@ -179,6 +178,28 @@ def _ensure_capacity(st: _SeqState, need: int) -> None:
         setattr(st, name, grown)
 
 
+def shipped_head(model_dir: Path) -> Path:
+    """The head shipped for the target in `model_dir` (one of the model aliases); else a ValueError."""
+    for alias in ALIASES:
+        head = SHIPPED_HEADS / alias
+        if (head / "config.json").is_file() and _same_dir(_alias_dir(alias), model_dir):
+            return head
+    raise ValueError(f"no EAGLE-3 head is shipped for the target {model_dir} (only for "
+                     f"{', '.join(a for a in ALIASES if (SHIPPED_HEADS / a).is_dir()) or 'none'}); "
+                     "pass eagle3:PATH (train one with `train-drafter --kind eagle3`)")
+
+
+def _alias_dir(alias: str) -> Path | None:
+    try:
+        return resolve_model_dir(alias)
+    except ValueError:                   # the alias's package is not installed
+        return None
+
+
+def _same_dir(a: Path | None, b: Path) -> bool:
+    return a is not None and a.resolve() == Path(b).resolve()
+
+
 def _default_tree():
     t = DynamicTreeConfig()          # tuned for the CPU verify-cost curve (tree/builders.py)
     return SpecConfig(num_speculative_tokens=t.depth, topk=t.topk, budget=t.budget)
@@ -186,10 +207,8 @@ def _default_tree():
 
 @register_drafter("eagle3", default_speculation=_default_tree())
 def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
-    path = Path(arg) if arg else DEFAULT_HEAD
-    if not arg and not (path / "config.json").is_file():
-        raise ValueError(f"no default EAGLE-3 head is shipped yet ({path}); pass eagle3:PATH "
-                         "(train one with `train-drafter --kind eagle3`)")
-    head = load_head(path, target.config, device=target.device, dtype=target.dtype)
+    path = Path(arg) if arg else shipped_head(target.model_dir)
+    head = load_head(path, target.config, device=target.device, dtype=target.dtype,
+                     target_head=target.output_table)
     head.use_target_embedding(target.input_embedding())   # whole, also under TP (rank 0 drafts)
     return Eagle3Drafter(head)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -31,8 +32,12 @@ def detect_style(config: dict) -> str:
 
 def load_head(path: str | Path, target: ModelConfig | None = None,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              aux_layer_convention: str | None = None) -> Eagle3Head:
+              aux_layer_convention: str | None = None,
+              target_head: Callable[[], torch.Tensor] | None = None) -> Eagle3Head:
     """Load a head directory (or its config.json's folder) in either layout.
+
+    `target_head`: gives the target's output table [vocab, hidden] (dense), read only for a head
+    whose config sets `lm_head_from_target` (its LM head is those rows, not stored).
 
     `aux_layer_convention`: how the config's `eagle_aux_hidden_state_layer_ids` count when
     the config does not say: "vllm" (layer inputs, the default) or "sglang" (layer
@@ -54,6 +59,8 @@ def load_head(path: str | Path, target: ModelConfig | None = None,
         _check_config(cfg, target)
     head = Eagle3Head(cfg, with_embedding="embed_tokens.weight" in tensors)
     _fill(head, tensors, root)
+    if cfg.lm_head_from_target:
+        _borrow_lm_head(head, tensors, root, target_head)
     head.storage_dtype = _storage_dtype(tensors)
     head = head.to(device=device, dtype=dtype)   # buffers d2t/t2d keep their integer/bool types
     head.init_rotary(device, dtype)
@@ -70,6 +77,8 @@ def save_head(head: Eagle3Head, path: str | Path, style: str = "eagle",
     prefix = LAYER_PREFIX[style]
     out = {}
     for name, t in head.state_dict().items():
+        if name == "lm_head.weight" and head.cfg.lm_head_from_target:
+            continue                     # the target's rows: taken from the target at load
         key = prefix + name[len("midlayer."):] if name.startswith("midlayer.") else name
         out[key] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
     (root / "config.json").write_text(json.dumps(head.cfg.to_dict(style, verifier), indent=2) + "\n")
@@ -119,7 +128,7 @@ def _check_config(cfg: Eagle3Config, target: ModelConfig) -> None:
 
 def _fill(head: Eagle3Head, tensors: dict[str, torch.Tensor], root: Path) -> None:
     expected = head.state_dict()
-    optional = {"d2t", "t2d"}
+    optional = {"d2t", "t2d"} | ({"lm_head.weight"} if head.cfg.lm_head_from_target else set())
     for name, dst in expected.items():
         if name not in tensors:
             if name in optional:
@@ -137,6 +146,23 @@ def _fill(head: Eagle3Head, tensors: dict[str, torch.Tensor], root: Path) -> Non
     unknown = sorted(set(tensors) - set(expected) - {n for n in tensors if "rotary_emb" in n})
     if unknown:
         raise HeadMismatchError(f"EAGLE-3 head {root} has unexpected tensors: {', '.join(unknown[:5])}")
+
+
+def _borrow_lm_head(head: Eagle3Head, tensors: dict[str, torch.Tensor], root: Path,
+                    target_head: Callable[[], torch.Tensor] | None) -> None:
+    if "lm_head.weight" in tensors:
+        raise HeadMismatchError(f"EAGLE-3 head {root} sets lm_head_from_target and also stores "
+                                "lm_head.weight: one or the other")
+    if target_head is None:
+        raise HeadMismatchError(f"EAGLE-3 head {root} takes its LM head from the target's output rows "
+                                "(lm_head_from_target): load it with the target (target_head=...)")
+    table = target_head()
+    want = (head.cfg.vocab_size, head.cfg.hidden_size)
+    if tuple(table.shape) != want:
+        raise HeadMismatchError(f"EAGLE-3 head {root} borrows the target's LM head as lm_head.weight: "
+                                f"the target's is {tuple(table.shape)}, the head needs {want}")
+    with torch.no_grad():
+        head.lm_head.weight.copy_(table[head.draft_to_target].to(head.lm_head.weight.dtype))
 
 
 def _storage_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
