@@ -11,10 +11,13 @@
  * Only prompt rows (Rows.tiles: the rows before a sequence's first sampled one) take it: a
  * decode row and a tree's nodes keep the vector path, so speculation's rows are unchanged
  * and still equal a plain decode's. A prompt row's bits still depend on nothing but its own
- * keys: each score is its own tile element, the softmax runs per vector, and a bundle (vectors
- * with the same keys in the chunk) runs its value tiles up to its own last key, past which p
- * and V are zeros. So a prompt leaves the same KV cache in any chunking or batch (the bulk
- * path's contract, docs/quantization.md "Exactness"). Where the tiles are not built or the
+ * keys: each score is its own tile element, the softmax runs per vector over its own keys (the
+ * pads of its last group of 8 a visible key's score), and in the value tiles its p is zero past
+ * its own last key (0 x v adds nothing to a sum). The rows of one sequence read one key list,
+ * each a prefix of it, so an item's tiles run once for all of its vectors, to its longest
+ * vector's last key (one_list), where bundles of equal key counts would run them once per row
+ * in the chunk holding the rows' own positions. So a prompt leaves the same KV cache in any
+ * chunking or batch (the bulk path's contract, docs/quantization.md "Exactness"). Where the tiles are not built or the
  * kernel refuses them (tiles_usable), every row takes the vector path. */
 #ifndef TERCEL_ATTENTION_TILES_H
 #define TERCEL_ATTENTION_TILES_H
@@ -174,23 +177,26 @@ static inline void pair_values(const bf16 *a, const bf16 *b, bf16 (*vt)[16][32],
     }
 }
 
-/* part[v[b]][0 .. D) = sum over keys [c0, to) of bf16(p[v[b]][i - c0]) v[i] (p in score, from
- * chunk_softmax): 32 keys a tile, 64 dims (four output tiles) at a time. */
-static void tile_values(const Item *it, const int *v, int nb, int64_t c0, int64_t to, const bf16 *vc, int64_t nkv,
-                        int64_t D, const float *score, float *part) {
+/* part[v[b]][0 .. D) = sum over keys [c0, own[v[b]]) of bf16(p[v[b]][i - c0]) v[i] (p in score,
+ * from chunk_softmax), every vector's own end at or before `to`: 32 keys a tile, 64 dims (four
+ * output tiles) at a time, a vector's p zero past its own end (adding 0 x v leaves its sums as
+ * they are) and V rows past `to` zero. */
+static void tile_values(const Item *it, const int *v, int nb, int64_t c0, int64_t to, const int64_t *own,
+                        const bf16 *vc, int64_t nkv, int64_t D, const float *score, float *part) {
     bf16 p[CH / 32][16][32] __attribute__((aligned(64)));
     bf16 vt[4][16][32] __attribute__((aligned(64)));
     float o[16][64] __attribute__((aligned(64)));
     const int64_t *list = it->list[v[0]], blocks = (to - c0 + 31) / 32;
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t k0 = c0 + 32 * blk;
-        const __mmask16 m0 = to - k0 >= 16 ? 0xffff : (__mmask16)((1u << (to - k0)) - 1);
-        const __mmask16 m1 = to - k0 >= 32 ? 0xffff : to - k0 <= 16 ? 0 : (__mmask16)((1u << (to - k0 - 16)) - 1);
         for (int b = 0; b < 16; b++) {
-            if (b >= nb) {
+            const int64_t left = b < nb ? own[v[b]] - k0 : 0;     /* this vector's keys from k0 on */
+            if (left <= 0) {
                 memset(p[blk][b], 0, sizeof p[blk][b]);
                 continue;
             }
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
             const float *sc = score + v[b] * CH + 32 * blk;
             __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, sc + 16), _mm512_maskz_loadu_ps(m0, sc));
             _mm512_store_si512(p[blk][b], (__m512i)pb);
@@ -226,6 +232,23 @@ static void tile_values(const Item *it, const int *v, int nb, int64_t c0, int64_
     }
 }
 
+/* Whether the item's vectors with keys in this chunk all read one key list (a prompt's rows, each
+ * a prefix of it): then they are one bundle, their tiles run to the longest one's end (*most)
+ * and each vector keeps its own keys after (bundles() would split the chunk holding the rows'
+ * own positions into one bundle per row, each running every tile again). */
+static int one_list(const Item *it, int64_t c0, const int64_t *to, int *member, int *size, int64_t *most) {
+    int nb = 0;
+    int64_t end = 0;
+    for (int r = 0; r < it->nq; r++) {
+        if (to[r] <= c0) continue;
+        if (nb && it->list[r] != it->list[member[0]]) return 0;
+        member[nb++] = r;
+        end = to[r] > end ? to[r] : end;
+    }
+    *size = nb, *most = end;
+    return nb > 0;
+}
+
 /* attend_chunk on tiles (D % 64 == 0, D <= TILES_MAX_D): part[r] = (o [D], m, l) per vector of the item. */
 static void attend_chunk_tiles(const Item *it, int64_t c0, const bf16 *kc, const bf16 *vc, int64_t nkv,
                                const int64_t D, float scale, float cap, float *score, float *part) {
@@ -233,18 +256,22 @@ static void attend_chunk_tiles(const Item *it, int64_t c0, const bf16 *kc, const
     int member[QV][QV], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
     uint32_t qb[TILES_MAX_D / 32][16][16] __attribute__((aligned(64)));
-    const int nbund = bundles(it, c0, to, QV, member, size);
+    int64_t most = 0;
+    const int nbund = one_list(it, c0, to, member[0], size, &most) ? 1 : bundles(it, c0, to, QV, member, size);
     tile_queries(it, D, qb);
     tiles_configure();
     for (int u = 0; u < nbund; u++) {
         const int *v = member[u], nb = size[u];
-        tile_scores(it, v, nb, c0, to[v[0]], kc, vc, nkv, D, scale, qb, score, u == 0);
+        const int64_t end = most ? most : to[v[0]];           /* one_list's, else the bundle's own */
+        tile_scores(it, v, nb, c0, end, kc, vc, nkv, D, scale, qb, score, u == 0);
         for (int b = 0; b < nb; b++) {
-            float *pr = part + v[b] * (D + 2);
-            if (cap > 0.0f) soft_cap(score + v[b] * CH, to[v[b]] - c0, cap);
-            pr[D] = chunk_softmax(score + v[b] * CH, to[v[b]] - c0, pr + D + 1);
+            float *pr = part + v[b] * (D + 2), *sc = score + v[b] * CH;
+            const int64_t cnt = to[v[b]] - c0;
+            for (int64_t i = cnt; i % 8; i++) sc[i] = sc[0];     /* its last group's pads: a visible key */
+            if (cap > 0.0f) soft_cap(sc, cnt, cap);
+            pr[D] = chunk_softmax(sc, cnt, pr + D + 1);
         }
-        tile_values(it, v, nb, c0, to[v[0]], vc, nkv, D, score, part);
+        tile_values(it, v, nb, c0, end, to, vc, nkv, D, score, part);
     }
     _tile_release();
     for (int r = 0; r < it->nq; r++)
