@@ -170,3 +170,15 @@ def test_greedy_output_identical_with_random_head(tiny_llama_dir, head_dir, topk
 def test_missing_default_head_is_a_clear_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="eagle3:PATH"):
         LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter="eagle3")
+
+
+def test_the_head_drafts_in_bf16_on_a_cpu_that_multiplies_it(tiny_llama_dir, tiny_eagle_head):
+    """On such a CPU the drafter holds the head in bf16 with its layers on oneDNN at any row
+    count (a draft step reads the head's weights once per tree level); elsewhere in fp32."""
+    from verifier.model.linear import Linear, onednn_bf16
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter=f"eagle3:{tiny_eagle_head}")
+    head, bf16 = llm.engine.drafter.head, onednn_bf16()
+    assert head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    assert {m.bf16_any_rows for m in head.modules() if isinstance(m, Linear)} == {bf16}
+    out = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.stats.draft_tokens > 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verifier.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_available
+from verifier.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_available, onednn_bf16
 
 
 @pytest.mark.parametrize("rows", [1, 2, ONEDNN_MIN_ROWS, 8, 37])
@@ -83,3 +83,25 @@ def test_the_tuned_count_decides_the_path(monkeypatch):
         got = layer(x)
     assert calls == [1]
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN does not multiply bf16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_drafting_layer_takes_onednn_for_bf16_rows_and_matches_f_linear(rows, monkeypatch):
+    """`bf16_any_rows` (an EAGLE-3 head drafting on the CPU): bf16 rows on oneDNN at any count,
+    the same products as F.linear to bf16's precision; a target's layer never takes it."""
+    torch.manual_seed(rows)
+    layer = Linear(96, 40, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    calls = []
+    import verifier.model.linear as linear
+    real = linear.onednn_linear
+    monkeypatch.setattr(linear, "onednn_linear", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        plain = layer(x)
+        assert not calls
+        layer.bf16_any_rows = True
+        got = layer(x)
+    assert calls and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.double(), layer.weight.double()).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, plain, rtol=2e-2, atol=2e-2)

@@ -83,6 +83,13 @@ class Eagle3Head(nn.Module):
                                  f"(vocab {self.cfg.vocab_size}, hidden {self.cfg.hidden_size})")
             self._borrowed = (embed,)
 
+    def for_drafting(self) -> None:
+        """bf16 layers on oneDNN at any row count (`Linear.bf16_any_rows`): the drafter's own
+        set-up on a CPU that multiplies bf16 (`verifier.model.linear.onednn_bf16`)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.bf16_any_rows = True
+
     def init_rotary(self, device=None, dtype=torch.float32) -> None:
         c = self.cfg
         self.rotary = RotaryEmbedding(c.rope, c.head_dim, c.max_position, device or self.fc.weight.device, dtype)
@@ -103,7 +110,7 @@ class Eagle3Head(nn.Module):
         table = self.embed_tokens if self.embed_tokens is not None else next(iter(self._borrowed), None)
         if table is None:
             raise RuntimeError("EAGLE-3 head has no embedding: call use_target_embedding(target embed)")
-        return table(ids)
+        return table(ids).to(self.fc.weight.dtype)      # the target's table may be held in another dtype
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux)

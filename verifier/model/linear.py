@@ -41,8 +41,16 @@ def onednn_available() -> bool:
 _ONEDNN = onednn_available()     # asked once: forward runs per layer per token
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN packs and multiplies bf16 here (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
+    return _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 class Linear(nn.Linear):
     onednn_from = ONEDNN_MIN_ROWS       # rows from which oneDNN runs; set per model at load
+    # A drafter's layer (`for_drafting`): bf16 rows take oneDNN at any count, since a draft's
+    # rows need not keep their bits from one row count to another (a target's must).
+    bf16_any_rows = False
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
 
@@ -54,6 +62,8 @@ class Linear(nn.Linear):
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] >= self.onednn_from and x.dtype == torch.float32 and _ONEDNN:
+            return onednn_linear(x, self._packed_weight(), self.bias)
+        if self.bf16_any_rows and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
             return onednn_linear(x, self._packed_weight(), self.bias)
         return cpu_linear(x, self.weight, self.bias)
 
