@@ -129,12 +129,6 @@ def make_tiny_model(out: Path, tokenizer_dir: Path | None, model_type: str = "ll
     return out
 
 
-@pytest.fixture(scope="session")
-def smol_head(tmp_path_factory, smollm2_dir) -> Path:
-    """A random SmolLM2-shaped EAGLE-3 head (the identity tests' eagle3 drafter), built once."""
-    return make_random_eagle_head(smollm2_dir, tmp_path_factory.mktemp("smol_eagle"), draft_vocab=4096)
-
-
 def make_random_eagle_head(target_dir: Path, out: Path, draft_vocab: int = 512, seed: int = 0) -> Path:
     """A random-weight EAGLE-3 head for the checkpoint in target_dir, saved in the EAGLE layout."""
     from drafters.eagle3 import save_head
@@ -174,14 +168,13 @@ IDENTITY_ALONE = 2      # prompts the T=0 identity tests also run one at a time 
 
 def spec_drafters() -> dict:
     """Every drafter kind on SmolLM2, as the T=0 identity tests run them: name -> (drafter
-    spec, SpecConfig or None). {head} (an EAGLE-3 head directory) and {corpus} (a datastore
-    corpus) are filled in by the test."""
+    spec, SpecConfig or None). {corpus} (a datastore corpus) is filled in by the test."""
     from drafters.config import SpecConfig
     return {
         "ngram": ("ngram", SpecConfig(num_speculative_tokens=4)),
         "small": ("small:smollm2-135m-instruct", SpecConfig(num_speculative_tokens=3)),
         "tree": ("tree:small:smollm2-135m-instruct+ngram", SpecConfig(num_speculative_tokens=3, topk=2, budget=8)),
-        "eagle3": ("eagle3:{head}", None),        # a random SmolLM2-shaped head, default dynamic tree
+        "eagle3": ("eagle3", None),                  # the shipped head, default dynamic tree
         "datastore": ("datastore:{corpus}", None),   # its default best-first tree of 5 nodes
         "suffix": ("suffix", None),                  # its default tree of 16 nodes
     }

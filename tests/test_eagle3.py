@@ -167,9 +167,22 @@ def test_greedy_output_identical_with_random_head(tiny_llama_dir, head_dir, topk
 
 
 
-def test_missing_default_head_is_a_clear_error(tiny_llama_dir):
-    with pytest.raises(ValueError, match="eagle3:PATH"):
+def test_a_target_without_a_shipped_head_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="no EAGLE-3 head is shipped for the target.*eagle3:PATH"):
         LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter="eagle3")
+
+
+def test_the_shipped_head_is_the_default_models_and_fits_in_git(smollm2_dir):
+    """`eagle3` with no path on the default model: the head in drafters/eagle3/heads, at most
+    16 MB with its LM head taken from the target, and its card beside it."""
+    from drafters.eagle3.drafter import shipped_head
+    path = shipped_head(smollm2_dir)
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 16 * 2 ** 20
+    assert (path / "README.md").is_file()
+    target = TargetModel(str(smollm2_dir), load_tokenizer_files=False)
+    head = load_head(path, target.config, target_head=target.output_table)
+    assert head.cfg.lm_head_from_target and head.cfg.draft_vocab_size >= 8192
+    assert torch.equal(head.lm_head.weight, target.output_table()[head.draft_to_target])
 
 
 def test_the_head_drafts_in_bf16_on_a_cpu_that_multiplies_it(tiny_llama_dir, tiny_eagle_head):

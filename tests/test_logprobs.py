@@ -56,9 +56,9 @@ def corpus(tmp_path_factory, plain, reference):
 
 
 @pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS) - {"tree", "datastore"}))
-def test_every_drafter_gives_the_same_logprobs(name, prompts, reference, smol_head, corpus):
+def test_every_drafter_gives_the_same_logprobs(name, prompts, reference, corpus):
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(corpus=corpus), speculation=spec)
     alone = [llm.generate(p, params())[0] for p in prompts[:ALONE]]
     batch = llm.generate(prompts, params())
     assert [o.logprobs for o in alone] == [o.logprobs for o in reference[:ALONE]]

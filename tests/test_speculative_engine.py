@@ -41,12 +41,12 @@ def corpus(tmp_path_factory, plain, reference):
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_head, corpus):
+def test_greedy_speculation_is_token_identical(name, prompts, reference, corpus):
     """8 MT-bench prompts x 48 tokens as a batch of 8, and the first 2 one at a time: the same
     tokens as plain greedy decoding; the drafter is really used (tokens accepted: whole trees,
     which the adaptive controller would cut where they do not pay)."""
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec,
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(corpus=corpus), speculation=spec,
               adaptive=AdaptiveConfig(enabled=False))
     alone = [llm.generate(p, GREEDY)[0] for p in prompts[:ALONE]]
     batch = llm.generate(prompts, GREEDY)
@@ -56,8 +56,7 @@ def test_greedy_speculation_is_token_identical(name, prompts, reference, smol_he
     steps = sum(o.stats.verify_steps for o in alone + batch)
     print(f"{name}: {accepted} accepted in {steps} verify steps, "
           f"mean accepted length {sum(o.stats.emitted_tokens for o in batch) / max(1, sum(o.stats.verify_steps for o in batch)):.2f}")
-    # The random EAGLE head is only here for identity: it proposes, but rarely hits.
-    assert accepted > 0 or (name == "eagle3" and sum(o.stats.draft_tokens for o in batch) > 0)
+    assert accepted > 0
     assert llm.engine.blocks.num_used_blocks == 0
 
 

@@ -214,9 +214,9 @@ def corpus(tmp_path_factory, plain, reference):
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_every_drafter_with_jump_forward_is_token_identical(name, prompts, reference, smol_head, corpus):
+def test_every_drafter_with_jump_forward_is_token_identical(name, prompts, reference, corpus):
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(corpus=corpus), speculation=spec)
     alone = [llm.generate(p, constrained(t))[0] for p, t in zip(prompts[:ALONE], TASKS)]
     batch = llm.generate(prompts, [constrained(t) for t in TASKS])
     assert [o.token_ids for o in alone] == [o.token_ids for o in reference[:ALONE]]

@@ -68,9 +68,9 @@ def corpus(tmp_path_factory, plain, reference):
 
 
 @pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS) - {"tree"}))
-def test_every_drafter_calls_tools_token_identically(name, prompts, reference, smol_head, corpus):
+def test_every_drafter_calls_tools_token_identically(name, prompts, reference, corpus):
     drafter, spec = DRAFTERS[name]
-    llm = LLM(max_num_seqs=8, drafter=drafter.format(head=smol_head, corpus=corpus), speculation=spec)
+    llm = LLM(max_num_seqs=8, drafter=drafter.format(corpus=corpus), speculation=spec)
     alone = [llm.generate(p, params(c))[0] for p, c in zip(prompts[:ALONE], CASES)]
     batch = llm.generate(prompts, [params(c) for c in CASES])
     assert [o.token_ids for o in alone] == [o.token_ids for o in reference[:ALONE]]
