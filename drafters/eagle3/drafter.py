@@ -209,8 +209,8 @@ def _default_tree():
 @register_drafter("eagle3", default_speculation=_default_tree())
 def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
     path = Path(arg) if arg else shipped_head(target.model_dir)
-    # On a CPU that multiplies bf16, the head drafts in bf16 on oneDNN: a draft step reads its
-    # weights once per tree level, a quarter of the time of fp32's (docs/eagle3.md).
+    # On a CPU that multiplies bf16, the head drafts in bf16 on oneDNN: it reads its weights once
+    # per tree level, each of its matmuls in a third to a fifth of fp32's time (docs/eagle3.md).
     cpu_bf16 = target.device.type == "cpu" and onednn_bf16()
     head = load_head(path, target.config, device=target.device, dtype=torch.bfloat16 if cpu_bf16 else target.dtype,
                      target_head=target.output_table)
