@@ -201,12 +201,13 @@ def _same_dir(a: Path | None, b: Path) -> bool:
     return a is not None and a.resolve() == Path(b).resolve()
 
 
-def _default_tree():
-    t = DynamicTreeConfig()          # tuned for the CPU verify-cost curve (tree/builders.py)
-    return SpecConfig(num_speculative_tokens=t.depth, topk=t.topk, budget=t.budget)
+# Shallow and wide by default: each tree level costs the head a pass over its weights, and the
+# shipped head (3 training-time-test steps) is accepted at depth 3 on about 1% of MT-bench steps
+# (docs/eagle3.md). A deeper head asks for more with --gamma / speculation=SpecConfig(...).
+DEFAULT_TREE = SpecConfig(num_speculative_tokens=2, topk=2, budget=4)
 
 
-@register_drafter("eagle3", default_speculation=_default_tree())
+@register_drafter("eagle3", default_speculation=DEFAULT_TREE)
 def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
     path = Path(arg) if arg else shipped_head(target.model_dir)
     # On a CPU that multiplies bf16, the head drafts in bf16 on oneDNN: it reads its weights once
