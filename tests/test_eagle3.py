@@ -172,6 +172,18 @@ def test_a_target_without_a_shipped_head_is_a_clear_error(tiny_llama_dir):
         LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter="eagle3")
 
 
+def test_a_missing_alias_package_leaves_the_clear_error(tiny_llama_dir, monkeypatch):
+    """Where the default model's package is not installed, `eagle3` on another target still
+    says that no head is shipped for it (the alias is skipped, not raised)."""
+    import drafters.eagle3.drafter as eagle_drafter
+
+    def missing(alias):
+        raise ValueError(f"model {alias!r} needs a package")
+    monkeypatch.setattr(eagle_drafter, "resolve_model_dir", missing)
+    with pytest.raises(ValueError, match="no EAGLE-3 head is shipped for the target"):
+        eagle_drafter.shipped_head(tiny_llama_dir)
+
+
 def test_the_shipped_head_is_the_default_models_and_fits_in_git(smollm2_dir):
     """`eagle3` with no path on the default model: the head in drafters/eagle3/heads, at most
     16 MB with its LM head taken from the target, and its card beside it."""
