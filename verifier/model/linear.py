@@ -42,7 +42,8 @@ _ONEDNN = onednn_available()     # asked once: forward runs per layer per token
 
 
 def onednn_bf16() -> bool:
-    """Whether oneDNN packs and multiplies bf16 here (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
+    """Whether oneDNN packs and multiplies bf16 here (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; on
+    an AVX2-only CPU torch would emulate the products, far below fp32)."""
     return _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verifier.cpu import cpu_ops
-from verifier.model.linear import onednn_available
+from verifier.model.linear import onednn_available, onednn_bf16
 from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight,
                                   StackedWeight)
 from verifier.quantized.own_kernels import KERNELS, kernels_for
@@ -26,7 +26,7 @@ from verifier.quantized.own_kernels import KERNELS, kernels_for
 _ONEDNN = onednn_available()
 # oneDNN packs and multiplies bf16 only with AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; on an
 # AVX2-only CPU it refuses to pack bf16 and torch would emulate the products, far below fp32.
-DENSE_PATHS = ("bf16", "fp32") if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ("fp32",)
+DENSE_PATHS = ("bf16", "fp32") if onednn_bf16() else ("fp32",)
 
 
 def served_weights(w: QuantWeight) -> QuantWeight:
