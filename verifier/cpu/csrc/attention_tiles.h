@@ -233,19 +233,17 @@ static void tile_values(const Item *it, const int *v, int nb, int64_t c0, int64_
 }
 
 /* Whether the item's vectors with keys in this chunk all read one key list (a prompt's rows, each
- * a prefix of it): then they are one bundle, their tiles run to the longest one's end (*most)
- * and each vector keeps its own keys after (bundles() would split the chunk holding the rows'
- * own positions into one bundle per row, each running every tile again). */
-static int one_list(const Item *it, int64_t c0, const int64_t *to, int *member, int *size, int64_t *most) {
+ * a prefix of it): then they are one bundle, whose tiles run to its longest vector's end, each
+ * vector keeping its own keys after (bundles() would split the chunk holding the rows' own
+ * positions into one bundle per row, each running every tile again). */
+static int one_list(const Item *it, int64_t c0, const int64_t *to, int *member, int *size) {
     int nb = 0;
-    int64_t end = 0;
     for (int r = 0; r < it->nq; r++) {
         if (to[r] <= c0) continue;
         if (nb && it->list[r] != it->list[member[0]]) return 0;
         member[nb++] = r;
-        end = to[r] > end ? to[r] : end;
     }
-    *size = nb, *most = end;
+    *size = nb;
     return nb > 0;
 }
 
@@ -256,13 +254,13 @@ static void attend_chunk_tiles(const Item *it, int64_t c0, const bf16 *kc, const
     int member[QV][QV], size[QV];
     for (int r = 0; r < it->nq; r++) to[r] = c0 + CH < it->n[r] ? c0 + CH : it->n[r];
     uint32_t qb[TILES_MAX_D / 32][16][16] __attribute__((aligned(64)));
-    int64_t most = 0;
-    const int nbund = one_list(it, c0, to, member[0], size, &most) ? 1 : bundles(it, c0, to, QV, member, size);
+    const int nbund = one_list(it, c0, to, member[0], size) ? 1 : bundles(it, c0, to, QV, member, size);
     tile_queries(it, D, qb);
     tiles_configure();
     for (int u = 0; u < nbund; u++) {
         const int *v = member[u], nb = size[u];
-        const int64_t end = most ? most : to[v[0]];           /* one_list's, else the bundle's own */
+        int64_t end = 0;                                       /* the bundle's longest vector's */
+        for (int b = 0; b < nb; b++) end = to[v[b]] > end ? to[v[b]] : end;
         tile_scores(it, v, nb, c0, end, kc, vc, nkv, D, scale, qb, score, u == 0);
         for (int b = 0; b < nb; b++) {
             float *pr = part + v[b] * (D + 2), *sc = score + v[b] * CH;
