@@ -69,8 +69,8 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
                "feature_tokens": sum(map(len, feats)), "draft_vocab": cfg.draft_vocab,
                "draft_vocab_coverage": round(coverage, 4), "steps": state.step,
                "tokens_seen": state.tokens, "train_seconds": round(state.seconds, 1),
-               "ttt_steps": cfg.ttt_steps, "lm_head_from_target": cfg.lm_head_from_target, "dtype": precision.label(dtype), "lr": cfg.lr,
-               "batch_tokens": cfg.batch_tokens}
+               "ttt_steps": cfg.ttt_steps, "lm_head_from_target": cfg.lm_head_from_target,
+               "dtype": precision.label(dtype), "lr": cfg.lr, "batch_tokens": cfg.batch_tokens}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -124,10 +124,11 @@ def _new_head(hc: Eagle3Config, target, draft_ids: torch.Tensor, from_target: bo
             torch.nn.init.normal_(m.weight, std=0.02)
     head.set_vocab_map(draft_ids)
     if from_target:
-        _init_from_target(head, target, draft_ids)
-    if hc.lm_head_from_target:        # what the loader will put there, kept as it is
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.net.lm_head.weight[draft_ids.to(target.device)])
+        _init_from_target(head, target, draft_ids)     # the LM head among the rest
+    if hc.lm_head_from_target:        # the target's rows, as the loader puts them back, kept as they are
+        if not from_target:
+            with torch.no_grad():
+                head.lm_head.weight.copy_(target.net.lm_head.weight[draft_ids.to(target.device)])
         head.lm_head.weight.requires_grad_(False)
     head.use_target_embedding(_frozen_embedding(target))
     head.init_rotary()
