@@ -250,9 +250,8 @@ def _print_task(task: str, rows: dict) -> None:
 
 def run(llm: LLM, drafter_names: list[str], tasks: dict[str, list[list[dict]]], new_tokens: int,
         until_eos: set[str], rounds: int = ROUNDS, json_path: str | None = None) -> dict:
-    """Every task's replies through every drafter; prints the table, returns (and writes) the report."""
-    for d in drafter_names:
-        check_lookup(d)
+    """Every task's replies through every drafter (lookup drafters: `check_lookup`, before the
+    model loads); prints the table, returns (and writes) the report."""
     drafters = {d: build_drafter(d, llm.engine.target, default_speculation(d)) for d in drafter_names}
     report = {"machine": machine_summary(), "threads": torch.get_num_threads(), "tasks": {}}
     print(f"{report['machine']}; {report['threads']} threads\n")
@@ -298,6 +297,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    for d in args.drafters.split(","):
+        check_lookup(d)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(max_num_seqs=1, quantization=args.quantization, thread_tuning=ThreadConfig(adaptive=False))
