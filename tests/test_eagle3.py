@@ -195,15 +195,3 @@ def test_the_shipped_head_is_the_default_models_and_fits_in_git(smollm2_dir):
     head = load_head(path, target.config, target_head=target.output_table)
     assert head.cfg.lm_head_from_target and head.cfg.draft_vocab_size >= 8192
     assert torch.equal(head.lm_head.weight, target.output_table()[head.draft_to_target])
-
-
-def test_the_head_drafts_in_bf16_on_a_cpu_that_multiplies_it(tiny_llama_dir, tiny_eagle_head):
-    """On such a CPU the drafter holds the head in bf16 with its layers on oneDNN at any row
-    count (a draft step reads the head's weights once per tree level); elsewhere in fp32."""
-    from verifier.model.linear import Linear, onednn_bf16
-    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=16, drafter=f"eagle3:{tiny_eagle_head}")
-    head, bf16 = llm.engine.drafter.head, onednn_bf16()
-    assert head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
-    assert {m.bf16_any_rows for m in head.modules() if isinstance(m, Linear)} == {bf16}
-    out = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert len(out.token_ids) == 8 and out.stats.draft_tokens > 0

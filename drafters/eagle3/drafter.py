@@ -22,12 +22,12 @@ import torch
 
 from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden
 from drafters.config import SpecConfig
+from drafters.eagle3.draft_layers import draft_form
 from drafters.eagle3.format import load_head
 from drafters.eagle3.head import Eagle3Head, attend
 from drafters.registry import register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
-from verifier.model.linear import onednn_bf16
 from verifier.model.loader import ALIASES, resolve_model_dir
 
 CATCH_UP_CHUNK = 512
@@ -65,8 +65,8 @@ class Eagle3Drafter(Drafter):
         self.state.pop(seq_id, None)
 
     def _new_state(self, start: int) -> _SeqState:
-        c, p = self.head.cfg, self.head.fc.weight
-        empty = p.new_empty(256, c.num_kv_heads, c.head_dim)
+        c, h = self.head.cfg, self.head
+        empty = torch.empty(256, c.num_kv_heads, c.head_dim, dtype=h.dtype, device=h.norm.weight.device)
         return _SeqState(empty, torch.empty_like(empty), next_pos=start)
 
     # ---- propose ------------------------------------------------------------------------
@@ -111,7 +111,7 @@ class Eagle3Drafter(Drafter):
         dev = aux.device
         positions = torch.arange(start, start + m, device=dev)
         nxt = torch.tensor(token_ids[start + 1:start + 1 + m], device=dev)   # token t+1 for pair t
-        q, k, v, res = head.project(head.embed(nxt), head.fuse(aux.to(head.fc.weight.dtype)), positions)
+        q, k, v, res = head.project(head.embed(nxt), head.fuse(aux.to(head.dtype)), positions)
         _ensure_capacity(st, st.length + m)
         st.k[st.length:st.length + m] = k
         st.v[st.length:st.length + m] = v
@@ -210,12 +210,12 @@ DEFAULT_TREE = SpecConfig(num_speculative_tokens=2, topk=2, budget=4)
 @register_drafter("eagle3", default_speculation=DEFAULT_TREE)
 def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
     path = Path(arg) if arg else shipped_head(target.model_dir)
-    # On a CPU that multiplies bf16, the head drafts in bf16 on oneDNN: it reads its weights once
-    # per tree level, each of its matmuls in a third to a fifth of fp32's time (docs/eagle3.md).
-    cpu_bf16 = target.device.type == "cpu" and onednn_bf16()
-    head = load_head(path, target.config, device=target.device, dtype=torch.bfloat16 if cpu_bf16 else target.dtype,
-                     target_head=target.output_table)
-    if cpu_bf16:
-        head.for_drafting()
+    # On the CPU the head drafts on its weights in int8 (or bf16): a draft level reads all of
+    # them from memory, so its time follows their bytes (docs/eagle3.md).
+    form = draft_form(target.device)
+    dtype = torch.bfloat16 if form == "bf16" else torch.float32 if form else target.dtype
+    head = load_head(path, target.config, device=target.device, dtype=dtype, target_head=target.output_table)
+    if form:
+        head.for_drafting(form)
     head.use_target_embedding(target.input_embedding())   # whole, also under TP (rank 0 drafts)
     return Eagle3Drafter(head)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.draft_layers import DRAFT_FORMS, Int8DraftLinear, to_bf16_any_rows
 from verifier.model.linear import Linear
 from verifier.model.llama import RMSNorm
 from verifier.model.rope import RotaryEmbedding, apply_rotary
@@ -34,6 +35,12 @@ class Eagle3Attention(nn.Module):
         self.k_proj = Linear(2 * cfg.hidden_size, cfg.kv_size, bias=False)
         self.v_proj = Linear(2 * cfg.hidden_size, cfg.kv_size, bias=False)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.fused: nn.Module | None = None       # q, k, v in one matmul (`draft_layers.to_int8`)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return self.fused(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class Eagle3MLP(nn.Module):
@@ -42,9 +49,11 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused: nn.Module | None = None       # gate and up in one matmul (`draft_layers.to_int8`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.fused(x) if self.fused is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Eagle3Layer(nn.Module):
@@ -83,16 +92,29 @@ class Eagle3Head(nn.Module):
                                  f"(vocab {self.cfg.vocab_size}, hidden {self.cfg.hidden_size})")
             self._borrowed = (embed,)
 
-    def for_drafting(self) -> None:
-        """bf16 layers on oneDNN at any row count (`Linear.bf16_any_rows`): the drafter's own
-        set-up on a CPU that multiplies bf16 (`verifier.model.linear.onednn_bf16`)."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.bf16_any_rows = True
+    def for_drafting(self, form: str) -> None:
+        """The drafter's own set-up of the layers (`drafters.eagle3.draft_layers`): "int8" (the
+        engine's int8 kernel) or "bf16" (oneDNN at any row count). Training needs the `Linear`s."""
+        if form not in DRAFT_FORMS:
+            raise ValueError(f"draft form {form!r} is not one of {DRAFT_FORMS}")
+        if form == "bf16":
+            to_bf16_any_rows(self)
+            return
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        attn.fused = Int8DraftLinear(attn.q_proj, attn.k_proj, attn.v_proj)
+        mlp.fused = Int8DraftLinear(mlp.gate_proj, mlp.up_proj)
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        self.fc, self.lm_head = Int8DraftLinear(self.fc), Int8DraftLinear(self.lm_head)
+        attn.o_proj, mlp.down_proj = Int8DraftLinear(attn.o_proj), Int8DraftLinear(mlp.down_proj)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms'; the layers may hold their weights in another form)."""
+        return self.norm.weight.dtype
 
     def init_rotary(self, device=None, dtype=torch.float32) -> None:
         c = self.cfg
-        self.rotary = RotaryEmbedding(c.rope, c.head_dim, c.max_position, device or self.fc.weight.device, dtype)
+        self.rotary = RotaryEmbedding(c.rope, c.head_dim, c.max_position, device or self.norm.weight.device, dtype)
 
     def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
         """draft_to_target [Vd]: the target id of each draft id, ascending."""
@@ -110,7 +132,7 @@ class Eagle3Head(nn.Module):
         table = self.embed_tokens if self.embed_tokens is not None else next(iter(self._borrowed), None)
         if table is None:
             raise RuntimeError("EAGLE-3 head has no embedding: call use_target_embedding(target embed)")
-        return table(ids).to(self.fc.weight.dtype)      # the target's table may be held in another dtype
+        return table(ids).to(self.dtype)      # the target's table may be held in another dtype
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux)
@@ -123,9 +145,10 @@ class Eagle3Head(nn.Module):
         x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)        # [T, 2H]
         attn = layer.self_attn
         cos, sin = self.rotary.lookup(positions)
-        q = apply_rotary(attn.q_proj(x).view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(attn.k_proj(x).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = attn.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = attn.qkv(x)
+        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
         return q, k, v, residual
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -139,8 +162,26 @@ class Eagle3Head(nn.Module):
         return self.lm_head(out if self.cfg.norm_output else self.norm(out))   # out is norm(h) already
 
 
+FEW_ROWS = 16      # query rows up to which `attend` multiplies in fp32 itself rather than call SDPA
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [T, nh, D], k/v [S, kvh, D], mask bool [T, S] (None: all) -> [T, nh·D]."""
+    if q.shape[0] <= FEW_ROWS:
+        return _attend_few(q, k, v, mask).to(q.dtype)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                        attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     return o.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _attend_few(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # A draft level's 1-4 rows: SDPA's set-up costs more than the products (docs/eagle3.md),
+    # and CPU bmm is fast in fp32 only. Each kv head's query heads go in one bmm.
+    (t, nh, d), (s, kvh, _) = q.shape, k.shape
+    g = nh // kvh
+    qg = q.float().view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, t * g, d)
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(d ** -0.5)          # [kvh, t·g, s]
+    if mask is not None:
+        scores = scores.view(kvh, t, g, s).masked_fill_(~mask[None, :, None, :], float("-inf")).view(kvh, t * g, s)
+    o = torch.bmm(scores.softmax(-1), v.float().transpose(0, 1))                  # [kvh, t·g, d]
+    return o.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, nh * d)
