@@ -32,6 +32,7 @@ from verifier.quantized.cpu_forward import row_plan
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 ROOT = Path(__file__).resolve().parent.parent
+DECODE_SOURCES = 5     # cpu_ops.SOURCES every measured revision has (draft_layer.c came later)
 
 
 def library_at(rev: str, into: Path) -> ctypes.CDLL:
@@ -43,8 +44,8 @@ def library_at(rev: str, into: Path) -> ctypes.CDLL:
         shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True)
         if shown.returncode:        # a revision from before verifier/cpu/: the sources sat in verifier/csrc
             shown = subprocess.run(["git", "show", f"{rev}:verifier/csrc/{rel.name}"], cwd=ROOT,
-                                   check=src not in cpu_ops.HEADERS, capture_output=True)
-            if shown.returncode:    # a header newer than `rev`, which its sources do not include
+                                   check=src in cpu_ops.SOURCES[:DECODE_SOURCES], capture_output=True)
+            if shown.returncode:    # a file newer than `rev`: its sources do not include it or call it
                 shown.stdout = b""
         out.write_bytes(shown.stdout)
         files.append(out)

@@ -4,6 +4,8 @@ SDPA. The products must be the layers' and the attention's; exactness itself is 
 tests' (a draft is a point mass the target verifies)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +84,37 @@ def test_the_drafter_holds_the_head_in_its_machines_form(tiny_llama_dir, tiny_ea
     out = llm.generate(prompt, params)[0]
     ref = LLM(str(tiny_llama_dir), **kw).generate(prompt, params)[0]
     assert out.token_ids == ref.token_ids and out.stats.draft_tokens > 0
+
+
+@int8_kernel
+@pytest.mark.parametrize("norm_output", [False, True])
+@pytest.mark.parametrize("rows,ctx", [(1, 0), (3, 37), (FEW_ROWS, 5)])
+def test_the_native_layer_computes_the_heads_layer(tiny_llama_dir, rows, ctx, norm_output):
+    """csrc/draft_layer.c against the same int8 head's torch ops (project, attend, finish): the
+    same outputs and the same keys and values written, under a tree mask, with either output form."""
+    from conftest import random_eagle_head
+    from verifier.target import TargetModel
+    target = TargetModel(str(tiny_llama_dir))
+    head = random_eagle_head(target.config)
+    head.cfg = dataclasses.replace(head.cfg, norm_output=norm_output)
+    head.init_rotary()
+    head.use_target_embedding(target.net.model.embed_tokens)
+    head.for_drafting("int8")
+    assert head.native is not None
+    c, g = head.cfg, torch.Generator().manual_seed(rows + ctx)
+    kc, vc = (torch.randn(ctx + 1, c.num_kv_heads, c.head_dim, generator=g) for _ in range(2))
+    emb, hid = torch.randn(rows, c.hidden_size, generator=g), torch.randn(rows, c.hidden_size, generator=g)
+    positions = torch.arange(ctx, ctx + rows)
+    ntmp = rows + 2
+    mask = torch.rand(rows, ntmp, generator=g) > 0.5
+    mask[:, -rows:] = torch.eye(rows, dtype=torch.bool)        # each row sees itself
+    outs, kvs = [], []
+    for native in (head.native, None):
+        head.native = native
+        kt, vt = (torch.randn(ntmp, c.num_kv_heads, c.head_dim, generator=torch.Generator().manual_seed(9)) for _ in range(2))
+        with torch.no_grad():
+            outs.append(head.layer(emb, hid, positions, (kc, vc, ctx), (kt, vt), ntmp, mask))
+        kvs.append((kt, vt))
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2 * float(outs[1].abs().max()))
+    for a, b in zip(*kvs):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)

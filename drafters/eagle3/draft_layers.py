@@ -56,6 +56,44 @@ class Int8DraftLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.sizes}, int8 groups of {INT8_GROUP}"
 
+    def packed_q8(self) -> torch.Tensor | None:
+        """The weight as csrc/draft_layer.c takes it (8 bits, groups of 32), or None if packed otherwise."""
+        packed, bits, group, _ = self.q._packed["q8x16"].args
+        return packed if (bits, group) == (8, INT8_GROUP) else None
+
+
+class NativeLayer:
+    """The head's decoder layer (`Eagle3Head.project`, `attend`, `finish`) in one C call
+    (csrc/draft_layer.c) over its `Int8DraftLinear`s: a draft level's few rows spent more in the
+    dispatch of some forty torch ops than in their products."""
+
+    def __init__(self, spec: cpu_ops.DraftLayer, keep: tuple[torch.Tensor, ...]):
+        self.spec, self._keep = spec, keep          # the tensors the spec points into
+
+    @classmethod
+    def of(cls, head) -> "NativeLayer | None":
+        """For an `Eagle3Head` in the int8 form in fp32; None where the library lacks the call or
+        a projection is packed otherwise."""
+        layer, c = head.midlayer, head.cfg
+        attn, mlp = layer.self_attn, layer.mlp
+        packed = [m.packed_q8() for m in (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj)]
+        if head.dtype != torch.float32 or any(p is None for p in packed) or not hasattr(cpu_ops._library(), "draft_layer"):
+            return None
+        norms = [n.weight.detach().float().contiguous() for n in
+                 (layer.hidden_norm, layer.input_layernorm, layer.post_attention_layernorm, head.norm)]
+        tables = (head.rotary.cos.float().contiguous(), head.rotary.sin_signed.float().contiguous())
+        ptr = [t.data_ptr() for t in (*norms, *packed, *tables)]
+        spec = cpu_ops.DraftLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                                  int(c.norm_before_residual), int(c.norm_output), c.rms_norm_eps, *ptr)
+        return cls(spec, (*norms, *packed, *tables))
+
+    def __call__(self, emb: torch.Tensor, hid: torch.Tensor, positions: torch.Tensor, ctx, tmp, ntmp: int,
+                 mask: torch.Tensor) -> torch.Tensor:
+        (kc, vc, n_ctx), (kt, vt) = ctx, tmp
+        return cpu_ops.draft_layer(self.spec, emb.float().contiguous(), hid.float().contiguous(),
+                                   positions.contiguous(), kc, vc, n_ctx, kt, vt, ntmp,
+                                   mask.to(torch.uint8).contiguous())
+
 
 def to_bf16_any_rows(module: nn.Module) -> None:
     for m in module.modules():

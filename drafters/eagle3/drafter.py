@@ -24,7 +24,7 @@ from drafters.base import DraftRequest, Drafter, Proposal, TargetHidden
 from drafters.config import SpecConfig
 from drafters.eagle3.draft_layers import draft_form
 from drafters.eagle3.format import load_head
-from drafters.eagle3.head import Eagle3Head, attend
+from drafters.eagle3.head import Eagle3Head
 from drafters.registry import register_drafter
 from tree.builders import DynamicTreeConfig, dynamic_tree
 from tree.token_tree import TokenTree
@@ -47,6 +47,7 @@ class _SeqState:
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    drafts_per_node = True      # a tree level costs the head a pass over its weights
 
     def __init__(self, head: Eagle3Head):
         self.head = head
@@ -82,7 +83,8 @@ class Eagle3Drafter(Drafter):
         self._catch_up(st, r.token_ids)
         if st.root_out is None or st.root_pos != len(r.token_ids) - 2:
             return Proposal(TokenTree.chain(root_tok, []))   # the target has not caught up yet
-        cfg = DynamicTreeConfig(depth=r.max_depth, topk=r.topk, budget=r.max_nodes)
+        # n nodes reach depth n at most: a smaller cap (the cost model's) saves the deeper levels
+        cfg = DynamicTreeConfig(depth=min(r.max_depth, r.max_nodes), topk=r.topk, budget=r.max_nodes)
         tree, _ = dynamic_tree(root_tok, _Expander(self.head, st, cfg.topk), cfg)
         return Proposal(tree)
 
@@ -111,15 +113,11 @@ class Eagle3Drafter(Drafter):
         dev = aux.device
         positions = torch.arange(start, start + m, device=dev)
         nxt = torch.tensor(token_ids[start + 1:start + 1 + m], device=dev)   # token t+1 for pair t
-        q, k, v, res = head.project(head.embed(nxt), head.fuse(aux.to(head.dtype)), positions)
         _ensure_capacity(st, st.length + m)
-        st.k[st.length:st.length + m] = k
-        st.v[st.length:st.length + m] = v
-        total = st.length + m
-        mask = torch.ones(m, total, dtype=torch.bool, device=dev)
-        mask[:, st.length:] = torch.tril(torch.ones(m, m, dtype=torch.bool, device=dev))
-        out = head.finish(res, attend(q, st.k[:total], st.v[:total], mask))
-        st.length = total
+        causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+        out = head.layer(head.embed(nxt), head.fuse(aux.to(head.dtype)), positions, (st.k, st.v, st.length),
+                         (st.k[st.length:], st.v[st.length:]), m, causal)
+        st.length += m
         st.root_out, st.root_pos = out[-1], start + m - 1
 
 
@@ -128,11 +126,11 @@ class _Expander:
 
     def __init__(self, head: Eagle3Head, st: _SeqState, topk: int):
         self.head, self.st, self.topk = head, st, topk
-        self.nodes: dict[tuple[int, ...], int] = {}        # path -> row in the temp KV
+        self.nodes: dict[tuple[int, ...], int] = {}        # path -> slot in the tree's KV
         self.outs: dict[tuple[int, ...], torch.Tensor] = {(): st.root_out}
         c = head.cfg
-        self.k = st.k.new_empty(0, c.num_kv_heads, c.head_dim)
-        self.v = self.k
+        self.k = st.k.new_empty(8, c.num_kv_heads, c.head_dim)      # the tree's KV, grown as needed
+        self.v = torch.empty_like(self.k)
 
     def __call__(self, paths: list[list[int]]) -> list[tuple[list[int], list[float]]]:
         keys = [tuple(p) for p in paths]
@@ -151,18 +149,17 @@ class _Expander:
         parents = torch.stack([self.outs[p[:-1]] for p in paths])
         toks = torch.tensor([p[-1] for p in paths], device=dev)
         positions = torch.tensor([st.root_pos + len(p) for p in paths], device=dev)
-        q, k, v, res = head.project(head.embed(toks), parents, positions)
-        n_tmp, n = len(self.k), len(paths)
-        mask = torch.zeros(n, st.length + n_tmp + n, dtype=torch.bool, device=dev)
-        mask[:, :st.length] = True
+        n_tmp, n = len(self.nodes), len(paths)
+        if n_tmp + n > len(self.k):
+            grown = max(n_tmp + n, 2 * len(self.k))
+            self.k, self.v = (torch.cat([t, t.new_empty(grown - len(t), *t.shape[1:])]) for t in (self.k, self.v))
+        mask = torch.zeros(n, n_tmp + n, dtype=torch.bool, device=dev)
         for i, p in enumerate(paths):
             for d in range(1, len(p)):
-                mask[i, st.length + self.nodes[p[:d]]] = True
-            mask[i, st.length + n_tmp + i] = True
-        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
-        keys = torch.cat([st.k[:st.length], self.k])
-        vals = torch.cat([st.v[:st.length], self.v])
-        out = head.finish(res, attend(q, keys, vals, mask))
+                mask[i, self.nodes[p[:d]]] = True
+            mask[i, n_tmp + i] = True
+        out = head.layer(head.embed(toks), parents, positions, (st.k, st.v, st.length), (self.k, self.v),
+                         n_tmp + n, mask)
         for i, p in enumerate(paths):
             self.nodes[p] = n_tmp + i
             self.outs[p] = out[i]

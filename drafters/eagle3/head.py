@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.eagle3.config import Eagle3Config
-from drafters.eagle3.draft_layers import DRAFT_FORMS, Int8DraftLinear, to_bf16_any_rows
+from drafters.eagle3.draft_layers import DRAFT_FORMS, Int8DraftLinear, NativeLayer, to_bf16_any_rows
 from verifier.model.linear import Linear
 from verifier.model.llama import RMSNorm
 from verifier.model.rope import RotaryEmbedding, apply_rotary
@@ -81,6 +81,7 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if with_embedding else None
         self._borrowed: tuple[nn.Embedding, ...] = ()     # a tuple: not a registered submodule
         self.rotary: RotaryEmbedding | None = None
+        self.native: NativeLayer | None = None           # the layer in one C call (`for_drafting("int8")`)
 
     # ---- set-up ----------------------------------------------------------------------
     def use_target_embedding(self, embed: nn.Module) -> None:
@@ -106,6 +107,7 @@ class Eagle3Head(nn.Module):
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
         self.fc, self.lm_head = Int8DraftLinear(self.fc), Int8DraftLinear(self.lm_head)
         attn.o_proj, mlp.down_proj = Int8DraftLinear(attn.o_proj), Int8DraftLinear(mlp.down_proj)
+        self.native = NativeLayer.of(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,6 +159,21 @@ class Eagle3Head(nn.Module):
         h = x + layer.mlp(layer.post_attention_layernorm(x))
         # Normed here, once, so every caller (drafter, training unroll) carries the same state.
         return self.norm(h) if self.cfg.norm_output else h
+
+    def layer(self, emb: torch.Tensor, hid: torch.Tensor, positions: torch.Tensor, ctx, tmp, ntmp: int,
+              mask: torch.Tensor) -> torch.Tensor:
+        """`project`, `attend` and `finish` over T rows -> out [T, H]. Keys: `ctx` = (K, V, n), its
+        first n slots all seen; then `tmp` = (K, V), its first `ntmp` slots seen where mask bool
+        [T, ntmp] says. The rows' own keys and values are written to tmp slots [ntmp - T, ntmp).
+        A few rows take the native layer where there is one."""
+        t = emb.shape[0]
+        if self.native is not None and t <= FEW_ROWS:
+            return self.native(emb, hid, positions, ctx, tmp, ntmp, mask)
+        (kc, vc, n_ctx), (kt, vt) = ctx, tmp
+        q, k, v, res = self.project(emb, hid, positions)
+        kt[ntmp - t:ntmp], vt[ntmp - t:ntmp] = k, v
+        keys, vals = torch.cat([kc[:n_ctx], kt[:ntmp]]), torch.cat([vc[:n_ctx], vt[:ntmp]])
+        return self.finish(res, attend(q, keys, vals, torch.cat([mask.new_ones(t, n_ctx), mask], 1)))
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(out if self.cfg.norm_output else self.norm(out))   # out is norm(h) already

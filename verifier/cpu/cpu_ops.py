@@ -29,9 +29,10 @@ from verifier.cpu.machine import cache_bytes, machine_key, march
 
 log = logging.getLogger("tercel.cpu_ops")
 CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on first use
-DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL = SOURCES = [
-    CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c"]
-INTEGER_MATMULS = SOURCES[1:]      # one runner (mixed_matmul.c) over the layouts' tiles
+DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER = SOURCES = [
+    CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c",
+    CSRC / "draft_layer.c"]
+INTEGER_MATMULS = SOURCES[1:5]     # one runner (mixed_matmul.c) over the layouts' tiles
 # included by the sources: part of the library's cache key
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
@@ -62,10 +63,11 @@ _SIGNATURES = {
     "q8_matmul_ref": [_P, _I, _I, _I, _I, _P, _I, _P],
     "mixed_matmul": [_P, _P, _I, _I, _I, _P, _I, _P],
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
+    "draft_layer": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
 _RETURNS = {"row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I,
             "q4_matmul_ref": _I, "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I,
-            "mixed_matmul": _I, "mixed_matmul_ref": _I}
+            "mixed_matmul": _I, "mixed_matmul_ref": _I, "draft_layer": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -355,4 +357,30 @@ def mixed_matmul(packed: torch.Tensor, parts: torch.Tensor, n: int, x: torch.Ten
         raise ValueError(f"mixed_matmul takes K a multiple of 32 (got {k}) and up to 8 parts of 4, 5, 6 or 8 "
                          f"bits (K a multiple of 256 for 4 bits in groups of 256) whose rows add up to {n} "
                          f"(got {parts.tolist()}), or ran out of memory")
+    return out
+
+
+class DraftLayer(ctypes.Structure):
+    """An EAGLE-3 head's decoder layer as csrc/draft_layer.c reads it: its sizes and flags, its
+    norms' fp32 weights, its projections packed for q8_matmul (8 bits, groups of 32), its rope
+    tables. The caller keeps the tensors alive."""
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("norm_before_residual", _I), ("norm_output", _I), ("eps", _F),
+                ("hidden_norm", _P), ("input_norm", _P), ("post_norm", _P), ("final_norm", _P),
+                ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P), ("cos_tab", _P), ("sin_tab", _P)]
+
+
+def draft_layer(layer: DraftLayer, emb: torch.Tensor, hid: torch.Tensor, pos: torch.Tensor,
+                kc: torch.Tensor, vc: torch.Tensor, ctx: int, kt: torch.Tensor, vt: torch.Tensor, ntmp: int,
+                mask: torch.Tensor) -> torch.Tensor:
+    """The layer over T rows -> fp32 [T, H]: emb, hid fp32 [T, H]; pos int64 [T]; context K/V fp32
+    [>= ctx, NKV, D], every slot seen; tree K/V fp32 [>= ntmp, NKV, D], slot j seen where mask
+    uint8 [T, ntmp] is 1; the rows' own keys and values go to tree slots [ntmp - T, ntmp)."""
+    out = torch.empty_like(emb)
+    rc = _library().draft_layer(ctypes.byref(layer), emb.shape[0], emb.data_ptr(), hid.data_ptr(), pos.data_ptr(),
+                                kc.data_ptr(), vc.data_ptr(), ctx, kt.data_ptr(), vt.data_ptr(), ntmp,
+                                mask.data_ptr(), out.data_ptr())
+    if rc:
+        raise MemoryError("draft_layer ran out of memory") if rc == 1 else ValueError(
+            "draft_layer's projections must be 8-bit int8 groups of 32 with widths a multiple of 32")
     return out
