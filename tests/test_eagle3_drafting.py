@@ -14,7 +14,7 @@ from drafters.eagle3.draft_layers import Int8DraftLinear, draft_form
 from drafters.eagle3.head import FEW_ROWS, attend
 from spec import LLM, SamplingParams
 from verifier.cpu import cpu_ops
-from verifier.model.linear import Linear
+from verifier.model.linear import Linear, onednn_bf16
 
 int8_kernel = pytest.mark.skipif(not (cpu_ops.available() and cpu_ops.q4_isa() > 0),
                                  reason="the int8 kernel (csrc/q8_matmul.c) is not built here")
@@ -118,3 +118,13 @@ def test_the_native_layer_computes_the_heads_layer(tiny_llama_dir, rows, ctx, no
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2 * float(outs[1].abs().max()))
     for a, b in zip(*kvs):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+@int8_kernel
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN does not multiply bf16 here")
+def test_the_bench_times_each_projection_of_the_head_in_both_forms():
+    """bench/eagle_draft.py --cold-layers: every projection of the head, bf16 and int8, a time each."""
+    from bench.eagle_draft import LAYER_SHAPES, cold_layers
+    rows = cold_layers(repeats=2)
+    assert set(rows) == set(LAYER_SHAPES)
+    assert all(set(r) == {"bf16", "int8"} and min(r.values()) > 0 for r in rows.values())
