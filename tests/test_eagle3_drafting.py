@@ -128,3 +128,19 @@ def test_the_bench_times_each_projection_of_the_head_in_both_forms():
     rows = cold_layers(repeats=2)
     assert set(rows) == set(LAYER_SHAPES)
     assert all(set(r) == {"bf16", "int8"} and min(r.values()) > 0 for r in rows.values())
+
+
+@int8_kernel
+def test_a_position_past_the_rope_tables_is_refused_as_torch_would(tiny_llama_dir):
+    from conftest import random_eagle_head
+    from verifier.target import TargetModel
+    target = TargetModel(str(tiny_llama_dir))
+    head = random_eagle_head(target.config)
+    head.init_rotary()
+    head.use_target_embedding(target.net.model.embed_tokens)
+    head.for_drafting("int8")
+    c, far = head.cfg, len(head.rotary.cos)
+    kv = torch.zeros(4, c.num_kv_heads, c.head_dim)
+    x = torch.zeros(1, c.hidden_size)
+    with pytest.raises(IndexError, match="past the rope tables"):
+        head.layer(x, x, torch.tensor([far]), (kv, kv, 0), (kv, kv), 1, torch.ones(1, 1, dtype=torch.bool))

@@ -84,7 +84,8 @@ class NativeLayer:
         tables = (head.rotary.cos.float().contiguous(), head.rotary.sin_signed.float().contiguous())
         ptr = [t.data_ptr() for t in (*norms, *packed, *tables)]
         spec = cpu_ops.DraftLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                                  int(c.norm_before_residual), int(c.norm_output), c.rms_norm_eps, *ptr)
+                                  int(c.norm_before_residual), int(c.norm_output), len(tables[0]), c.rms_norm_eps,
+                                  *ptr)
         return cls(spec, (*norms, *packed, *tables))
 
     def __call__(self, emb: torch.Tensor, hid: torch.Tensor, positions: torch.Tensor, ctx, tmp, ntmp: int,

@@ -35,7 +35,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = Linear(2 * cfg.hidden_size, cfg.kv_size, bias=False)
         self.v_proj = Linear(2 * cfg.hidden_size, cfg.kv_size, bias=False)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.fused: nn.Module | None = None       # q, k, v in one matmul (`draft_layers.to_int8`)
+        self.fused: nn.Module | None = None       # q, k, v in one matmul (`for_drafting("int8")`)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.fused is not None:
@@ -49,7 +49,7 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused: nn.Module | None = None       # gate and up in one matmul (`draft_layers.to_int8`)
+        self.fused: nn.Module | None = None       # gate and up in one matmul (`for_drafting("int8")`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused(x) if self.fused is not None else (self.gate_proj(x), self.up_proj(x))
@@ -179,7 +179,9 @@ class Eagle3Head(nn.Module):
         return self.lm_head(out if self.cfg.norm_output else self.norm(out))   # out is norm(h) already
 
 
-FEW_ROWS = 16      # query rows up to which `attend` multiplies in fp32 itself rather than call SDPA
+# Query rows up to which the layer runs natively (draft_layer.c attends row by row in one thread)
+# and `attend` multiplies in fp32 itself rather than call SDPA: a draft level's or a decode step's.
+FEW_ROWS = 16
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

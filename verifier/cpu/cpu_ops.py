@@ -361,11 +361,11 @@ def mixed_matmul(packed: torch.Tensor, parts: torch.Tensor, n: int, x: torch.Ten
 
 
 class DraftLayer(ctypes.Structure):
-    """An EAGLE-3 head's decoder layer as csrc/draft_layer.c reads it: its sizes and flags, its
-    norms' fp32 weights, its projections packed for q8_matmul (8 bits, groups of 32), its rope
-    tables. The caller keeps the tensors alive."""
+    """An EAGLE-3 head's decoder layer as csrc/draft_layer.c reads it: its sizes, flags and rope
+    table length, its norms' fp32 weights, its projections packed for q8_matmul (8 bits, groups
+    of 32), its rope tables. The caller keeps the tensors alive."""
     _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("norm_before_residual", _I), ("norm_output", _I), ("eps", _F),
+                ("norm_before_residual", _I), ("norm_output", _I), ("positions", _I), ("eps", _F),
                 ("hidden_norm", _P), ("input_norm", _P), ("post_norm", _P), ("final_norm", _P),
                 ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P), ("cos_tab", _P), ("sin_tab", _P)]
 
@@ -380,6 +380,8 @@ def draft_layer(layer: DraftLayer, emb: torch.Tensor, hid: torch.Tensor, pos: to
     rc = _library().draft_layer(ctypes.byref(layer), emb.shape[0], emb.data_ptr(), hid.data_ptr(), pos.data_ptr(),
                                 kc.data_ptr(), vc.data_ptr(), ctx, kt.data_ptr(), vt.data_ptr(), ntmp,
                                 mask.data_ptr(), out.data_ptr())
+    if rc == 3:
+        raise IndexError(f"a position of {pos.tolist()} is past the rope tables' {layer.positions}")
     if rc:
         raise MemoryError("draft_layer ran out of memory") if rc == 1 else ValueError(
             "draft_layer's projections must be 8-bit int8 groups of 32 with widths a multiple of 32")

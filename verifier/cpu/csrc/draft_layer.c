@@ -25,7 +25,7 @@ void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out);
 #define Q8_GROUP 32
 
 typedef struct {            /* DraftLayer in verifier/cpu/cpu_ops.py */
-    int64_t hidden, heads, kv_heads, head_dim, inter, norm_before_residual, norm_output;
+    int64_t hidden, heads, kv_heads, head_dim, inter, norm_before_residual, norm_output, positions;
     float eps;
     const float *hidden_norm, *input_norm, *post_norm, *final_norm;
     const uint8_t *qkv, *o, *gate_up, *down;      /* q8_matmul's packed weights */
@@ -82,12 +82,15 @@ static void attend_row(const DraftLayer *L, const float *q, const float *kc, con
     }
 }
 
-/* Returns 0, 1 when out of memory, 2 when a matmul refuses its shapes. */
+/* Returns 0, 1 when out of memory, 2 when a matmul refuses its shapes, 3 for a position past the
+ * rope tables. */
 int64_t draft_layer(const DraftLayer *L, int64_t t, const float *emb, const float *hid, const int64_t *pos,
                     const float *kc, const float *vc, int64_t ctx, float *kt, float *vt, int64_t ntmp,
                     const uint8_t *mask, float *out) {
     int64_t H = L->hidden, D = L->head_dim, I = L->inter, qs = L->heads * D, kvs = L->kv_heads * D;
     int64_t nqkv = qs + 2 * kvs;
+    for (int64_t r = 0; r < t; r++)
+        if (pos[r] < 0 || pos[r] >= L->positions) return 3;
     float *f = malloc(sizeof(float) * (size_t)(t * (3 * H + 2 * qs) + ctx + ntmp + H));
     bf16 *b = malloc(sizeof(bf16) * (size_t)(t * (2 * H + nqkv + qs + 3 * H + 3 * I)));
     if (!f || !b) {
