@@ -13,9 +13,11 @@ from drafters.registry import DEFAULT_SPECULATION, FACTORIES
 
 
 def default_speculation(drafter: str | None) -> SpecConfig:
-    """The tree shape a drafter kind is tuned for (e.g. EAGLE-3's dynamic tree), else SpecConfig()."""
-    kind = (drafter or "").partition(":")[0]
-    return DEFAULT_SPECULATION.get(kind, SpecConfig())
+    """The tree shape a drafter kind is tuned for (e.g. EAGLE-3's dynamic tree; a `tree:`
+    drafter's from its parts'), else SpecConfig()."""
+    kind, _, arg = (drafter or "").partition(":")
+    shape = DEFAULT_SPECULATION.get(kind, SpecConfig())
+    return shape(arg) if callable(shape) else shape
 
 
 def check_drafter(drafter: str) -> None:

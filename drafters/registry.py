@@ -8,6 +8,7 @@ from drafters.base import Drafter
 
 FACTORIES: dict[str, Callable[..., Drafter]] = {}   # kind -> factory(arg, target, speculation)
 DEFAULT_SPECULATION: dict = {}     # kind -> the SpecConfig a drafter runs with unless told otherwise
+#                                  (or a function of the drafter's argument giving it: `tree:`'s)
 
 
 def register_drafter(kind: str, default_speculation=None):

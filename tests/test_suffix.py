@@ -1,9 +1,12 @@
 """Suffix decoding's proposals: the longest repeated suffix drafts what followed it, as many
 nodes as its length allows; repeated continuations branch by frequency; finished outputs
 draft for other requests until they are evicted; options parse and are checked."""
+import dataclasses
+
 import pytest
 
 from drafters.base import DraftRequest
+from drafters.config import SpecConfig
 from drafters.suffix import SuffixConfig, SuffixDrafter
 from drafters.suffix_index import SuffixIndex
 from spec import SamplingParams
@@ -145,3 +148,24 @@ def test_suffix_joins_the_tree_merge_with_its_options():
     assert merged.propose([req])[0].tree.tokens[:3] == (4, 5, 6)
     merged.finish(0, tokens, 2)
     assert merged.parts[0].cached_outputs == 1
+
+
+def test_a_tree_in_its_own_shape_gives_each_part_its_own():
+    """`tree:eagle3+suffix` with no shape given: the deepest and widest of its parts' shapes and
+    their nodes summed; each part drafts its own shape capped by the request's (the head's depth
+    2 and 4 nodes, suffix decoding's 16), where a given shape splits the nodes equally."""
+    from drafters.kinds import build_drafter, default_speculation
+    shape = default_speculation("tree:suffix+ngram")
+    assert (shape.num_speculative_tokens, shape.topk, shape.max_nodes) == (16, 4, 20)
+    assert default_speculation("tree:eagle3+suffix").max_nodes == 4 + 16
+    own = build_drafter("tree:suffix+ngram", None, shape)
+    req = DraftRequest(0, [1, 2, 3], SamplingParams(temperature=0), None, max_depth=16, max_nodes=20, topk=4)
+    suffix_req, ngram_req = (own._part_request(req, i) for i in range(2))
+    assert (suffix_req.max_depth, suffix_req.topk, suffix_req.max_nodes) == (16, 4, 16)
+    assert (ngram_req.max_depth, ngram_req.topk, ngram_req.max_nodes) == (4, 1, 4)
+    capped = own._part_request(dataclasses.replace(req, max_depth=2, max_nodes=10), 0)
+    assert (capped.max_depth, capped.max_nodes) == (2, 8)
+    given = build_drafter("tree:suffix+ngram", None, SpecConfig(num_speculative_tokens=6, topk=2, budget=8))
+    assert given.shapes is None
+    assert [(p.max_depth, p.topk, p.max_nodes) for p in (given._part_request(req, i) for i in range(2))] == \
+        [(16, 4, 10)] * 2
