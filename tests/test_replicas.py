@@ -86,7 +86,12 @@ def test_unrelated_requests_spread_across_both_replicas(cluster):
     """Requests that share no prefix go to the least loaded replica, ties to the one holding fewer
     prefixes: a handful of unrelated ones reach both replicas. Each is long (about 16 chunks) so
     that two outweigh the conversation the previous test left on one replica, however long its
-    replies came out (at 12 repeats each, all six once went to one replica)."""
+    replies came out (at 12 repeats each, all six once went to one replica). First the router's
+    queue lengths from the previous test expire: a length Ray probed while that test's last request
+    ran stays in its cache for RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S, and a replica that looks busy
+    throughout gets none of the six (a full run once saw that)."""
+    from ray.serve._private.constants import RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S
+    time.sleep(RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S + 1)
     topics = ("volcanoes", "sonnets", "tax law", "orbital mechanics", "sourdough", "chess openings")
     seen = [cluster.chat([{"role": "user", "content": f"Tell me about {t}. " * 40}]).headers[REPLICA] for t in topics]
     assert len(set(seen)) == 2, seen
