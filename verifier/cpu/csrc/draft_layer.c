@@ -89,6 +89,7 @@ int64_t draft_layer(const DraftLayer *L, int64_t t, const float *emb, const floa
                     const uint8_t *mask, float *out) {
     int64_t H = L->hidden, D = L->head_dim, I = L->inter, qs = L->heads * D, kvs = L->kv_heads * D;
     int64_t nqkv = qs + 2 * kvs;
+    if (t < 1) return 0;
     for (int64_t r = 0; r < t; r++)
         if (pos[r] < 0 || pos[r] >= L->positions) return 3;
     float *f = malloc(sizeof(float) * (size_t)(t * (3 * H + 2 * qs) + ctx + ntmp + H));
