@@ -26,8 +26,8 @@ LAYER_SHAPES = {"fc": (576, 1728), "qkv": (960, 1152), "o": (576, 576), "gate_up
                 "down": (576, 1536), "lm_head": (8192, 576)}
 
 
-def _timed(obj, name: str, acc: dict):
-    """Wrap obj.name to add its time to acc[name]; returns the original, to put back."""
+def _timed(obj, name: str, acc: dict, calls: collections.Counter):
+    """Wrap obj.name to add its time to acc[name] and count its calls; returns the original."""
     fn = getattr(obj, name)
 
     def wrapped(*a, **k):
@@ -36,12 +36,14 @@ def _timed(obj, name: str, acc: dict):
             return fn(*a, **k)
         finally:
             acc[name] += time.perf_counter() - t
+            calls[name] += 1
     setattr(obj, name, wrapped)
     return fn
 
 
 def drafting_ms(form: str, prompts: int, tokens: int) -> dict[str, float]:
-    """ms a verify step for the catch-up, the tree levels and both, and τ, for one form."""
+    """ms a verify step for the catch-up, the tree levels and both, ms a call for the head's layer
+    and its final norm and LM head, and τ, for one form."""
     from bench.speculative import prompt_sets
     from spec import LLM, SamplingParams
     from spec.adaptive import AdaptiveConfig
@@ -58,17 +60,21 @@ def drafting_ms(form: str, prompts: int, tokens: int) -> dict[str, float]:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     ids = [llm.apply_chat_template(c) for c in prompt_sets(["mtbench"], prompts + 1)["mtbench"]]
     llm.generate(ids[0], params)                         # warm-up
-    acc = collections.defaultdict(float)
-    wrapped = [(cls, name, _timed(cls, name, acc)) for cls, name in
+    acc, calls, head = collections.defaultdict(float), collections.Counter(), llm.engine.drafter.head
+    wrapped = [(cls, name, _timed(cls, name, acc, calls)) for cls, name in
                ((eagle.Eagle3Drafter, "_catch_up"), (eagle._Expander, "__call__"))]
+    for name in ("layer", "draft_logits"):          # on the instance: deleted after, the class's again
+        _timed(head, name, acc, calls)
     try:
         outs = [llm.generate(p, params)[0] for p in ids[1:]]
     finally:
         for cls, name, fn in wrapped:
             setattr(cls, name, fn)
+        del head.layer, head.draft_logits
     steps = sum(o.stats.verify_steps for o in outs)
     catch, levels = acc["_catch_up"] * 1e3 / steps, acc["__call__"] * 1e3 / steps
     return {"catch_up": catch, "levels": levels, "drafting": catch + levels,
+            "layer_call": acc["layer"] * 1e3 / calls["layer"], "lm_call": acc["draft_logits"] * 1e3 / calls["draft_logits"],
             "tau": sum(len(o.token_ids) for o in outs) / steps}
 
 
@@ -116,10 +122,12 @@ def main() -> None:
             print(f"| {name} | {r['bf16']:.3f} | {r['int8']:.3f} |")
         print(f"| all | {sum(r['bf16'] for r in rows.values()):.3f} | {sum(r['int8'] for r in rows.values()):.3f} |")
         return
-    print("| form | catch-up ms/step | tree levels ms/step | drafting ms/step | τ |\n|---|---|---|---|---|")
+    print("| form | catch-up ms/step | tree levels ms/step | drafting ms/step | layer ms/call | "
+          "norm + LM head ms/call | τ |\n|---|---|---|---|---|---|---|")
     for form in args.forms.split(","):
         r = drafting_ms(form, args.prompts, args.tokens)
-        print(f"| {form} | {r['catch_up']:.2f} | {r['levels']:.2f} | {r['drafting']:.2f} | {r['tau']:.2f} |")
+        print(f"| {form} | {r['catch_up']:.2f} | {r['levels']:.2f} | {r['drafting']:.2f} | {r['layer_call']:.3f} | "
+              f"{r['lm_call']:.3f} | {r['tau']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ head (`eagle3:PATH` for another head); `tree:suffix+ngram` joins suffix decoding
 the n-gram chain. Every part proposes deterministically, so the
 merged tree is verified with point-mass acceptance, which is exact for any such tree.
 
-In its own shape (`tree_shape`: no `speculation` given) each part drafts in the shape it is
+In its own shape (`tree_shape`, what it runs with when no other is given) each part drafts in the shape it is
 tuned for, capped by the request's: `tree:eagle3+suffix` joins the head's depth-2 tree to suffix
 decoding's 16 nodes. Given a shape, every part takes its depth and top-k and an equal share of
 its nodes.

@@ -66,7 +66,6 @@ def test_attention_of_a_few_rows_is_sdpas(rows, keys, dtype):
 def test_the_drafter_holds_the_head_in_its_machines_form(tiny_llama_dir, tiny_eagle_head):
     """int8 where the kernel is built (six stacked layers, no `Linear` left), bf16 on oneDNN
     where only that multiplies bf16; drafts flow and T=0 output is plain decoding's."""
-    from drafters.eagle3.draft_layers import DRAFT_FORMS
     kw = dict(max_model_len=128, num_kv_blocks=16)
     prompt, params = [[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_llama_dir), drafter=f"eagle3:{tiny_eagle_head}", **kw)
@@ -80,7 +79,6 @@ def test_the_drafter_holds_the_head_in_its_machines_form(tiny_llama_dir, tiny_ea
         assert head.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="draft form"):
         head.for_drafting("fp8")
-    assert set(DRAFT_FORMS) == {"int8", "bf16"}
     out = llm.generate(prompt, params)[0]
     ref = LLM(str(tiny_llama_dir), **kw).generate(prompt, params)[0]
     assert out.token_ids == ref.token_ids and out.stats.draft_tokens > 0

@@ -17,9 +17,9 @@ from torch import nn
 from verifier.cpu import cpu_ops
 from verifier.model.linear import Linear, onednn_bf16
 from verifier.model.quant import quantize_int8
+from verifier.quantized.modes import Q8_GROUP
 from verifier.quantized.qlinear import QuantLinear
 
-INT8_GROUP = 32        # weights per scale (Q8_0's block)
 DRAFT_FORMS = ("int8", "bf16")
 
 
@@ -44,7 +44,7 @@ class Int8DraftLinear(nn.Module):
             raise ValueError("stacked draft layers take one input and no bias")
         self.in_features, self.sizes = layers[0].in_features, [x.out_features for x in layers]
         w = torch.cat([x.weight.detach().float() for x in layers])
-        self.q = QuantLinear(quantize_int8(w, INT8_GROUP), None, plan=None)
+        self.q = QuantLinear(quantize_int8(w, Q8_GROUP), None, plan=None)
         self.q.use_own("q8x16")
         self.q.drop_other_owns()
         self.q.release_source()
@@ -54,12 +54,12 @@ class Int8DraftLinear(nn.Module):
         return y if len(self.sizes) == 1 else y.split(self.sizes, dim=-1)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.sizes}, int8 groups of {INT8_GROUP}"
+        return f"in={self.in_features}, out={self.sizes}, int8 groups of {Q8_GROUP}"
 
     def packed_q8(self) -> torch.Tensor | None:
         """The weight as csrc/draft_layer.c takes it (8 bits, groups of 32), or None if packed otherwise."""
-        packed, bits, group, _ = self.q._packed["q8x16"].args
-        return packed if (bits, group) == (8, INT8_GROUP) else None
+        f = self.q.loop_fields()
+        return f.w if (f.bits, f.group) == (8, Q8_GROUP) else None
 
 
 class NativeLayer:
@@ -72,12 +72,11 @@ class NativeLayer:
 
     @classmethod
     def of(cls, head) -> "NativeLayer | None":
-        """For an `Eagle3Head` in the int8 form in fp32; None where the library lacks the call or
-        a projection is packed otherwise."""
+        """For an `Eagle3Head` in the int8 form in fp32; None where a projection is packed otherwise."""
         layer, c = head.midlayer, head.cfg
         attn, mlp = layer.self_attn, layer.mlp
         packed = [m.packed_q8() for m in (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj)]
-        if head.dtype != torch.float32 or any(p is None for p in packed) or not hasattr(cpu_ops._library(), "draft_layer"):
+        if head.dtype != torch.float32 or any(p is None for p in packed):
             return None
         norms = [n.weight.detach().float().contiguous() for n in
                  (layer.hidden_norm, layer.input_layernorm, layer.post_attention_layernorm, head.norm)]

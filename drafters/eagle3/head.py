@@ -180,13 +180,13 @@ class Eagle3Head(nn.Module):
 
 
 # Query rows up to which the layer runs natively (draft_layer.c attends row by row in one thread)
-# and `attend` multiplies in fp32 itself rather than call SDPA: a draft level's or a decode step's.
+# and `attend` multiplies in fp32 itself on the CPU rather than call SDPA: a draft level's or a decode step's.
 FEW_ROWS = 16
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [T, nh, D], k/v [S, kvh, D], mask bool [T, S] (None: all) -> [T, nh·D]."""
-    if q.shape[0] <= FEW_ROWS:
+    if q.shape[0] <= FEW_ROWS and q.device.type == "cpu":
         return _attend_few(q, k, v, mask).to(q.dtype)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                        attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -32,7 +32,7 @@ CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on firs
 DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER = SOURCES = [
     CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c",
     CSRC / "draft_layer.c"]
-INTEGER_MATMULS = SOURCES[1:5]     # one runner (mixed_matmul.c) over the layouts' tiles
+INTEGER_MATMULS = [Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL]   # one runner (mixed_matmul.c) over the layouts' tiles
 # included by the sources: part of the library's cache key
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]

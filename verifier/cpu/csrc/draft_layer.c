@@ -20,6 +20,7 @@
 int64_t q8_matmul(const uint8_t *w, int64_t bits, int64_t group, int64_t n, int64_t k, const bf16 *x, int64_t m,
                   bf16 *out);
 void silu_mul(const bf16 *gu, int64_t rows, int64_t inter, bf16 *out);
+void add_rms_norm(float *x, const bf16 *y, const float *w, float eps, int64_t rows, int64_t h, bf16 *out);
 
 #define Q8_BITS 8
 #define Q8_GROUP 32
@@ -92,14 +93,14 @@ int64_t draft_layer(const DraftLayer *L, int64_t t, const float *emb, const floa
     if (t < 1) return 0;
     for (int64_t r = 0; r < t; r++)
         if (pos[r] < 0 || pos[r] >= L->positions) return 3;
-    float *f = malloc(sizeof(float) * (size_t)(t * (3 * H + 2 * qs) + ctx + ntmp + H));
+    float *f = malloc(sizeof(float) * (size_t)(t * (H + 2 * qs) + ctx + ntmp + H));
     bf16 *b = malloc(sizeof(bf16) * (size_t)(t * (2 * H + nqkv + qs + 3 * H + 3 * I)));
     if (!f || !b) {
         free(f);
         free(b);
         return 1;
     }
-    float *res = f, *x = res + t * H, *hn = x + t * H, *q = hn + t * H, *att = q + t * qs, *sc = att + t * qs;
+    float *res = f, *q = res + t * H, *att = q + t * qs, *sc = att + t * qs;
     float *row = sc + ctx + ntmp;
     bf16 *xin = b, *qkv = xin + t * 2 * H, *attb = qkv + t * nqkv, *ob = attb + t * qs, *xn = ob + t * H;
     bf16 *gu = xn + t * H, *act = gu + t * 2 * I, *dn = act + t * I;
@@ -124,18 +125,14 @@ int64_t draft_layer(const DraftLayer *L, int64_t t, const float *emb, const floa
         attend_row(L, q + r * qs, kc, vc, ctx, kt, vt, ntmp, mask + r * ntmp, sc, att + r * qs);
     to_bf16(att, t * qs, attb);
     if (q8_matmul(L->o, Q8_BITS, Q8_GROUP, H, qs, attb, t, ob)) { rc = 2; goto done; }
-    for (int64_t r = 0; r < t; r++) {         /* x = residual + o; the MLP's input norm */
-        for (int64_t i = 0; i < H; i++) x[r * H + i] = res[r * H + i] + bf16_to_f32(ob[r * H + i]);
-        norm_f32(x + r * H, L->post_norm, L->eps, H, row);
-        to_bf16(row, H, xn + r * H);
-    }
+    add_rms_norm(res, ob, L->post_norm, L->eps, t, H, xn);      /* res += o; the MLP's input norm */
     if (q8_matmul(L->gate_up, Q8_BITS, Q8_GROUP, 2 * I, H, xn, t, gu)) { rc = 2; goto done; }
     silu_mul(gu, t, I, act);
     if (q8_matmul(L->down, Q8_BITS, Q8_GROUP, H, I, act, t, dn)) { rc = 2; goto done; }
+    add_rms_norm(res, dn, L->post_norm, L->eps, t, H, NULL);     /* res += MLP: the layer's h */
     for (int64_t r = 0; r < t; r++) {
-        for (int64_t i = 0; i < H; i++) hn[r * H + i] = x[r * H + i] + bf16_to_f32(dn[r * H + i]);
-        if (L->norm_output) norm_f32(hn + r * H, L->final_norm, L->eps, H, out + r * H);
-        else memcpy(out + r * H, hn + r * H, (size_t)H * sizeof(float));
+        if (L->norm_output) norm_f32(res + r * H, L->final_norm, L->eps, H, out + r * H);
+        else memcpy(out + r * H, res + r * H, (size_t)H * sizeof(float));
     }
 done:
     free(f);
