@@ -8,7 +8,11 @@ against the plain engine (batch 1, greedy) on Spec-Bench tasks and MT-bench firs
         --quantization none --limit 10
 
 `--tasks agent` adds the calculator-agent sessions of bench/agent.py, whose replies stop at
-the end of their turn (the other sets run `--new-tokens` past it).
+the end of their turn (the other sets run `--new-tokens` past it). `--until-eos` stops every
+set's replies at their end, `--new-tokens` only a cap: Spec-Bench's own protocol with
+`--new-tokens 1024`. Its footnote counts the plain replies that reached the cap (a small model
+at T=0 often repeats itself up to it, which lookup drafters predict) and gives each drafter's
+speedup over the replies that ended before it.
 
 `--same-engine` adds each drafter's speedup over plain decoding on its own engine (the
 drafter's requests run with speculation off, interleaved): two engines in one process can
@@ -77,11 +81,15 @@ def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: boo
     steps = sum(o.stats.verify_steps for o in outs)
     depth = [sum(col) for col in itertools.zip_longest(*[o.stats.accepted_per_depth for o in outs], fillvalue=0)]
     decode_s = sum(o.total_time - o.ttft for o in outs)
+    ended = [o for o in outs if o.finish_reason != "length"]
     return {"tps": sum(len(o.token_ids) for o in outs) / wall,
             "decode_tps": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
             "tau": sum(o.stats.emitted_tokens for o in outs) / steps if steps else 1.0,
             "per_depth": [round(d / steps, 3) for d in depth] if steps else [],
-            "draft_tokens_per_step": sum(o.stats.draft_tokens for o in outs) / steps if steps else 0.0}
+            "draft_tokens_per_step": sum(o.stats.draft_tokens for o in outs) / steps if steps else 0.0,
+            "tokens": sum(len(o.token_ids) for o in outs), "replies": len(outs),
+            "capped": len(outs) - len(ended),
+            "ended_tps": sum(len(o.token_ids) for o in ended) / sum(o.total_time for o in ended) if ended else None}
 
 
 def main() -> None:
@@ -96,6 +104,9 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--until-eos", action="store_true",
+                    help="every task's replies stop at their end (Spec-Bench's protocol, --new-tokens the cap) "
+                         "instead of running --new-tokens past it")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-curve", action="store_true")
@@ -118,14 +129,15 @@ def main() -> None:
             drafters[f"{d} (whole tree)"] = LLM(drafter=d, speculation=spec, adaptive=AdaptiveConfig(enabled=False),
                                                 **fixed)
     report = {"machine": machine_summary(), "quantization": args.quantization, "threads": torch.get_num_threads(),
-              "gamma": args.gamma if spec else "default", "topk": args.topk if spec else "default", "tasks": {}}
+              "gamma": args.gamma if spec else "default", "topk": args.topk if spec else "default",
+              "until_eos": args.until_eos, "tasks": {}}
     if not args.no_curve:
         report["verify_ms"] = verify_curve(plain)
         print("verify forward (512-token prefix): " +
               ", ".join(f"{n} nodes {ms:.1f} ms" for n, ms in report["verify_ms"].items()))
     for task, conversations in prompt_sets(args.tasks.split(","), args.limit).items():
         prompts = [plain.apply_chat_template(c) for c in conversations]
-        until_eos = task == "agent"
+        until_eos = task == "agent" or args.until_eos
         runs = {"plain": [], **{d: [] for d in drafters}}
         own = {d: [] for d in drafters} if args.same_engine else {}
         for _ in range(args.repeats):
@@ -165,8 +177,15 @@ def _summarise(runs: dict[str, list[dict]]) -> dict:
                      "decode_tps": statistics.median(r["decode_tps"] for r in rs),
                      "decode_speedup": statistics.median(decode), "decode_range": [min(decode), max(decode)],
                      "tau": rs[-1]["tau"],
-                     "per_depth": rs[-1]["per_depth"], "draft_per_step": rs[-1]["draft_tokens_per_step"]}
+                     "per_depth": rs[-1]["per_depth"], "draft_per_step": rs[-1]["draft_tokens_per_step"],
+                     "tokens": rs[-1]["tokens"], "replies": rs[-1]["replies"], "capped": rs[-1]["capped"],
+                     "ended_speedup": _median_ratio(rs, runs["plain"], "ended_tps")}
     return out
+
+
+def _median_ratio(rs: list[dict], plains: list[dict], key: str) -> float | None:
+    ratios = [r[key] / p[key] for r, p in zip(rs, plains) if r.get(key) and p.get(key)]
+    return statistics.median(ratios) if ratios else None
 
 
 def _print(report: dict) -> None:
@@ -182,6 +201,14 @@ def _print(report: dict) -> None:
             print(f"| {task} | {name} | {r['tps']:.1f} | {r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}) | "
                   f"{r['decode_tps']:.1f} | {r['decode_speedup']:.2f}x ({dlo:.2f}-{dhi:.2f}) | "
                   f"{r['tau']:.2f} | {r['per_depth']} |")
+    if report.get("until_eos"):        # a reply at the cap ran on past where the model would stop
+        print("\nplain replies at the --new-tokens cap, and each drafter's speedup over the replies that ended "
+              "before it (end to end, the same prompts on both sides):")
+        for task, rows in report["tasks"].items():
+            ended = ", ".join(f"{n} {r['ended_speedup']:.2f}x" for n, r in rows.items()
+                              if n != "plain" and r["ended_speedup"] is not None)
+            print(f"- {task}: {rows['plain']['capped']} of {rows['plain']['replies']} at the cap "
+                  f"({rows['plain']['tokens']} tokens in all); {ended or 'none ended'}")
 
 
 if __name__ == "__main__":

@@ -258,3 +258,16 @@ def test_agent_sessions_call_the_calculator_for_each_shown_step():
         assert [m["role"] for m in s[:2]] == ["system", "user"] and s[-1]["role"] == "user"
         calls = [json.loads(m["content"]) for m in s[2::2]]
         assert calls and all(c["name"] == "calculator" and c["arguments"]["expression"] for c in calls)
+
+
+def test_until_eos_runs_count_replies_at_the_cap_and_time_the_ended_ones_apart(tiny_llama_dir):
+    from bench.speculative import _summarise, run_set
+    llm = LLM(model=str(tiny_llama_dir), drafter="ngram", max_num_seqs=1)
+    ids = llm.engine.tokenize("the cat sat on the mat")
+    plain = run_set(llm, [ids, ids[:3]], 6, ignore_eos=False, speculate=False)
+    assert plain["replies"] == 2 and plain["capped"] == 2 and plain["ended_tps"] is None  # a random model never stops
+    ended = dict(plain, capped=1, ended_tps=5.0)
+    out = _summarise({"plain": [ended] * 3, "fast": [dict(ended, ended_tps=t) for t in (6.0, 10.0, 7.0)],
+                      "capped": [plain] * 3})
+    assert out["fast"]["ended_speedup"] == pytest.approx(1.4)      # the median of the repeats' ratios
+    assert out["capped"]["ended_speedup"] is None and out["plain"]["capped"] == 1
