@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         ratio = statistics.median(q / t for q, t in zip(ms["q4x16"], ms["int4"]))
         q4[m] = statistics.median(ms["q4x16"])
         print(f"| {m} | {statistics.median(ms['int4']):.2f} | {q4[m]:.2f} | {ratio:.2f} |")
-    if args.peak and cpu_ops.q4_isa() == 512 and len(q4) > 1:
+    if args.peak and (cpu_ops.q4_isa() != 512 or len(q4) < 2):
+        print("\n--peak needs the AVX-512 VNNI build of q4x16 and two row counts or more")
+    elif args.peak:
         lo, hi = min(q4), max(q4)
         row_ms = (q4[hi] - q4[lo]) / (hi - lo)
         rate, peak = row_products(lins) / row_ms * 1e3, vnni_peak(args.threads)
