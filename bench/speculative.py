@@ -82,12 +82,13 @@ def run_set(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: boo
     depth = [sum(col) for col in itertools.zip_longest(*[o.stats.accepted_per_depth for o in outs], fillvalue=0)]
     decode_s = sum(o.total_time - o.ttft for o in outs)
     ended = [o for o in outs if o.finish_reason != "length"]
-    return {"tps": sum(len(o.token_ids) for o in outs) / wall,
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tps": tokens / wall,
             "decode_tps": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
             "tau": sum(o.stats.emitted_tokens for o in outs) / steps if steps else 1.0,
             "per_depth": [round(d / steps, 3) for d in depth] if steps else [],
             "draft_tokens_per_step": sum(o.stats.draft_tokens for o in outs) / steps if steps else 0.0,
-            "tokens": sum(len(o.token_ids) for o in outs), "replies": len(outs),
+            "tokens": tokens, "replies": len(outs),
             "capped": len(outs) - len(ended),
             "ended_tps": sum(len(o.token_ids) for o in ended) / sum(o.total_time for o in ended) if ended else None}
 
@@ -170,8 +171,8 @@ def prompt_sets(tasks: list[str], limit: int) -> dict[str, list[list[dict]]]:
 def _summarise(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for name, rs in runs.items():
-        speedups = [r["tps"] / p["tps"] for r, p in zip(rs, runs["plain"])]
-        decode = [r["decode_tps"] / p["decode_tps"] for r, p in zip(rs, runs["plain"])]
+        speedups, decode = _ratios(rs, runs["plain"], "tps"), _ratios(rs, runs["plain"], "decode_tps")
+        ended = _ratios(rs, runs["plain"], "ended_tps")
         out[name] = {"tps": statistics.median(r["tps"] for r in rs), "speedup": statistics.median(speedups),
                      "speedup_range": [min(speedups), max(speedups)],
                      "decode_tps": statistics.median(r["decode_tps"] for r in rs),
@@ -179,13 +180,13 @@ def _summarise(runs: dict[str, list[dict]]) -> dict:
                      "tau": rs[-1]["tau"],
                      "per_depth": rs[-1]["per_depth"], "draft_per_step": rs[-1]["draft_tokens_per_step"],
                      "tokens": rs[-1]["tokens"], "replies": rs[-1]["replies"], "capped": rs[-1]["capped"],
-                     "ended_speedup": _median_ratio(rs, runs["plain"], "ended_tps")}
+                     "ended_speedup": statistics.median(ended) if ended else None}
     return out
 
 
-def _median_ratio(rs: list[dict], plains: list[dict], key: str) -> float | None:
-    ratios = [r[key] / p[key] for r, p in zip(rs, plains) if r.get(key) and p.get(key)]
-    return statistics.median(ratios) if ratios else None
+def _ratios(rs: list[dict], plains: list[dict], key: str) -> list[float]:
+    """Each repeat's figure over the plain run's of the same repeat (repeats where either has none left out)."""
+    return [r[key] / p[key] for r, p in zip(rs, plains) if r.get(key) and p.get(key)]
 
 
 def _print(report: dict) -> None:
