@@ -300,6 +300,16 @@ class EngineBridge:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._release_engine()
+
+    def _release_engine(self) -> None:
+        """The engine thread has ended: close the engine and drop it, so that its weights and KV
+        pool go now, not with the bridge (FastAPI's dependency caches keep the routes, which hold
+        the bridge, for the life of the process)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
 
     # ---- engine thread ----------------------------------------------------------------
     def _run(self) -> None:

@@ -1,6 +1,7 @@
 """`tercel serve`: load the model, start the engine thread, serve HTTP with uvicorn."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -162,7 +163,18 @@ def launch_app(args):
     bridge = EngineBridge.launch(lambda: LLMEngine(config), Metrics(), max_queue=args.max_queue,
                                  check_integrity_when_idle=args.log_level == "debug" or debug_from_env(),
                                  stream_buffer=limits.stream_buffer)
+    freeze_loaded_objects()
     return bridge, build_app(bridge, app_config)
+
+
+def freeze_loaded_objects() -> None:
+    """Everything loaded so far lives as long as the server: move it out of the cyclic GC's reach.
+    Otherwise a full collection (triggered by allocation-heavy steps such as n-gram indexing of a
+    long prompt) walks every object of the process (figures: docs/performance.md, "Engine step").
+    Only here: a frozen cycle is never collected, so an engine dropped in a longer-lived process
+    (a script, a test) would keep its memory."""
+    gc.collect()
+    gc.freeze()
 
 
 def server_config(args, limits):

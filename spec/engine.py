@@ -14,7 +14,6 @@ also with no drafter.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -189,13 +188,6 @@ class LLMEngine:
         if curve is not None:
             self.adaptive.cost = StepCost(curve, config.adaptive.smoothing)
         self.threads = self._thread_governor(config, free)
-        # Everything loaded so far lives as long as the engine: move it out of the cyclic
-        # GC's reach. Otherwise a full collection (triggered by allocation-heavy steps such
-        # as n-gram indexing of a long prompt) walks every object of the process: in a large
-        # test process decoding was several times slower with the collector on than with it
-        # off (figures: docs/performance.md, "Engine step").
-        gc.collect()
-        gc.freeze()
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.

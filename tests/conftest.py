@@ -1,6 +1,7 @@
 """Shared fixtures. Tests run on the CPU; the default model is loaded once per session."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -67,6 +68,15 @@ def pytest_collection_modifyitems(config, items):
     reason = _gpu_suite_skip() if gpu else None
     for item in gpu if reason else ():
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_collection_finish(session):
+    """What the test modules' imports loaded (torch, transformers, the engine's modules) lives as
+    long as the process: out of the cyclic GC's reach, so that its full collections walk only the
+    tests' own objects (docs/performance.md, "Engine step"). Engines are built later, unfrozen,
+    so that a dropped one is collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def mtbench_prompts(n: int) -> list[str]:

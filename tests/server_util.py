@@ -93,4 +93,5 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.bridge.shutdown(0)
+        self.engine = None      # the bridge dropped its own: the engine's memory goes now
         self.check_integrity()

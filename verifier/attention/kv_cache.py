@@ -7,6 +7,9 @@ flattened pool. The Triton kernels use the same layout.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -14,8 +17,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)
+        self.v = zeros(shape, dtype, device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # each layer's (k, v) views, made once: indexing a tensor costs microseconds, 60 per step
@@ -43,6 +46,16 @@ class KVCache:
                         head_dim: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed pool. On the CPU it lies in an anonymous mapping, whose pages the kernel commits
+    only when first written: a pool costs resident memory for the blocks requests have used, not
+    for its size (torch.zeros writes every page), and the mapping goes when the last view does."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def slot_of(block_table: list[int], pos: int, block_size: int) -> int:
