@@ -56,6 +56,7 @@ def run_alone(llm: LLM, replies: list[list[int]], miss: int) -> tuple[list, list
         return accept(req, plan)
     engine._accept_proposal = spy
     outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+    del engine._accept_proposal         # no cycle left to keep the (frozen) engine alive
     assert [p + o.token_ids for p, o in zip(PROMPTS, outs)] == replies
     assert engine.blocks.num_used_blocks == 0
     return outs, verified
