@@ -45,7 +45,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from spec.step_cost import StepCost
+from spec.step_cost import CostCurve, StepCost
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class AdaptiveConfig:
     first_guess: float = 0.5    # a node's chance before any like it was verified
     score_bands: int = 10       # scores in [0, 1] are learned in this many bands
     smoothing: float = 0.1      # weight of the newest step in the cost averages
+    # A forward's cost curve stated instead of timed at load, and kept as stated (step_cost.StatedCost):
+    # tests and what-if runs pin the controller's choices to a machine's curve, whatever this host's timings.
+    cost_curve: CostCurve | None = None
 
     def __post_init__(self):
         if not 1 <= self.probe_every <= self.max_probe_every or not 0 < self.memory <= 1 \
@@ -65,6 +68,8 @@ class AdaptiveConfig:
                 or not 0 < self.smoothing <= 1:
             raise ValueError("AdaptiveConfig: need 1 <= probe_every <= max_probe_every, 0 < memory <= 1, "
                              "prior_weight > 0, 0 <= first_guess <= 1, score_bands >= 1, 0 < smoothing <= 1")
+        if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
+            raise ValueError(f"AdaptiveConfig: cost_curve must be a CostCurve, got {type(self.cost_curve).__name__}")
 
 
 class RankAcceptance:

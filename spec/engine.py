@@ -24,7 +24,7 @@ import torch
 from drafters.base import DraftRequest, Prediction
 from drafters.config import SpecConfig
 from drafters.prediction import PredictionDrafter, join_prediction
-from spec.adaptive import AdaptiveController, Candidate
+from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.detokenizer import IncrementalDetokenizer
@@ -34,7 +34,7 @@ from spec.rejection import accept_greedy, accept_tree
 from spec.request import Request, RequestOutput
 from spec.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats, PhaseTimes, ThreadSteps
-from spec.step_cost import CostCurve, StepCost, StepSample
+from spec.step_cost import CostCurve, StatedCost, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.attention.kv_cache import slot_of
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
@@ -184,9 +184,7 @@ class LLMEngine:
         free = free_cpus(self.num_threads)
         with on_threads(free):
             self._warm_up()
-            curve = self._cost_curve() if self.drafter is not None else None
-        if curve is not None:
-            self.adaptive.cost = StepCost(curve, config.adaptive.smoothing)
+            self.adaptive.cost = self._step_cost(config.adaptive)
         self.threads = self._thread_governor(config, free)
 
     def _warm_up(self) -> None:
@@ -201,6 +199,16 @@ class LLMEngine:
         with self.blocks.scratch(-1, rows) as table:   # never published, not a request's lookup
             for n in range(1, rows + 1):
                 self.target.forward(ForwardBatch([SeqInput([0] * n, 0, table, logits_indices=list(range(n)))]))
+
+    def _step_cost(self, adaptive: AdaptiveConfig) -> StepCost | None:
+        """The adaptive controller's step costs: the curve `adaptive` states, kept as stated, or
+        the one timed here and learned on. None without a drafter, or without room to time."""
+        if self.drafter is None:
+            return None
+        if adaptive.cost_curve is not None:
+            return StatedCost(adaptive.cost_curve)
+        curve = self._cost_curve()
+        return StepCost(curve, adaptive.smoothing) if curve is not None else None
 
     def _cost_curve(self) -> CostCurve | None:
         """The adaptive controller's cost curve: a verify forward timed at each tree size and

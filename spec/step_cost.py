@@ -172,3 +172,16 @@ class StepCost:
         if a is None:
             a = table[key] = _Average(self._smoothing)
         return a
+
+
+class StatedCost(StepCost):
+    """A step's cost as stated, never learned: the forward costs `curve` at every thread count,
+    and the drafter's time and the acceptance work cost nothing. With it the adaptive
+    controller's choices follow acceptance alone, never the host's timings: tests and what-if
+    runs state a machine's curve (`AdaptiveConfig.cost_curve`) instead of timing this one."""
+
+    def __init__(self, curve: CostCurve):
+        super().__init__(curve, smoothing=1.0)
+
+    def observe(self, s: StepSample) -> None:
+        pass

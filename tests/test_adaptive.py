@@ -240,7 +240,7 @@ def test_disabled_or_unmeasured_keeps_whole_trees():
 
 def test_config_is_checked():
     for bad in (dict(probe_every=0), dict(probe_every=8, max_probe_every=4), dict(memory=0), dict(prior_weight=0), dict(first_guess=2),
-                dict(score_bands=0), dict(smoothing=0)):
+                dict(score_bands=0), dict(smoothing=0), dict(cost_curve=[(1, 10.0)])):
         with pytest.raises(ValueError, match="AdaptiveConfig"):
             AdaptiveConfig(**bad)
 

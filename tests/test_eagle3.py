@@ -13,6 +13,7 @@ from drafters.base import DraftRequest, TargetHidden
 from drafters.config import SpecConfig
 from drafters.eagle3 import HeadMismatchError, load_head, save_head
 from drafters.eagle3.drafter import Eagle3Drafter
+from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
 from training.ttt import Batch, ttt_forward
 from verifier.batch import ForwardBatch, SeqInput
@@ -155,7 +156,7 @@ def test_greedy_output_identical_with_random_head(tiny_llama_dir, head_dir, topk
     plain = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4,
-              drafter=f"eagle3:{head_dir}",
+              drafter=f"eagle3:{head_dir}", adaptive=WHOLE_TREES,      # its drafts verified, whatever a row costs
               speculation=SpecConfig(num_speculative_tokens=4, topk=topk, budget=budget))
     alone = [llm.generate(p, params)[0] for p in prompts]
     batch = llm.generate(prompts, params)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from drafters.eagle3.draft_layers import Int8DraftLinear, draft_form
 from drafters.eagle3.head import FEW_ROWS, attend
+from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
 from verifier.cpu import cpu_ops
 from verifier.model.linear import Linear, onednn_bf16
@@ -65,10 +66,11 @@ def test_attention_of_a_few_rows_is_sdpas(rows, keys, dtype):
 
 def test_the_drafter_holds_the_head_in_its_machines_form(tiny_llama_dir, tiny_eagle_head):
     """int8 where the kernel is built (six stacked layers, no `Linear` left), bf16 on oneDNN
-    where only that multiplies bf16; drafts flow and T=0 output is plain decoding's."""
+    where only that multiplies bf16; drafts flow (whole trees: where rows are dear the cost model
+    would verify none in 12 tokens) and T=0 output is plain decoding's."""
     kw = dict(max_model_len=128, num_kv_blocks=16)
     prompt, params = [[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(tiny_llama_dir), drafter=f"eagle3:{tiny_eagle_head}", **kw)
+    llm = LLM(str(tiny_llama_dir), drafter=f"eagle3:{tiny_eagle_head}", adaptive=WHOLE_TREES, **kw)
     head, form = llm.engine.drafter.head, draft_form(torch.device("cpu"))
     if form == "int8":
         assert not [m for m in head.modules() if isinstance(m, Linear)]

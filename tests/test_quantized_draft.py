@@ -6,10 +6,15 @@ import pytest
 import torch
 
 from conftest import mtbench_prompts
+from pinned import CHEAP_ROWS
 from spec import LLM, SamplingParams
 from verifier.batch import ForwardBatch, SeqInput
+from verifier.quantized.matmul_paths import KernelPlan, KernelTimings
+from verifier.quantized.qlinear import DENSE_PATHS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+# Prompt rows on a dense path, sampled rows (and chunks under 8 rows) on torch's int4 kernel.
+STATED_PLAN = KernelPlan(DENSE_PATHS[0], tile=0, own="int4", own_below=8)
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +25,11 @@ def dense():
 def test_a_dense_target_drafts_with_its_int4_self_and_keeps_its_tokens(dense):
     """The fp32 target verifying its own GGUF's int4 blocks as the draft model: the draft runs
     int4, drafts the chain length the adaptive controller asks each step (up to the default
-    8), its chains are almost always accepted, and the tokens are plain fp32 decoding's."""
+    8, on an AMX machine's stated cost curve), its chains are almost always accepted, and the
+    tokens are plain fp32 decoding's."""
     prompts = [dense.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(2)]
     want = [o.token_ids for o in dense.generate(prompts, GREEDY)]
-    llm = LLM(max_num_seqs=2, quantization="none", drafter="small:smollm2-135m-instruct")
+    llm = LLM(max_num_seqs=2, quantization="none", drafter="small:smollm2-135m-instruct", adaptive=CHEAP_ROWS)
     engine = llm.engine
     assert engine.drafter.model.quantization == "int4" and engine.target.quantization == "none"
     asked, drafted = [], []
@@ -51,15 +57,16 @@ def _forward(engine, ids: list[int], sampled: list[int], chunk_invariant: bool) 
         blocks.free(seq)
 
 
-def test_a_short_chunk_runs_on_the_own_kernel_only_where_chunking_may_change_its_kv():
+def test_a_short_chunk_runs_on_the_own_kernel_only_where_chunking_may_change_its_kv(monkeypatch):
     """`chunk_invariant=False`: a chunk with fewer prompt rows than the plan's `own_below` runs
     whole on the own kernel (bitwise what it gives with every row sampled); a longer one, and
-    any chunk by default, still splits (bitwise the default forward)."""
+    any chunk by default, still splits (bitwise the default forward). The plan is stated: the one
+    timed here may take every prompt row to the bulk path, or none."""
+    monkeypatch.setattr(KernelTimings, "plan", lambda self, owns: STATED_PLAN)
     llm = LLM(max_num_seqs=1)
     engine, target = llm.engine, llm.engine.target
     below = target.runner.plan.own_below
-    if below < 3:
-        pytest.skip(f"this machine's plan runs prompt rows of every count on the bulk path (own_below {below})")
+    assert target.runner.plan == STATED_PLAN
     short = engine.tokenize("The capital of France is")[: below - 1]
     whole = _forward(engine, short, list(range(len(short))), True)[-1]
     fast = _forward(engine, short, [len(short) - 1], False)[0]

@@ -16,6 +16,7 @@ import torch
 import spec.rejection as rejection
 from conftest import make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
+from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
 from verifier.sampling.sampler import target_probs
@@ -112,6 +113,8 @@ def sample_counts(model_dir, prompt, drafter: str | None, spec: SpecConfig | Non
     go unseeded (a seeded sampled request keeps its whole tree); `engine_trim`: replaces the
     engine's cut of the proposals (a broken control)."""
     kw = dict(drafter=drafter, speculation=spec) if drafter else {}
+    if trim is not None:        # the cut is `trim`'s alone: nothing drafted less for this machine's timings
+        kw["adaptive"] = WHOLE_TREES
     llm = LLM(str(model_dir), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500,
               quantization=quantization, **kw)
     if trim is not None:

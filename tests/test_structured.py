@@ -13,6 +13,7 @@ import torch
 
 from bench.structured import load_tasks
 from conftest import IDENTITY_ALONE as ALONE, spec_drafters, write_reply_corpus
+from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams, StructuredOutputs
 from spec.constraints import kept_nodes
 from tree.token_tree import TokenTree
@@ -193,8 +194,9 @@ def test_rows_whose_mask_allows_few_tokens_ask_for_those_logits_alone(plain, pro
 
 def test_a_drafter_that_drafts_ahead_extends_the_forced_chain(prompts, reference, monkeypatch):
     """n-gram drafts from tokens alone: in a constrained step its tree goes below the forced
-    chain (one verify step for both), and the outputs stay those of plain decoding."""
-    llm = LLM(max_num_seqs=8, drafter="ngram")
+    chain (one verify step for both), and the outputs stay those of plain decoding. Whole trees:
+    where a verify row is dear the cost model never drafts below the chain."""
+    llm = LLM(max_num_seqs=8, drafter="ngram", adaptive=WHOLE_TREES)
     grafted, accept = [], llm.engine._accept
 
     def spy(plans):

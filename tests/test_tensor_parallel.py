@@ -25,6 +25,7 @@ import torch
 
 from conftest import ROOT, make_random_eagle_head, make_tiny_model
 from drafters.config import SpecConfig
+from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
 from spec.config import EngineConfig
 from verifier.batch import ForwardBatch, SeqInput
@@ -95,7 +96,8 @@ def test_speculative_tp2_equals_tp1_plain(tiny_dir, prompts, reference, eagle_he
     verified (accepted, for the two that can match), so tree verification and the KV commit ran
     on both ranks."""
     spec = {"small": f"small:{tiny_dir}", "eagle3": f"eagle3:{eagle_head}"}.get(drafter, drafter)
-    with two_ranks(tiny_dir, drafter=spec, speculation=SpecConfig(num_speculative_tokens=3)) as llm:
+    with two_ranks(tiny_dir, drafter=spec, speculation=SpecConfig(num_speculative_tokens=3),
+                   adaptive=WHOLE_TREES) as llm:     # drafts verified (asserted), whatever a row costs
         outs = llm.generate(prompts, GREEDY)
         assert llm.engine.drafter_errors == 0
     assert [o.token_ids for o in outs] == reference
@@ -111,7 +113,7 @@ def test_three_ranks_add_partial_sums_in_rank_order(tmp_path, prompts):
                                 num_attention_heads=6, num_key_value_heads=3, vocab_size=264))
     with LLM(model, **ENGINE) as one:
         expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
-    with LLM(model, tensor_parallel_size=3, drafter="ngram", **ENGINE) as three:
+    with LLM(model, tensor_parallel_size=3, drafter="ngram", adaptive=WHOLE_TREES, **ENGINE) as three:
         assert len(three.engine.target.worker_processes) == 2
         spec = three.generate(prompts, GREEDY)
         alone = [three.generate(p, GREEDY)[0] for p in prompts[:2]]      # one at a time: other row counts

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from conftest import SHARED_DATA
 from drafters.conversations import DataError, load_conversations, parse_line
 from drafters.eagle3 import load_head
+from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
 from training.cli import main as train_main
 from training.config import TrainConfig
@@ -122,7 +123,8 @@ def test_eagle3_end_to_end_then_resume(tiny_llama_dir, tiny_data, tmp_path, capl
     assert resumed and f"step {first['steps']}," in resumed[0]
     assert second["tokens_seen"] > first["tokens_seen"]     # counted on from the checkpoint
     # The head loads and drafts in the engine.
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"eagle3:{out}")
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"eagle3:{out}",
+              adaptive=WHOLE_TREES)
     o = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert len(o.token_ids) == 12 and o.stats.draft_tokens > 0
 
@@ -133,7 +135,8 @@ def test_small_end_to_end(tiny_llama_dir, tiny_data, tmp_path):
                             "--max-tokens", "600")) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["kind"] == "small" and summary["steps"] >= 1
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"small:{out}")
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"small:{out}",
+              adaptive=WHOLE_TREES)
     o = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     assert len(o.token_ids) == 10 and o.stats.draft_tokens > 0
 
@@ -224,6 +227,7 @@ def test_eagle3_lm_head_from_target_stays_the_targets_rows(tiny_llama_dir, tiny_
     head = load_head(out, target.config, target_head=target.output_table)
     assert torch.equal(head.lm_head.weight, target.net.lm_head.weight[head.draft_to_target])
     assert "LM head | the target's rows" in (out / "README.md").read_text()
-    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"eagle3:{out}")
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, drafter=f"eagle3:{out}",
+              adaptive=WHOLE_TREES)
     o = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(o.token_ids) == 8 and o.stats.draft_tokens > 0
