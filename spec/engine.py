@@ -202,8 +202,9 @@ class LLMEngine:
 
     def _step_cost(self, adaptive: AdaptiveConfig) -> StepCost | None:
         """The adaptive controller's step costs: the curve `adaptive` states, kept as stated, or
-        the one timed here and learned on. None without a drafter, or without room to time."""
-        if self.drafter is None:
+        the one timed here and learned on. None without a drafter, with the controller off (whole
+        trees: nothing to price), or without room to time."""
+        if self.drafter is None or not adaptive.enabled:
             return None
         if adaptive.cost_curve is not None:
             return StatedCost(adaptive.cost_curve)

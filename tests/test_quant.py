@@ -198,3 +198,14 @@ def test_engine_rows_cover_trees_batches_and_the_chunk():
     rows = engine_rows(384)
     assert rows[:8] == (1, 2, 3, 4, 5, 6, 7, 8)
     assert {16, 32, 256, 384} <= set(rows) and max(rows) == 384
+
+
+def test_kernel_timings_are_keyed_by_shapes_not_by_values():
+    """Weights of the same shapes and kinds share one cached measurement (a model's copies, or
+    the tests' random models, are timed once per machine); another shape or kind is timed anew."""
+    from verifier.quantized.quantize import shapes_key
+    same = [_linear("int4", seed=0)[0], _linear("int8", seed=0)[0]]
+    other_values = [_linear("int4", seed=1)[0], _linear("int8", seed=1)[0]]
+    assert shapes_key(same) == shapes_key(other_values)
+    assert shapes_key(same) != shapes_key([_linear("int4", n=128)[0], same[1]])
+    assert shapes_key(same) != shapes_key([same[0], _linear("int4", seed=0)[0]])

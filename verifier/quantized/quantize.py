@@ -214,11 +214,19 @@ def timed_linears(net: nn.Module) -> list[QuantLinear]:
     return out
 
 
+def shapes_key(linears: list[QuantLinear]) -> str:
+    """What the kernels' timings depend on: each timed weight's shape, kind, own kernels and bits,
+    not its values or its file: models of the same shapes share one measurement."""
+    shapes = [[lin.kind, lin.out_features, lin.in_features, list(lin.own_paths()), lin.bits] for lin in linears]
+    return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+
+
 def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
          cache_dir: Path | None, refresh: bool = False,
          timed: list[QuantLinear] | None = None, threads: int | None = None) -> tuple[KernelPlan, KernelTimings]:
     """Time every path over `timed` (default: the whole decoder) or read the timings this
-    machine cached, then keep what the fastest choice per row count needs in all of `decoder`.
+    machine cached for weights of these shapes (`shapes_key`), then keep what the fastest choice
+    per row count needs in all of `decoder`.
     Where no decoder weight offers a choice of own kernel (every one on its format's only kernel,
     as a Q4_K_M's), the head's scan, which does, is timed too: its sampled rows' kernel is chosen."""
     timed = timed or decoder
@@ -233,7 +241,8 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
 
     sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
                for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
-    timings = load_or_time(rows, {**model_key, **sources}, cache_dir, measure, refresh, threads)
+    key = {**model_key, "shapes": shapes_key(timed), **sources}
+    timings = load_or_time(rows, key, cache_dir, measure, refresh, threads)
     plan = apply_plan(decoder, head, timings)
     log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,
              f" in tiles of {plan.tile} rows" if plan.tile else "")

@@ -49,7 +49,7 @@ class QuantizedRunner:
         self.plan: KernelPlan
         self.timings: KernelTimings
         self.plan, self.timings = tune(decoder, net.lm_head, s.kernel_rows or engine_rows(512),
-                                       {"model": str(s.model_dir), "quantization": s.quantization}, s.cache_dir,
+                                       {"quantization": s.quantization}, s.cache_dir,
                                        s.retime, timed_linears(net), s.tune_threads)
         self.layers = cpu_layers(net)
         self.heads = cpu_heads(net)
