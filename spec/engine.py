@@ -14,6 +14,7 @@ also with no drafter.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -57,6 +58,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("tercel.engine")
 CURVE_ROUNDS = 5        # timed forwards per row count for the adaptive controller's cost curve
 CURVE_CONTEXT = 256     # tokens before the timed rows: about a chat request's context
+
+
+def freeze_loaded_objects() -> None:
+    """Moves every live object out of the cyclic GC's reach, until the process exits."""
+    gc.collect()
+    gc.freeze()
+    # Exit's collection must see them again: cycles left frozen outlive finalization, and nanobind
+    # bindings among them (triton's, which torch._dynamo imports) print leak warnings at exit.
+    atexit.unregister(gc.unfreeze)          # one hook, however many engines a process loads
+    atexit.register(gc.unfreeze)
 
 
 @dataclass(eq=False)
@@ -194,8 +205,7 @@ class LLMEngine:
         # as n-gram indexing of a long prompt) walks every object of the process: in a large
         # test process decoding was several times slower with the collector on than with it
         # off (figures: docs/performance.md, "Engine step").
-        gc.collect()
-        gc.freeze()
+        freeze_loaded_objects()
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.
