@@ -12,7 +12,9 @@ from serving.tools.formats import FORMATS
 from verifier.model.loader import DEFAULT_MODEL
 
 log = logging.getLogger("tercel.serve")
-DEFAULT_DRAFTER = "ngram"   # a lookup: no model or corpus to load (`make serve` passes suffix)
+# Suffix decoding: a lookup (no model or corpus to load), at or above n-gram on each Spec-Bench task
+# under the cost model (docs/performance.md, "On an AMD EPYC (Zen 4)"); `make serve` runs the same.
+DEFAULT_DRAFTER = "suffix"
 
 
 def add_serve_args(sub) -> None:
@@ -25,7 +27,7 @@ def add_serve_args(sub) -> None:
     p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling defaults for fields a request leaves out, from the model's generation_config.json "
                         "(auto), another folder's, or none")
-    add_speculation_args(p, DEFAULT_DRAFTER, "ngram (default), suffix, eagle3:PATH, small:PATH, tree:SPEC, or 'none'")
+    add_speculation_args(p, DEFAULT_DRAFTER, "suffix (default), ngram, eagle3:PATH, small:PATH, tree:SPEC, or 'none'")
     p.add_argument("--no-adaptive", action="store_true",
                    help="every request verifies its drafter's whole tree every step, whatever it costs")
     p.add_argument("--no-jump-forward", action="store_true",
