@@ -20,13 +20,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The server drafts with suffix decoding (its requests' prompts and outputs and recent replies):
-# at or above the datastore drafter on MT-bench and Spec-Bench with AVX-512, within noise of it
-# and of n-gram with AVX2 (docs/performance.md, "Adaptive speculation", fourth run).
-DRAFTER ?= suffix
-
+# `tercel serve`'s own default drafter is suffix decoding (serving/server.py, DEFAULT_DRAFTER);
+# `make serve DRAFTER=ngram` (or none) runs another.
 serve: $(STAMP)
-	$(VENV)/bin/tercel serve --drafter $(DRAFTER) $(SERVE_ARGS)
+	$(VENV)/bin/tercel serve $(if $(DRAFTER),--drafter $(DRAFTER),) $(SERVE_ARGS)
 
 chat: $(STAMP)
 	$(VENV)/bin/tercel chat $(if $(PROMPT),"$(PROMPT)",)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from bench.data import DATA
 
@@ -43,11 +44,11 @@ def session(question: str, solution_steps: list[tuple[str, str]], shown: int) ->
     return messages
 
 
-def agent_sessions(limit: int | None = None, min_steps: int = 2) -> list[list[dict]]:
-    """Message lists from the held-out GSM8K problems with at least `min_steps` calculations,
-    in file order, at most `limit`; each shows the first half of its steps."""
+def agent_sessions(limit: int | None = None, min_steps: int = 2, path: Path | None = None) -> list[list[dict]]:
+    """Message lists from the held-out GSM8K problems (or the conversations in `path`) with at
+    least `min_steps` calculations, in file order, at most `limit`; each shows the first half of its steps."""
     out = []
-    with open(DATA / "heldout" / "gsm8k_test.jsonl") as f:
+    with open(path or DATA / "heldout" / "gsm8k_test.jsonl") as f:
         for line in f:
             conv = json.loads(line)["conversations"]
             found = steps(conv[1]["content"])

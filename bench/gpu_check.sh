@@ -29,7 +29,8 @@
 # GPU_CHECK_KEEP_GOING=1 (run the later stages after a failure; default: stop at the first),
 # GPU_CHECK_STAGES (the stages to run, e.g. "install test-gpu train"; default all),
 # GPU_CHECK_TARGET (model to train for, default the default model), GPU_CHECK_TRAIN_ARGS (more
-# train-drafter flags, e.g. to shrink the dry run), GPU_CHECK_DATA (a data folder to use as is).
+# train-drafter flags, e.g. to shrink the dry run), GPU_CHECK_DATA (a data folder to use as is;
+# without it the carried data.tgz, else TERCEL_DATA, else ../shared/data).
 set -uo pipefail
 
 STASH_ONLY=0
@@ -125,10 +126,10 @@ if torch.cuda.is_available():
 EOF
 }
 
-use_data() {  # the data folder: as given, else the carried archive, else ../shared/data
+use_data() {  # the data folder: as given, else the carried archive, else $TERCEL_DATA or ../shared/data
   if [[ -n ${GPU_CHECK_DATA:-} ]]; then DATA=$GPU_CHECK_DATA
   elif [[ -f $STASH/data.tgz ]]; then mkdir -p "$WORK/data" && tar xzf "$STASH/data.tgz" -C "$WORK/data" && DATA=$WORK/data
-  else DATA=$REPO/../shared/data; fi
+  else DATA=${TERCEL_DATA:-$REPO/../shared/data}; fi
   export TERCEL_DATA=$DATA
 }
 

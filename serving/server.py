@@ -1,7 +1,6 @@
 """`tercel serve`: load the model, start the engine thread, serve HTTP with uvicorn."""
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -13,7 +12,9 @@ from serving.tools.formats import FORMATS
 from verifier.model.loader import DEFAULT_MODEL
 
 log = logging.getLogger("tercel.serve")
-DEFAULT_DRAFTER = "ngram"   # a lookup: no model or corpus to load (`make serve` passes suffix)
+# Suffix decoding: a lookup (no model or corpus to load), at or above n-gram on each Spec-Bench task
+# under the cost model (docs/performance.md, "On an AMD EPYC (Zen 4)"); `make serve` runs the same.
+DEFAULT_DRAFTER = "suffix"
 
 
 def add_serve_args(sub) -> None:
@@ -26,7 +27,7 @@ def add_serve_args(sub) -> None:
     p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling defaults for fields a request leaves out, from the model's generation_config.json "
                         "(auto), another folder's, or none")
-    add_speculation_args(p, DEFAULT_DRAFTER, "ngram (default), suffix, eagle3:PATH, small:PATH, tree:SPEC, or 'none'")
+    add_speculation_args(p, DEFAULT_DRAFTER, "suffix (default), ngram, eagle3:PATH, small:PATH, tree:SPEC, or 'none'")
     p.add_argument("--no-adaptive", action="store_true",
                    help="every request verifies its drafter's whole tree every step, whatever it costs")
     p.add_argument("--no-jump-forward", action="store_true",
@@ -154,7 +155,7 @@ def launch_app(args):
     from serving.app import build_app
     from serving.bridge import EngineBridge, debug_from_env
     from serving.metrics import Metrics
-    from spec.engine import LLMEngine
+    from spec.engine import LLMEngine, freeze_loaded_objects
 
     config = engine_config(args)
     limits = server_limits(args)
@@ -166,15 +167,6 @@ def launch_app(args):
     freeze_loaded_objects()
     return bridge, build_app(bridge, app_config)
 
-
-def freeze_loaded_objects() -> None:
-    """Everything loaded so far lives as long as the server: move it out of the cyclic GC's reach.
-    Otherwise a full collection (triggered by allocation-heavy steps such as n-gram indexing of a
-    long prompt) walks every object of the process (figures: docs/performance.md, "Engine step").
-    Only here: a frozen cycle is never collected, so an engine dropped in a longer-lived process
-    (a script, a test) would keep its memory."""
-    gc.collect()
-    gc.freeze()
 
 
 def server_config(args, limits):

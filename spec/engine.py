@@ -58,6 +58,20 @@ CURVE_ROUNDS = 5        # timed forwards per row count for the adaptive controll
 CURVE_CONTEXT = 256     # tokens before the timed rows: about a chat request's context
 
 
+def freeze_loaded_objects() -> None:
+    """Moves every live object out of the cyclic GC's reach, until the process exits: what a
+    long-lived server loaded, so that a full collection (triggered by allocation-heavy steps such
+    as n-gram indexing of a long prompt) does not walk it (docs/performance.md, "Engine step").
+    Not the engine's own doing: a frozen cycle is never collected, so an engine dropped in a
+    longer-lived process (a script, the tests) would keep its memory."""
+    gc.collect()
+    gc.freeze()
+    # Exit's collection must see them again: cycles left frozen outlive finalization, and nanobind
+    # bindings among them (triton's, which torch._dynamo imports) print leak warnings at exit.
+    atexit.unregister(gc.unfreeze)          # one hook, however many engines a process loads
+    atexit.register(gc.unfreeze)
+
+
 @dataclass(eq=False)
 class SeqPlan:
     """One scheduled sequence on its way through a step: `_draft` makes one per scheduled

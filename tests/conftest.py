@@ -1,7 +1,6 @@
 """Shared fixtures. Tests run on the CPU; the default model is loaded once per session."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -11,7 +10,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The public prompt sets and conversations (README, "Benchmark data"): outside the repository.
 SHARED_DATA = Path(os.environ.get("TERCEL_DATA", ROOT.parent / "shared" / "data"))
+FIXTURES = ROOT / "tests" / "data"          # the few prompts every test may read (tests/data/README.md)
+BENCH_PROMPTS = FIXTURES / "bench_prompts.jsonl"
+MTBENCH_HEAD = FIXTURES / "mtbench_head.jsonl"
 
 
 GPU_SUITE = ROOT / "tests" / "gpu"
@@ -74,25 +77,56 @@ def pytest_collection_finish(session):
     """What the test modules' imports loaded (torch, transformers, the engine's modules) lives as
     long as the process: out of the cyclic GC's reach, so that its full collections walk only the
     tests' own objects (docs/performance.md, "Engine step"). Engines are built later, unfrozen,
-    so that a dropped one is collected."""
-    gc.collect()
-    gc.freeze()
+    so that a dropped one is collected; unfrozen at exit, so that triton's bindings (transformers
+    imports them) are collected before nanobind counts its leaks."""
+    from spec.engine import freeze_loaded_objects
+    freeze_loaded_objects()
+
+
+def shared_data(relative: str) -> Path:
+    """A path in the shared data folder; the calling test skips where it is absent (a clone
+    without ../shared beside it), saying how to point at it."""
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(f"{path} not found: set TERCEL_DATA to the shared data folder (Spec-Bench, MT-bench, "
+                    "training conversations; README, \"Benchmark data\")")
+    return path
+
+
+def question_rows(path: Path) -> list[dict]:
+    """The rows of a question file (`{"question_id", "category", "turns"}` per line)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def mtbench_prompts(n: int) -> list[str]:
-    path = SHARED_DATA / "mtbench" / "question.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The first turns of the first `n` MT-bench questions, from the copy in tests/data (8 of them)."""
+    rows = question_rows(MTBENCH_HEAD)
+    if n > len(rows):
+        raise ValueError(f"tests/data holds {len(rows)} MT-bench questions; read more with shared_data()")
     return [r["turns"][0] for r in rows[:n]]
+
+
+def arithmetic_conversations(n: int) -> list[dict]:
+    """`n` word problems with worked replies, in the common conversation schema: training data
+    written here, so that training tests need no data set."""
+    names, things = ("Ava", "Ben", "Chloe", "Dev", "Ema", "Femi"), ("apples", "stamps", "marbles", "books")
+    rows = []
+    for i in range(n):
+        who, what = names[i % len(names)], things[i % len(things)]
+        a, b, c = 5 + 7 * i % 23, 2 + 5 * i % 11, 1 + 3 * i % 5
+        question = (f"{who} has {a} {what}. {who} buys {b} more, then gives {c} to a friend. "
+                    f"How many {what} does {who} have now?")
+        reply = (f"{who} starts with {a} {what}. After buying {b} more, {who} has {a} + {b} = {a + b} {what}. "
+                 f"After giving {c} away, {who} has {a + b} - {c} = {a + b - c} {what}. The answer is {a + b - c}.")
+        rows.append({"id": f"arith-{i}", "source": "tests/arithmetic",
+                     "conversations": [{"role": "user", "content": question},
+                                       {"role": "assistant", "content": reply}]})
+    return rows
 
 
 def slow_marked(cases, slow) -> list:
     """Parametrize values: the names in `slow` marked slow (run by `make test-slow` only)."""
     return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
-
-
-def load_jsonl_prompts(path: Path, n: int) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,19 @@ from bench.data import SPECBENCH_TASKS, load_datasets
 from bench.grid import Cell, build_cells, parse_range
 from bench.stats import acceptance
 from bench.summary import best_per_task, summarise
+from conftest import BENCH_PROMPTS, arithmetic_conversations, shared_data
 from serving.cli import main as tercel
 from spec import LLM, SamplingParams
 from spec.profile import load_profile
 
-TINY_GRID = ["--tasks", "qa,rag", "--limit", "1", "--max-tokens", "16", "--ignore-eos", "--repeats", "1"]
+# The prompts of tests/data (tasks qa and rag): the tiny runs need no data set.
+TINY_GRID = ["--dataset", str(BENCH_PROMPTS), "--tasks", "qa,rag", "--limit", "1", "--max-tokens", "16",
+             "--ignore-eos", "--repeats", "1"]
 
 
 # ---- datasets -------------------------------------------------------------------------------
 def test_specbench_has_six_tasks_in_file_order():
+    shared_data("specbench/question.jsonl")          # the public set itself: skips without it
     data = load_datasets(["specbench"], limit=10)
     assert tuple(data.tasks()) == SPECBENCH_TASKS
     assert all(len(ps) == 10 for ps in data.by_task().values()) and not data.skipped
@@ -29,6 +33,7 @@ def test_specbench_has_six_tasks_in_file_order():
 
 
 def test_mtbench_second_turn_follows_the_models_answer():
+    shared_data("mtbench/question.jsonl")
     p = load_datasets(["mtbench"], tasks=["coding"], limit=1, both_turns=True).prompts[0]
     assert p.task == "coding" and len(p.turns) == 2
     msgs = p.messages(["my first answer"])
@@ -55,7 +60,7 @@ def test_jsonl_prompts_conversations_and_malformed_lines(tmp_path):
 
 def test_dataset_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unknown task.*nope"):
-        load_datasets(["specbench"], tasks=["nope"])
+        load_datasets([str(BENCH_PROMPTS)], tasks=["nope"])
     with pytest.raises(ValueError, match="not found"):
         load_datasets([str(tmp_path / "missing.jsonl")])
     (tmp_path / "bad.jsonl").write_text("{}\n[1]\n")
@@ -206,7 +211,8 @@ def test_interrupted_run_keeps_results_and_resumes(tmp_path, tiny_llama_dir, mon
     (["replay", "--drafter", "tree:eagle3+ngram"], "lookup drafters only"),
 ])
 def test_bad_input_exits_2_with_a_message(bad, message, tiny_llama_dir, capsys):
-    assert tercel(["bench", *bad, "--model", str(tiny_llama_dir), "--max-tokens", "4"]) == 2
+    args = ["--model", str(tiny_llama_dir), "--max-tokens", "4", "--dataset", str(BENCH_PROMPTS)]
+    assert tercel(["bench", *bad, *args]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -246,13 +252,15 @@ def test_kernels_prints_the_timings_and_the_choice(tiny_llama_dir, capsys):
     assert re.search(r"Decode and verify rows take (int4|q4x16)\. Prefill rows take", out)
 
 
-def test_agent_sessions_call_the_calculator_for_each_shown_step():
+def test_agent_sessions_call_the_calculator_for_each_shown_step(tmp_path):
     import json
 
     from bench.agent import agent_sessions, steps
     assert steps("It takes 2/2=1 bolt.\nSo 80,000+50,000=$130,000 and 3 * 4 = 12.") == \
         [("2/2", "1"), ("80000+50000", "130000"), ("3 * 4", "12")]
-    sessions = agent_sessions(3)
+    solved = tmp_path / "solved.jsonl"          # worked problems of two calculations each
+    solved.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_conversations(4)))
+    sessions = agent_sessions(3, path=solved)
     assert len(sessions) == 3
     for s in sessions:
         assert [m["role"] for m in s[:2]] == ["system", "user"] and s[-1]["role"] == "user"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SHARED_DATA
+from conftest import MTBENCH_HEAD, ROOT, arithmetic_conversations
 
 WHEEL = "tercel_probe-1.0-py3-none-any.whl"
 
@@ -56,12 +56,14 @@ def run_check(tmp_path: Path, carry: Path, **env) -> subprocess.CompletedProcess
 
 @pytest.fixture
 def dry_data(tmp_path):
-    """train/ with a dozen GSM8K conversations and mtbench/ with the questions."""
+    """The shared data folder's layout, filled from tests: train/ with a dozen conversations and
+    mtbench/ with the questions of tests/data."""
     data = tmp_path / "data"
-    (data / "train").mkdir(parents=True)
-    rows = (SHARED_DATA / "train" / "gsm8k_train.jsonl").read_text().splitlines()[:12]
-    (data / "train" / "gsm8k.jsonl").write_text("\n".join(rows) + "\n")
-    shutil.copytree(SHARED_DATA / "mtbench", data / "mtbench")
+    for folder in ("train", "mtbench"):
+        (data / folder).mkdir(parents=True)
+    rows = arithmetic_conversations(12)
+    (data / "train" / "arithmetic.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.copy(MTBENCH_HEAD, data / "mtbench" / "question.jsonl")
     return data
 
 

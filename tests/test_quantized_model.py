@@ -152,8 +152,10 @@ def test_quality_gate_on_a_short_text(int4, smollm2_dir):
     """Teacher-forced on 8 held-out replies (about 700 positions): top-1 agreement with the
     fp32 weights >= 99%, perplexity ratio <= 1.01."""
     from bench.quality import compare, heldout_conversations
+    from conftest import shared_data
+    heldout = shared_data("heldout/gsm8k_test.jsonl")      # a measure on the public set: skips without it
     reference = TargetModel(str(smollm2_dir), quantization="none")
-    convs = heldout_conversations(reference.tokenizer, 8)
+    convs = heldout_conversations(reference.tokenizer, 8, path=heldout)
     q = compare(reference, int4, convs)
     print(f"{q.positions} positions: agreement {q.agreement:.4f}, perplexity ratio {q.ppl_ratio:.4f}")
     assert q.positions > 500

@@ -295,9 +295,11 @@ def test_bench_accept_under_tp2(tiny_llama_dir, capsys):
     """`tercel bench accept --tensor-parallel-size 2` runs its cells on a two-rank engine (the
     tiny model with the SmolLM2 tokenizer, so the chat template applies). In the slow suite: it
     adds the benchmark's own set-up (datasets, templates) to a TP engine's start."""
+    from conftest import BENCH_PROMPTS
     from serving.cli import main
-    rc = main(["bench", "accept", "--model", str(tiny_llama_dir), "--tasks", "qa", "--limit", "1",
-               "--max-tokens", "8", "--ignore-eos", "--gamma", "2", "--threads", "1", "--tensor-parallel-size", "2"])
+    rc = main(["bench", "accept", "--model", str(tiny_llama_dir), "--dataset", str(BENCH_PROMPTS), "--tasks", "qa",
+               "--limit", "1", "--max-tokens", "8", "--ignore-eos", "--gamma", "2", "--threads", "1",
+               "--tensor-parallel-size", "2"])
     assert rc == 0 and "| ngram | γ2 k1 |" in capsys.readouterr().out
 
 

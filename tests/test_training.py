@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import SHARED_DATA
+from conftest import MTBENCH_HEAD, arithmetic_conversations
 from drafters.conversations import DataError, load_conversations, parse_line
 from drafters.eagle3 import load_head
 from pinned import WHOLE_TREES
@@ -94,9 +94,8 @@ def test_batches_respect_the_token_budget_and_cover_everything():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    rows = [json.loads(line) for line in (SHARED_DATA / "train" / "gsm8k_train.jsonl").open()][:12]
     path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
-    return write_jsonl(path, rows + ["{broken"])
+    return write_jsonl(path, arithmetic_conversations(12) + ["{broken"])
 
 
 def _args(tiny_llama_dir, data, out, *extra):
@@ -147,7 +146,7 @@ def test_the_gpu_recipe_is_one_invocation(tiny_llama_dir, tiny_data, tmp_path, c
     out = tmp_path / "recipe"
     assert train_main(_args(tiny_llama_dir, tiny_data, out, "--regenerate", "--regen-max-tokens", "8",
                             "--draft-vocab", "49152", "--ttt-steps", "3", "--dtype", "bf16", "--max-tokens", "300",
-                            "--eval-data", str(SHARED_DATA / "mtbench" / "question.jsonl"), "--eval-prompts", "2",
+                            "--eval-data", str(MTBENCH_HEAD), "--eval-prompts", "2",
                             "--eval-tokens", "8")) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["data"]["regenerated"] and (out / "regenerated.jsonl").is_file()
