@@ -14,6 +14,8 @@ also with no drafter.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -68,7 +70,7 @@ def freeze_loaded_objects() -> None:
     gc.freeze()
     # Exit's collection must see them again: cycles left frozen outlive finalization, and nanobind
     # bindings among them (triton's, which torch._dynamo imports) print leak warnings at exit.
-    atexit.unregister(gc.unfreeze)          # one hook, however many engines a process loads
+    atexit.unregister(gc.unfreeze)          # one hook, however often a process freezes
     atexit.register(gc.unfreeze)
 
 
