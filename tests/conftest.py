@@ -1,6 +1,7 @@
 """Shared fixtures. Tests run on the CPU; the default model is loaded once per session."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -30,6 +31,31 @@ def _threads_left_by_neighbours():
     from verifier.cpu.cpus import cpu_budget, free_cpus
     torch.set_num_threads(free_cpus(cpu_budget().threads))
     yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _heap_returned_after_each_module():
+    """After a module's engines are dropped, glibc keeps their freed heap pages mapped for the
+    next allocation (most of a dropped engine's resident memory, measured: docs/performance.md,
+    "Test suite"); the suite's peak is then every module's high-water mark stacked. Handing the
+    pages back keeps it at the largest module's."""
+    yield
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None     # musl has none
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 
 class FakeNeighbours:
