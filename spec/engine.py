@@ -29,6 +29,7 @@ from drafters.prediction import PredictionDrafter, join_prediction
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
+from spec.curve_cache import cached_curve
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import NO_TOKEN_ALLOWED, RequestError, RequestFault
 from spec.prompt_logprobs import prompt_logprobs
@@ -230,7 +231,8 @@ class LLMEngine:
     def _cost_curve(self) -> CostCurve | None:
         """The adaptive controller's cost curve: a verify forward timed at each tree size and
         at batches of trees, after a CURVE_CONTEXT-token prefix (each row's attention reads
-        it, as a request's does). None where the KV pool or the context has no room."""
+        it, as a request's does), or as this machine timed it for a target of the same shapes
+        (spec/curve_cache.py). None where the KV pool or the context has no room."""
         tree = 1 + self.spec_config.max_nodes
         widest = min(self.config.max_num_seqs * tree, self.config.max_num_batched_tokens)
         rows = list(range(1, tree + 1)) + [r for r in (tree * 2 ** i for i in range(1, 8)) if r < widest] \
@@ -238,6 +240,12 @@ class LLMEngine:
         ctx = max(0, min(CURVE_CONTEXT, self.max_model_len - widest - 1))
         if self.blocks.blocks_needed(None, ctx + widest) > self.blocks.num_free_blocks:
             return None
+        return cached_curve(self.target, rows, ctx, self.config.block_size, CURVE_ROUNDS,
+                            lambda: self._time_curve(rows, tree, ctx))
+
+    def _time_curve(self, rows: list[int], tree: int, ctx: int) -> CostCurve:
+        """The forward timed at each of `rows` after `ctx` tokens (the counts past `tree` are batches)."""
+        widest = rows[-1]
         with self.blocks.scratch(-1, ctx + widest) as table:
             for start in range(0, ctx, self.config.max_num_batched_tokens):
                 chunk = min(ctx - start, self.config.max_num_batched_tokens)

@@ -81,6 +81,20 @@ def neighbours(monkeypatch):
     return set_busy
 
 
+@pytest.fixture
+def quick_timings(monkeypatch, tmp_path):
+    """The kernel and attention timings taken once per case instead of as medians of several: for
+    tests of what is timed and how it is reported, never of what the timings chose. They are
+    cached under a test-private TERCEL_CACHE, never where a server would read them."""
+    import functools
+
+    from verifier.quantized import attention_tuning, quantize
+    monkeypatch.setenv("TERCEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(attention_tuning, "measure",
+                        functools.partial(attention_tuning.measure, rounds=1, calls=1))
+    monkeypatch.setattr(quantize, "time_paths", functools.partial(quantize.time_paths, repeats=1))
+
+
 def _gpu_suite_skip() -> str | None:
     import torch
     if not torch.cuda.is_available():

@@ -304,3 +304,24 @@ def test_engine_measures_its_cost_curve_at_load(tiny_llama_dir):
     assert curve.rows[:4] == (1, 2, 3, 4) and curve.rows[-1] == 16      # a tree, then a batch of them
     assert list(curve.ms) == sorted(curve.ms)
     assert LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).engine.adaptive.cost is None
+
+
+def test_the_cost_curve_is_timed_once_per_machine_and_shape(tiny_llama_dir, tmp_path, monkeypatch, neighbours):
+    """A quiet load times the curve and caches it; a target of the same shapes (another copy of
+    the model) reads it back; timings taken beside a busy neighbour are not kept."""
+    import shutil
+
+    from spec import LLM
+    from spec.engine import LLMEngine
+    monkeypatch.setenv("TERCEL_CACHE", str(tmp_path / "cache"))
+    timed, time_curve = [], LLMEngine._time_curve
+    monkeypatch.setattr(LLMEngine, "_time_curve", lambda self, *a: timed.append(1) or time_curve(self, *a))
+    copy = shutil.copytree(tiny_llama_dir, tmp_path / "copy")
+    kw = dict(max_model_len=256, num_kv_blocks=64, max_num_seqs=2, drafter="ngram")
+    neighbours(2.0)
+    LLM(str(tiny_llama_dir), **kw)
+    neighbours(0.0)
+    first = LLM(str(tiny_llama_dir), **kw).engine.adaptive.cost.curve
+    again = LLM(str(copy), **kw).engine.adaptive.cost.curve
+    assert len(timed) == 2 and again == first
+    assert len(list((tmp_path / "cache" / "kernels").glob("curve-*.json"))) == 1

@@ -24,7 +24,7 @@ def test_the_threshold_is_the_smallest_work_won_at_every_larger_size():
     assert choose(serial, {(1, 64): 9.0, (1, 128): 19.5, (1, 256): 25.0}, heads=9) == 256 * 9
 
 
-def test_tune_measures_once_per_machine_and_sets_the_heads(tmp_path, monkeypatch, neighbours):
+def test_tune_measures_once_per_machine_and_sets_the_heads(tmp_path, monkeypatch, neighbours, quick_timings):
     """The first load measures and caches; the next reads the cache (no timing); both set
     Heads.parallel_from, which the kernels read at each call."""
     hd = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)

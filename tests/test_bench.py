@@ -242,7 +242,7 @@ def test_speed_measures_each_quantization_against_the_first(tmp_path, tiny_llama
     assert tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--quantization", "int3"]) == 2
 
 
-def test_kernels_prints_the_timings_and_the_choice(tiny_llama_dir, capsys):
+def test_kernels_prints_the_timings_and_the_choice(tiny_llama_dir, capsys, quick_timings):
     rc = tercel(["bench", "kernels", "--model", str(tiny_llama_dir), "--quantization", "int4"])
     out = capsys.readouterr().out
     from verifier.cpu import cpu_ops

@@ -35,6 +35,14 @@ DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER = SOURCE
 INTEGER_MATMULS = [Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL]   # one runner (mixed_matmul.c) over the layouts' tiles
 # included by the sources: part of the library's cache key
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
+
+
+def sources_digest() -> str:
+    """Every C/C++ source and header the kernels build from: a timing taken on other kernels is stale."""
+    files = sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".cpp", ".h"))
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:16]
+
+
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
