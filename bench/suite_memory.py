@@ -2,7 +2,7 @@
 the process's resident and peak memory after it, and at each module's end the live engines and
 the resident memory before and after glibc hands freed heap back (what tests/conftest.py does).
 
-    .venv/bin/python -m pytest -q -p bench.suite_memory            # writes suite_memory.jsonl
+    .venv/bin/python -m pytest -q -p bench.suite_memory            # appends to suite_memory.jsonl
     SUITE_MEMORY=out.jsonl .venv/bin/python -m pytest -q -p bench.suite_memory tests/test_server.py
 
 Read it with `python -m bench.suite_memory out.jsonl`: the tests that raised the peak, and the
@@ -33,10 +33,11 @@ def _memory() -> dict[str, int]:
 
 
 def _write(row: dict) -> None:
+    """Appends: tests that run pytest in a child process inherit the plugin and write there too."""
     global _out
     if _out is None:
-        _out = open(os.environ.get("SUITE_MEMORY", "suite_memory.jsonl"), "w")
-    _out.write(json.dumps(row) + "\n")
+        _out = open(os.environ.get("SUITE_MEMORY", "suite_memory.jsonl"), "a")
+    _out.write(json.dumps({**row, "pid": os.getpid()}) + "\n")
     _out.flush()
 
 
@@ -59,7 +60,10 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def report(path: str) -> str:
-    rows = [json.loads(line) for line in open(path)]
+    """The suite's own process: the one that wrote the most rows (children run a few tests)."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    main = Counter(r.get("pid") for r in rows).most_common(1)[0][0]
+    rows = [r for r in rows if r.get("pid") == main]
     tests = [r for r in rows if "test" in r]
     lines, peak = ["Tests that raised the peak (MiB):"], 0
     for r in tests:
