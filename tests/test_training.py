@@ -99,7 +99,9 @@ def tiny_data(tmp_path_factory):
 
 
 def _args(tiny_llama_dir, data, out, *extra):
-    return ["--target", str(tiny_llama_dir), "--data", str(data), "--output", str(out),
+    """fp32 unless `extra` says otherwise: `--dtype auto` picks by timing a probe step in each dtype
+    (tests/test_precision.py), seconds of emulated bf16 where the CPU has no bf16 instructions."""
+    return ["--target", str(tiny_llama_dir), "--data", str(data), "--output", str(out), "--dtype", "fp32",
             "--batch-tokens", "1024", "--checkpoint-every", "2", "--max-len", "200", *extra]
 
 
@@ -145,7 +147,7 @@ def test_the_gpu_recipe_is_one_invocation(tiny_llama_dir, tiny_data, tmp_path, c
     steps, evaluate on MT-bench questions: one command, with tokens/s on the progress bars."""
     out = tmp_path / "recipe"
     assert train_main(_args(tiny_llama_dir, tiny_data, out, "--regenerate", "--regen-max-tokens", "8",
-                            "--draft-vocab", "49152", "--ttt-steps", "3", "--dtype", "bf16", "--max-tokens", "300",
+                            "--draft-vocab", "4096", "--ttt-steps", "3", "--dtype", "bf16", "--max-tokens", "300",
                             "--eval-data", str(MTBENCH_HEAD), "--eval-prompts", "2",
                             "--eval-tokens", "8")) == 0
     summary = json.loads((out / "training_summary.json").read_text())
