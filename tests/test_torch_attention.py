@@ -70,3 +70,23 @@ def test_contiguous_range_start():
     assert contiguous_range_start([6, 4, 5]) == 4
     assert contiguous_range_start([4, 6, 7]) is None
     assert contiguous_range_start([4, 4, 5]) is None
+
+
+def _resident_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_a_cpu_pool_is_zero_and_costs_memory_only_where_written():
+    """The KV pool's pages are committed as blocks are first written: an engine's 1 GiB default
+    pool costs what its requests used (a test process built dozens of them)."""
+    from verifier.attention.kv_cache import KVCache
+    before = _resident_mib()
+    kv = KVCache(num_layers=4, num_blocks=4096, block_size=16, num_kv_heads=4, head_dim=64,
+                 dtype=torch.bfloat16, device="cpu")                  # 512 MiB of k and v
+    assert _resident_mib() - before < 64
+    k0, v0 = kv.layer(0)
+    k0[1].fill_(1.0)
+    kv.copy_slots([16], [32])                                         # block 1's first slot to block 2's
+    assert torch.count_nonzero(kv.k[0, 2, 0]) == 4 * 64 and torch.count_nonzero(kv.k) == 17 * 4 * 64
+    assert torch.count_nonzero(kv.v) == 0 and v0.dtype == torch.bfloat16

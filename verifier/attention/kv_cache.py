@@ -52,10 +52,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """A zeroed pool. On the CPU it lies in an anonymous mapping, whose pages the kernel commits
     only when first written: a pool costs resident memory for the blocks requests have used, not
     for its size (torch.zeros writes every page), and the mapping goes when the last view does."""
-    if torch.device(device).type != "cpu":
+    count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
 
 
 def slot_of(block_table: list[int], pos: int, block_size: int) -> int:
