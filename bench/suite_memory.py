@@ -1,6 +1,6 @@
 """Where `make test`'s memory goes: a pytest plugin that writes, for each test, its seconds and
-the process's resident and peak memory after it, and at each module's end the live engines and
-the resident memory before and after glibc hands freed heap back (what tests/conftest.py does).
+the process's resident and peak memory after it, and at each module's end (its fixtures torn
+down, a collection run) the engines still alive and the resident memory.
 
     .venv/bin/python -m pytest -q -p bench.suite_memory            # appends to suite_memory.jsonl
     SUITE_MEMORY=out.jsonl .venv/bin/python -m pytest -q -p bench.suite_memory tests/test_server.py

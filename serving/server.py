@@ -168,7 +168,6 @@ def launch_app(args):
     return bridge, build_app(bridge, app_config)
 
 
-
 def server_config(args, limits):
     """The app's settings from the flags; the chat template and the sampling defaults are read
     here, so a missing file or a bad value stops the server before it listens."""

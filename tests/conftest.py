@@ -33,18 +33,6 @@ def _threads_left_by_neighbours():
     yield
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _heap_returned_after_each_module():
-    """After a module's engines are dropped, glibc keeps their freed heap pages mapped for the
-    next allocation (most of a dropped engine's resident memory, measured: docs/performance.md,
-    "Test suite"); the suite's peak is then every module's high-water mark stacked. Handing the
-    pages back keeps it at the largest module's."""
-    yield
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
 def _glibc():
     import ctypes
     import ctypes.util
@@ -56,6 +44,18 @@ def _glibc():
 
 
 _LIBC = _glibc()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _heap_returned_after_each_module():
+    """After a module's engines are dropped, glibc keeps their freed heap pages mapped for the
+    next allocation (most of a dropped engine's resident memory, measured: docs/performance.md,
+    "Test suite"); the suite's peak is then every module's high-water mark stacked. Handing the
+    pages back keeps it at the largest module's."""
+    yield
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 class FakeNeighbours:

@@ -56,7 +56,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     if torch.device(device).type != "cpu" or count == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def slot_of(block_table: list[int], pos: int, block_size: int) -> int:

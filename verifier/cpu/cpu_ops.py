@@ -37,10 +37,11 @@ INTEGER_MATMULS = [Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL]   # one runne
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
 
 
-def sources_digest() -> str:
-    """Every C/C++ source and header the kernels build from: a timing taken on other kernels is stale."""
-    files = sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".cpp", ".h"))
-    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:16]
+def sources_digest(paths: list[Path] | None = None) -> str:
+    """The kernels' sources as a timing's cache key (a timing taken on other kernels is stale):
+    `paths`, or every C/C++ source and header."""
+    paths = paths or sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".cpp", ".h"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in paths)).hexdigest()[:16]
 
 
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]

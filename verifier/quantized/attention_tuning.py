@@ -22,7 +22,6 @@ everywhere); `tercel bench kernels` prints the table.
 """
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -144,7 +143,7 @@ def tune(hd: cpu_ops.Heads, cache_dir: Path | None, refresh: bool = False,
          threads: int | None = None) -> AttentionTimings:
     """This machine's cached timings for these heads, else (or with `refresh`) new ones, which
     are cached; sets hd.parallel_from from them."""
-    kernels = hashlib.sha256(cpu_ops.DECODE_OPS.read_bytes()).hexdigest()[:16]   # a new kernel is timed anew
+    kernels = cpu_ops.sources_digest([cpu_ops.DECODE_OPS])   # a new kernel is timed anew
     key = {"format": FORMAT, "heads": [hd.nh, hd.nkv, hd.d], "kernels": kernels}
     timings = cached_measurement(cache_dir, "attention-", key, lambda: measure(hd), AttentionTimings.to_json,
                                  AttentionTimings.from_json, refresh, threads, crowded=_untrusted)

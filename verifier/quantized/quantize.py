@@ -239,7 +239,7 @@ def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], 
                 lin.add_dense(path)
         return time_paths(timed, rows)
 
-    sources = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()[:16]          # a new kernel is timed anew
+    sources = {path.stem: cpu_ops.sources_digest([path])          # a new kernel is timed anew
                for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
     key = {**model_key, "shapes": shapes_key(timed), **sources}
     timings = load_or_time(rows, key, cache_dir, measure, refresh, threads)
