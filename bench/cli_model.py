@@ -1,8 +1,8 @@
 """`tercel bench kernels` and `tercel bench quality`: the quantized target on this machine.
 
     tercel bench kernels [--quantization int4]
-        times every matmul path at the row counts the engine uses (and caches the timings
-        the engine then reads); prints them with the choice per row count
+        times the weights' own kernels over one layer at 1 to 512 rows (a load times 1 to 8,
+        what its choice reads); prints them with the choice
     tercel bench quality [--quantization int4,int8] [--limit 30]
         top-1 agreement and perplexity ratio against quantization=none on held-out replies
 """
@@ -39,18 +39,14 @@ def kernels_report(model: str, mode: str, args) -> str:
     t, plan = target.runner.timings, target.runner.plan
     exact = plan.own            # the sampled rows' kernel
     paths = list(t.ms)
-    lines = [f"quantization {target.quantization}: decoder matmuls of one forward, ms (the LM head is not "
-             "included)", "",
+    lines = [f"quantization {target.quantization}: the matmuls of one layer, ms", "",
              "| rows | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
     for m in t.rows:
         lines.append(f"| {m} | " + " | ".join("-" if t.ms[p].get(m) is None else f"{t.ms[p][m]:.2f}"
                                               for p in paths) + " |")
-    lines.append("| row-invariant | " + " | ".join("any count" if t.tiles[p] == [0] else
-                                                  f"tiles of {', '.join(map(str, t.tiles[p]))}" if t.tiles[p]
-                                                  else "no" for p in paths) + " |")
+    lines.append("| row-invariant | " + " | ".join("yes" if t.invariant[p] else "no" for p in paths) + " |")
     cliff = t.rows_before_cliff(exact)
-    lines += ["", f"Decode and verify rows take {exact}. Prefill rows take {plan.bulk}"
-              + (f", in tiles of {plan.tile} rows." if plan.tile else "."),
+    lines += ["", f"Every row (decode, verify and prompt rows) takes {exact}.",
               f"Verify steps stay within {cliff} rows where they can (the {exact} kernel's cost jumps above)."
               if cliff else f"No cost jump in the {exact} kernel up to 8 rows."]
     return "\n".join(lines + ["", attention_report(target.runner.attention_timings)])

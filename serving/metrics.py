@@ -64,6 +64,9 @@ class Metrics:
                                     ["threads"], registry=r)
         self.thread_step_seconds = Counter("tercel_thread_step_seconds", "engine step wall time by the CPU "
                                            "threads it ran on", ["threads"], registry=r)
+        self.memory = Gauge("tercel_memory_bytes", "bytes the engine holds by part, measured at load (weights, "
+                            "tables: embedding and head, other, kv_pool: reserved, resident: the process)",
+                            ["part"], registry=r)
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
         self.drafter_errors = Counter("tercel_drafter_errors", "drafter exceptions (the requests decoded plainly)",
                                       registry=r)
@@ -93,6 +96,8 @@ class Metrics:
         self.threads.set(s.threads)
         self._thread_steps(s)
         self._seen = s
+        for part, n in s.memory:
+            self.memory.labels(part=part).set(n)
         self.spec_enabled.set(1 if s.speculating else 0)
         self.spec_draft_budget.set(s.draft_budget)
 

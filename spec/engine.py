@@ -44,9 +44,9 @@ from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.cpu.cpus import IdleMeter, cpu_budget, free_cpus
 from verifier.cpu.machine import default_threads, on_threads
+from verifier.memory import available_bytes
 from verifier.model.tokenizer import prompt_ids
 from verifier.parallel import open_target
-from verifier.quantized.matmul_paths import engine_rows
 from verifier.sampling.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
 from verifier.sampling.logprobs import TokenLogprob, decided, row_logprob
 from verifier.sampling.sampler import greedy_token, make_generator, sample_token, target_probs, transform_logits
@@ -152,13 +152,23 @@ class LLMEngine:
             # and every call it makes on the target reaches all ranks (verifier/parallel.py).
             self.target: TargetModel = open_target(config.model, config.tensor_parallel_size, device=config.device,
                                                    backend=config.attention_backend, quantization=config.quantization,
-                                                   kernel_rows=engine_rows(config.max_num_batched_tokens),
                                                    num_threads=self.num_threads)
             try:
                 self._set_up(config)
             except BaseException:
                 self.target.close()     # a tensor-parallel target's workers must not outlive a failed load
                 raise
+
+    def _kv_pool_bytes(self, asked: int) -> int:
+        """`asked`, or on a CPU with less free than that after the load, nine tenths of what is free:
+        a CPU pool's pages are committed as they are written, and a pool past the memory would
+        meet the OOM killer mid-request instead of a full pool's preemption."""
+        free = available_bytes() if self.target.device.type == "cpu" else None
+        if free is None or asked <= 0.9 * free:
+            return asked
+        log.warning("KV pool: %.2f GB asked, %.2f GB free after the load: %.2f GB", asked / 1e9, free / 1e9,
+                    0.9 * free / 1e9)
+        return int(0.9 * free)
 
     def _set_up(self, config: EngineConfig) -> None:
         self.tokenizer = self.target.tokenizer
@@ -168,8 +178,10 @@ class LLMEngine:
             log.info("sliding window of %d tokens: served up to %d tokens, where it equals full attention",
                      mc.sliding_window, self.max_model_len)
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // self.target.kv_bytes_per_block(config.block_size))
+            1, self._kv_pool_bytes(config.kv_cache_bytes) // self.target.kv_bytes_per_block(config.block_size))
         self.target.allocate_kv(num_blocks, config.block_size)
+        self.memory = self.target.memory()
+        log.info("%s", self.memory.line())
         self.blocks = BlockManager(BlockManagerConfig(num_blocks, config.block_size,
                                                       config.enable_prefix_cache))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -368,7 +380,7 @@ class LLMEngine:
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),
             steps=self._steps, last_step_tokens=self._last_step_tokens,
-            timing=self.timing)
+            timing=self.timing, memory=tuple(self.memory.parts().items()))
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached blocks no request holds; returns how many."""

@@ -118,6 +118,7 @@ class EngineStats:
     steps: int = 0                  # engine steps that ran a forward
     last_step_tokens: int = 0       # tokens the last of them ran (prompt chunks, decode tokens, tree nodes)
     timing: PhaseTimes = PhaseTimes()
+    memory: tuple[tuple[str, int], ...] = ()   # bytes by part at load (verifier/memory.py:MemoryReport.parts)
 
     @property
     def kv_blocks_used(self) -> int:

@@ -54,6 +54,8 @@ def test_the_series_a_vllm_dashboard_reads(samples):
     assert value(samples, "tercel_iteration_tokens_count") >= 5       # at least a step per token
     assert value(samples, "tercel_kv_cache_usage_perc") == 0           # idle: nothing referenced
     assert value(samples, "tercel_preemptions_total") == 0
+    assert value(samples, "tercel_memory_bytes", part="weights") > 0 and value(samples, "tercel_memory_bytes",
+                                                                                part="kv_pool") > 0
     steps = [s for s in samples if s.name == "tercel_thread_steps_total"]     # every step, by its thread count
     assert steps and value(samples, "tercel_thread_steps_total") == value(samples, "tercel_iteration_tokens_count")
     assert all(value(samples, "tercel_thread_step_seconds_total", threads=s.labels["threads"]) > 0 for s in steps)

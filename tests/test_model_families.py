@@ -161,7 +161,8 @@ def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= set(blocks)
     from verifier.quantized.quantize import _projection          # the file's fused blocks, not a requantized copy
     fused = blocks["model.layers.0.self_attn.qkv_proj.weight"]
-    assert _projection(blocks, "model.layers.0.self_attn", "qkv_proj", torch.zeros(1), "int8") is fused
+    served = _projection(blocks, "model.layers.0.self_attn", "qkv_proj", torch.zeros(1), "int8")
+    assert torch.equal(served.q, fused.q) and torch.equal(served.scale, fused.scale)
     ids = list(range(10, 40))
     want = hf_logits(hf_dir, ids)
     got = logits(TargetModel(str(model), quantization="int8", load_tokenizer_files=False), ids)

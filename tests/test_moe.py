@@ -200,8 +200,9 @@ def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family
     want = logits(TargetModel(str(family_dir), quantization="none", load_tokenizer_files=False), ids)
     target = TargetModel(str(family_dir), quantization=mode, load_tokenizer_files=False)
     assert target.runner.native is None               # the experts run in the Python layer loop
-    top_k = target.config.moe.top_k                 # load times the experts one token reaches, not all
-    assert len(timed_linears(target.net)) == target.config.num_layers * (2 + 2 * top_k)
+    moe = target.config.moe                        # load times the experts one token reaches, not all
+    layer = target.runner.decoder[:2 + 2 * moe.num_experts]
+    assert timed_linears(layer, moe.top_k) == layer[:2 + 2 * moe.top_k]
     got = logits(target, ids)
     assert relative_error(got, want, mode) < tol
     target.allocate_kv(8, BLOCK)

@@ -14,7 +14,7 @@ from verifier.model.gguf_blocks import read_block_tensor
 from verifier.model.quant import (Int4KWeight, Int4Weight, Int8Weight, concat_rows, int4_group, int4_from_affine,
                                   per_channel, quantize_int4, quantize_int8)
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows, load_or_time, time_paths
-from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, served_weights
+from verifier.quantized.qlinear import QuantEmbedding, QuantLinear, served_weights
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -75,16 +75,14 @@ def test_quantizers_round_to_the_nearest_level():
 def _linear(kind: str, n: int = 64, k: int = 128, seed: int = 0) -> tuple[QuantLinear, torch.Tensor]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
     q = quantize_int4(w, 32) if kind == "int4" else quantize_int8(w)
-    lin = QuantLinear(q, None, KernelPlan(((1 << 20, kind),)))
+    lin = QuantLinear(q, None, KernelPlan(kind))
     return lin, served_weights(per_channel(q) if kind == "int8" else q).dequantize()
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_every_path_computes_the_served_weights(kind):
-    """The kernel and both dense copies agree with x @ W.T on the weights as served."""
+def test_every_own_kernel_computes_the_served_weights(kind):
+    """Each kernel the weight offers agrees with x @ W.T on the weights as served."""
     lin, w = _linear(kind, n=72)            # 72 output channels: the int4 kernel pads to 80
-    for path in DENSE_PATHS:            # bf16 only where oneDNN has bf16 kernels
-        lin.add_dense(path)
     x = torch.randn(5, 128)
     want = x.to(torch.bfloat16).float() @ w.t()
     for path in lin.paths():
@@ -107,17 +105,19 @@ def test_own_kernel_rows_are_batch_invariant(kind):
         assert torch.equal(lin.run(kind, rows)[min(3, m - 1)], alone[0]), f"{m} rows"
 
 
-def test_forward_serves_prefill_rows_on_the_plan_path_in_tiles():
-    lin, _ = _linear("int4")
-    dense = DENSE_PATHS[0]
-    lin.add_dense(dense)
-    lin.plan = KernelPlan(dense, tile=32)
-    x = torch.randn(40, 128)
-    padded = torch.cat([x, torch.zeros(24, 128)])
-    want = torch.cat([lin.run(dense, padded[:32]), lin.run(dense, padded[32:])])[:40]
-    assert torch.equal(lin.run_planned(x), want)
-    lin.plan = KernelPlan("int4")
-    assert torch.equal(lin.run_planned(x), lin.run("int4", x))
+def test_a_linear_holds_its_packed_kernels_only():
+    """No dense copy: a QuantLinear's bytes are its kernels' packed layouts, about half a byte a
+    weight for int4 (a dense bf16 copy alone would be 2); told the plan's kernel, it packs that
+    one only."""
+    w = quantize_int4(torch.randn(256, 512), 32)
+    every = QuantLinear(w, None, None)
+    one = QuantLinear(w, None, None, own="int4")
+    assert one.own_paths() == ("int4",) and one.nbytes() < 0.7 * w.q.numel()
+    assert every.nbytes() == sum(QuantLinear(w, None, None, own=p).nbytes() for p in every.own_paths())
+    every.use_own("int4")
+    every.drop_other_owns()
+    assert every.nbytes() == one.nbytes()
+    assert QuantLinear(w, None, None, own="q8x16").own_paths() == (every.own,)   # not offered: its first
 
 
 def test_fused_rows_and_embedding():
@@ -132,23 +132,9 @@ def test_fused_rows_and_embedding():
     assert torch.equal(emb(ids), table.dequantize()[ids])
 
 
-def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_path):
-    """The plan keeps the path and tile with the lowest cost per prompt row among those
-    that passed the row-invariance probe; a second load reads the cache instead of measuring."""
-    fake = KernelTimings((1, 8, 32, 64), {"int4": {1: 1.0, 8: 4.0, 32: 20.0, 64: None},
-                                          "bf16": {1: 3.0, 8: 3.5, 32: 5.0, 64: 9.0},
-                                          "fp32": {1: 5.0, 8: 6.0, 32: 12.0, 64: 20.0}},
-                         {"int4": [0], "bf16": [32, 64], "fp32": [0]})
-    assert fake.plan(("int4",)) == KernelPlan("bf16", 64, "int4", 32)      # 9/64 per row beats 5/32 and 20/64
-    no_bf16 = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": [0]})
-    assert no_bf16.plan(("int4",)) == KernelPlan("fp32", 0, "int4", 32)
-    none_dense = KernelTimings(fake.rows, fake.ms, {"int4": [0], "bf16": [], "fp32": []})
-    assert none_dense.plan(("int4",)) == KernelPlan("int4", 0, "int4")
-    # a file mixing formats: int4's times cover its few linears only, so they are not weighed against bf16's
-    mixed = KernelTimings(fake.rows, {**fake.ms, "int4": {1: 0.1, 8: 0.4, 32: 1.0, 64: 2.0},
-                                      "q8x16": {1: 2.0, 8: 4.0, 32: 30.0, 64: 60.0}},
-                          {"int4": [0], "q8x16": [0], "bf16": [32, 64], "fp32": [0]})
-    assert mixed.plan(("int4",)) == KernelPlan("bf16", 64, "int4")
+def test_timings_are_cached(tmp_path):
+    """A second load reads the cache instead of measuring; another key measures again."""
+    fake = KernelTimings((1, 8), {"int4": {1: 1.0, 8: 4.0}}, {"int4": True})
     calls = []
     measure = lambda: calls.append(1) or fake  # noqa: E731
     first = load_or_time((1, 8, 64), {"model": "m"}, tmp_path, measure)
@@ -160,37 +146,32 @@ def test_plan_takes_the_fastest_row_invariant_path_and_timings_are_cached(tmp_pa
     assert len(calls) == 2
 
 
-def test_sampled_rows_take_the_own_kernel_with_the_lowest_total_up_to_8_rows():
-    """Sampled rows: the row-invariant own kernel cheapest over 1 to 8 rows, though slower at
-    one count; a kernel that failed the probe, or was not timed at every count, is not chosen.
-    The other own kernel serves no prompt rows (its weights are dropped)."""
+def test_the_plan_takes_the_own_kernel_with_the_lowest_total_up_to_8_rows():
+    """The row-invariant own kernel cheapest over 1 to 8 rows, though slower at one count; a
+    kernel that failed the probe, or was not timed at every count, is not chosen."""
     rows = (1, 2, 4, 8, 64)
-    ms = {"int4": {1: 4.0, 2: 5.0, 4: 7.0, 8: 14.0, 64: 40.0}, "q4x16": {1: 4.5, 2: 4.6, 4: 5.0, 8: 8.0, 64: 30.0},
-          "bf16": {1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0, 64: 60.0}}
-    t = KernelTimings(rows, ms, {"int4": [0], "q4x16": [0], "bf16": []})
-    assert t.plan(("int4", "q4x16")) == KernelPlan("q4x16", 0, "q4x16")
-    probe_failed = KernelTimings(rows, ms, {"int4": [0], "q4x16": [32], "bf16": []})
-    assert probe_failed.plan(("int4", "q4x16")) == KernelPlan("int4", 0, "int4")
-    untimed = KernelTimings(rows, {**ms, "q4x16": {**ms["q4x16"], 8: None}}, {"int4": [0], "q4x16": [0], "bf16": []})
+    ms = {"int4": {1: 4.0, 2: 5.0, 4: 7.0, 8: 14.0, 64: 40.0}, "q4x16": {1: 4.5, 2: 4.6, 4: 5.0, 8: 8.0, 64: 30.0}}
+    t = KernelTimings(rows, ms, {"int4": True, "q4x16": True})
+    assert t.plan(("int4", "q4x16")) == KernelPlan("q4x16")
+    probe_failed = KernelTimings(rows, ms, {"int4": True, "q4x16": False})
+    assert probe_failed.plan(("int4", "q4x16")) == KernelPlan("int4")
+    untimed = KernelTimings(rows, {**ms, "q4x16": {**ms["q4x16"], 8: None}}, {"int4": True, "q4x16": True})
     assert untimed.plan(("int4", "q4x16")).own == "int4"
-    assert KernelTimings(rows, ms, {"int4": [0], "q4x16": [0], "bf16": [0]}).plan(("int4", "q4x16")) \
-        == KernelPlan("q4x16", 0, "q4x16")          # bf16 64 rows cost 60 > 30: not the bulk path either
 
 
 def test_timing_and_invariance_probe_on_real_kernels():
-    """The int4 kernels are row-invariant from one row; a far-behind path is not timed on."""
+    """The int4 kernels are timed at every count and row-invariant from one row."""
     lin, _ = _linear("int4")
-    lin.add_dense("fp32")
     measured = time_paths([lin], (1, 2), repeats=1)
     owns = {"int4", "q4x16"} if cpu_ops.q4_isa() else {"int4"}
-    assert set(measured.ms) == owns | {"fp32"} and all(measured.ms[p][m] > 0 for p in owns for m in (1, 2))
-    assert all(measured.tiles[p] == [0] for p in owns)
+    assert set(measured.ms) == owns and all(measured.ms[p][m] > 0 for p in owns for m in (1, 2))
+    assert all(measured.invariant[p] for p in owns)
 
 
 def test_cliff_is_the_last_count_before_a_jump():
-    t = KernelTimings((1, 2, 3, 4, 5, 6), {"int4": {1: 5.8, 2: 6.9, 3: 8.4, 4: 9.6, 5: 15.3, 6: 15.2}}, {"int4": [0]})
+    t = KernelTimings((1, 2, 3, 4, 5, 6), {"int4": {1: 5.8, 2: 6.9, 3: 8.4, 4: 9.6, 5: 15.3, 6: 15.2}}, {"int4": True})
     assert t.rows_before_cliff("int4") == 4
-    noisy = KernelTimings((1, 2, 3, 4), {"q4x16": {1: 3.42, 2: 5.10, 3: 3.81, 4: 5.18}}, {"q4x16": [0]})
+    noisy = KernelTimings((1, 2, 3, 4), {"q4x16": {1: 3.42, 2: 5.10, 3: 3.81, 4: 5.18}}, {"q4x16": True})
     assert noisy.rows_before_cliff("q4x16") is None          # 2 rows timed high once: no cliff
 
 

@@ -106,13 +106,12 @@ def test_decode_rows_and_prefill_rows_compute_the_same_model(int4):
 
 def test_int4_serves_the_gguf_blocks(int4, smollm2_dir):
     """The Q4_1 projection weights served by the int4 kernel are the file's weights (the
-    fp32 conversion dequantized the same blocks) up to the bf16 rounding of the scales."""
-    from safetensors import safe_open
+    GGUF's own dequantization of the same blocks) up to the bf16 rounding of the scales."""
+    from verifier.model.weights import load_tensor
     lin = int4.net.model.layers[4].mlp.down_proj
     x = torch.eye(lin.in_features)
     served = lin.run(lin.own, x).float().t()        # [N, K]: the weights themselves (int4 or q4x16)
-    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as st:
-        file_w = st.get_tensor("model.layers.4.mlp.down_proj.weight")
+    file_w = load_tensor(smollm2_dir, "model.layers.4.mlp.down_proj.weight")
     err = (served - file_w).abs()
     assert err.max() <= 0.02 * file_w.abs().max()
     assert err.mean() < 1e-3

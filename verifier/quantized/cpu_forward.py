@@ -4,9 +4,9 @@ the quantized matmuls.
 A row's results must not depend on what shares its forward or on how its prompt was
 chunked: otherwise T=0 speculation and plain decoding drift apart at near-ties, which
 bf16 activations make common. The C kernels compute norms, RoPE and attention row by row
-in a fixed order; the matmuls are the weight's own int4/int8 kernel for sampled rows
-(decode steps, tree nodes, a prompt's last token: `own=True`) and the plan's dense path in
-fixed tiles for the rest of a prompt (`own=False`, see `verifier.quantized.matmul_paths`). One layer, T rows:
+in a fixed order; the matmuls are the weight's own int4/int8 kernel for every row, sampled
+(decode steps, tree nodes, a prompt's last token: `own=True`, in the native loop where it is
+built) or not (the rest of a prompt, `own=False`, see `verifier.quantized.matmul_paths`). One layer, T rows:
 
     h   = rms_norm(x += y)                   fp32 [T, H] residual -> bf16 [T, H]
     qkv = qkv_proj(h)                         bf16 [T, (NH + 2 NKV) D]
@@ -121,7 +121,7 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
     if own and native is not None:
         logits, taps = native.run(plan, x, kv, capture_layers, logits_rows, logits_tokens)
     else:
-        taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own if own else _planned)
+        taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own)
     if c.num_layers in capture_layers:
         taps[c.num_layers] = x
     if logits is not None:                # the native loop ran the final norm and the head too
@@ -177,10 +177,4 @@ def _qk_normed(c, layer: CpuLayer, qkv: torch.Tensor) -> torch.Tensor:
 def _own(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """The weight's own row-invariant kernel -> bf16 (qkv's bias is added in rope_store)."""
     y = lin.run_own(x)
-    return y if lin.bias is None or not bias else (y + lin.bias).to(torch.bfloat16)
-
-
-def _planned(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """The plan's prompt-row path, in tiles -> bf16."""
-    y = lin.run_planned(x)
     return y if lin.bias is None or not bias else (y + lin.bias).to(torch.bfloat16)

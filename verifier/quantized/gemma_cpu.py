@@ -94,7 +94,7 @@ def gemma_forward_rows(net, heads: cpu_ops.Heads, layers: list[GemmaCpuLayer], i
     """`verifier.quantized.cpu_forward.forward_rows` for Gemma (`native` is never set for it)."""
     c = net.cfg
     x = net.model.embed_tokens(ids) * net.embed_scale                # fp32 [T, H] residual, in place
-    taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own if own else _planned)
+    taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own)
     if c.num_layers in capture_layers:
         taps[c.num_layers] = x
     if logits_rows.shape[0] == 0:
@@ -153,7 +153,3 @@ def _norm_into(v: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) 
 
 def _own(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return lin.run_own(x)              # Gemma's projections have no bias (refused at load)
-
-
-def _planned(lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    return lin.run_planned(x)

@@ -1,25 +1,17 @@
-"""Choose the CPU matmul paths for sampled and prefill rows by measuring them on this machine, once.
+"""Choose the CPU matmul kernel of a quantized model by measuring the weights' own kernels on this
+machine, once.
 
-Decode and tree-verify rows always take one of the weight's own kernels (torch's int4 or
-Tercel's q4x16 for int4 weights, torch's int8 for int8), whose rows are bitwise the same
-whatever else shares the call: the one with the lowest total over 1 to 8 rows, the counts
-decode steps and verify trees use (which is faster differs between machines: the q4x16
-kernel's integer dot products are one instruction with AVX-512 VNNI and three with AVX2).
-Prefill rows need the same property: a
-prompt prefilled alone or inside a batch, in one chunk or after a prefix-cache hit, must
-leave the same KV cache, or T=0 outputs drift apart at near-ties (bf16 activations make
-those common). oneDNN's dense matmuls are not row-invariant across row counts (bf16 on
-AMX switches kernels with the count), but with a fixed row count a row's result does not
-depend on its place in the call. So prefill rows go through the dense path in tiles of a
-fixed number of rows, the last one padded with zeros, and a path qualifies only if a probe
-at load finds it position-invariant at that tile.
-
-Which qualifying path is fastest differs between machines of one kind (bf16 with AMX is
-several times faster than fp32 on one; without bf16 instructions it is among the slowest),
-so the paths are timed at the row counts the engine uses and the cheapest per prefill row
-is kept. Timings and probes are cached per (CPU model and flags, torch version, threads,
-model, quantization, row counts) under the Tercel cache folder; `tercel bench kernels`
-prints them.
+Every row (decode steps, tree nodes, prompt rows) takes one of the weight's own kernels (torch's
+int4 or Tercel's q4x16 for int4 weights, torch's int8 or q8x16 for int8 ones), whose rows are
+bitwise the same whatever else shares the call: a prompt prefilled alone or inside a batch, in
+one chunk or after a prefix-cache hit, leaves the same KV cache, and a decode row the same
+logits. No dense copy of a weight is kept for prompt rows (a 1.7B model's would take several
+times its file's memory). Which kernel is fastest differs between machines (the q4x16 kernel's
+integer dot products are one instruction with AVX-512 VNNI and three with AVX2), so the kernels
+are timed at the row counts the engine uses, over one layer's weights, and the one with the
+lowest total over 1 to 8 rows (decode steps and verify trees) is kept, if a probe at load finds
+its rows invariant. Timings are cached per (CPU model and flags, torch version, threads, weight
+shapes, row counts) under the Tercel cache folder; `tercel bench kernels` prints them.
 """
 from __future__ import annotations
 
@@ -32,41 +24,32 @@ from typing import Callable
 import torch
 
 from verifier.cpu.machine import cached_measurement
-from verifier.quantized.own_kernels import OWN_PATHS
 from verifier.quantized.qlinear import QuantLinear
 
-FORMAT = 7           # 6: the sampled rows' kernel is chosen too (q4x16 against torch's int4);
-                     # 7: on the head's scan where no decoder weight offers a choice
+FORMAT = 8           # 8: own kernels only, over one layer
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
 # timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
 # quantized kernels").
 SKIP_FACTOR, SKIP_MS = 3.0, 100.0
 CLIFF = 1.4          # see KernelTimings.rows_before_cliff
-TILES = (32, 64, 128)  # prefill tile sizes tried, smallest first
 SAMPLED_ROWS = 8       # the own kernel is chosen on its total over 1 to this many rows
+CHOICE_ROWS = tuple(range(1, SAMPLED_ROWS + 1))     # what a load times: the counts the choice reads
 
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """Prefill rows take `bulk` in calls of exactly `tile` rows (0: any count; the weight's
-    own kernels need no tiles); sampled rows take the own kernel `own` ("": the weight's kind).
-    A prompt chunk of fewer than `own_below` rows costs less on `own`: where a chunk's KV need
-    not be the same however the prompt is chunked (a draft model's), it runs there."""
-    bulk: str
-    tile: int = 0
+    """Every row takes the own kernel `own` ("": the weight's kind) where the weight offers it."""
     own: str = ""
-    own_below: int = 1
 
 
 @dataclass(frozen=True)
 class KernelTimings:
-    """Milliseconds for the decoder matmuls of one forward, per path and row count (None:
-    not timed, already far behind at a smaller count), and the tiles at which each path
-    passed the row-invariance probe."""
+    """Milliseconds for one layer's matmuls, per own kernel and row count (None: not timed,
+    already far behind at a smaller count), and whether each passed the row-invariance probe."""
     rows: tuple[int, ...]
     ms: dict[str, dict[int, float | None]]
-    tiles: dict[str, list[int]]      # tile sizes at which each path passed the probe (0: any count)
+    invariant: dict[str, bool]
 
     def rows_before_cliff(self, path: str, jump: float = CLIFF) -> int | None:
         """The largest row count before `path`'s first cost cliff (a step of one row after
@@ -82,52 +65,25 @@ class KernelTimings:
                 return r - 1
         return None
 
-    def per_row_ms(self, path: str, tile: int) -> float | None:
-        """Cost per prompt row on `path` in calls of `tile` rows (0: whole prefill chunks)."""
-        rows = tile or max(self.rows)
-        t = self.ms.get(path, {}).get(rows)
-        return None if t is None else t / rows
-
     def sampled_ms(self, path: str) -> float | None:
         """The total over 1 to SAMPLED_ROWS rows (None: a count not timed)."""
         t = [self.ms.get(path, {}).get(m) for m in self.rows if m <= SAMPLED_ROWS]
         return None if not t or None in t else sum(t)
 
     def plan(self, owns: tuple[str, ...]) -> KernelPlan:
-        """Sampled rows: the own kernel among `owns` (the weight's row-invariant kernels) with
-        the lowest `sampled_ms` that passed the probe at any count (the first one without
-        timings). Prefill rows: the (path, tile) with the lowest cost per prompt row among those
-        that passed the probe, the chosen own kernel as the fallback."""
-        timed = {p: c for p in owns if self.tiles.get(p) == [0] and (c := self.sampled_ms(p)) is not None}
-        own = min(timed, key=timed.get, default=owns[0])
-        mixed = self._mixed(owns)
-        costs = {(p, t): c for p, tiles in self.tiles.items() for t in tiles
-                 if (p == own and not mixed or p not in OWN_PATHS) and (c := self.per_row_ms(p, t)) is not None}
-        bulk, tile = min(costs, key=costs.get, default=(own, 0))
-        return KernelPlan(bulk, tile, own, 1 if bulk == own or mixed else self._own_below(bulk, tile, own))
-
-    def _own_below(self, bulk: str, tile: int, own: str) -> int:
-        """The smallest timed row count at which a prompt chunk costs no more on `bulk` (whole
-        tiles of `tile` rows) than on `own`."""
-        for m in self.rows:
-            o, b = self.ms.get(own, {}).get(m), self.ms.get(bulk, {}).get(tile or m)
-            if o is None or b is not None and -(-m // (tile or m)) * b <= o:
-                return m
-        return self.rows[-1]
-
-    def _mixed(self, owns: tuple[str, ...]) -> bool:
-        # Own kernels timed over other linears too (a file mixing formats): the own path's times
-        # cover only its kind's linears, so it cannot be weighed against a dense path's.
-        return any(p in OWN_PATHS and p not in owns for p in self.ms)
+        """The own kernel among `owns` (the weights' row-invariant kernels) with the lowest
+        `sampled_ms` that passed the probe (the first one without timings)."""
+        timed = {p: c for p in owns if self.invariant.get(p) and (c := self.sampled_ms(p)) is not None}
+        return KernelPlan(min(timed, key=timed.get, default=owns[0]))
 
     def to_json(self) -> dict:
         return {"rows": list(self.rows), "ms": {p: {str(m): t for m, t in v.items()} for p, v in self.ms.items()},
-                "tiles": self.tiles}
+                "invariant": self.invariant}
 
     @classmethod
     def from_json(cls, d: dict) -> "KernelTimings":
         return cls(tuple(d["rows"]), {p: {int(m): t for m, t in v.items()} for p, v in d["ms"].items()},
-                   d["tiles"])
+                   d["invariant"])
 
 
 def choosable_owns(linears: list[QuantLinear]) -> tuple[str, ...]:
@@ -137,23 +93,12 @@ def choosable_owns(linears: list[QuantLinear]) -> tuple[str, ...]:
     return next((lin.own_paths() for lin in linears if len(lin.own_paths()) > 1), linears[0].own_paths())
 
 
+def row_invariant(lins: list[QuantLinear], path: str) -> bool:
+    """Every probed row count gives each row the bits it has in a larger call."""
+    return all(_rows_match(lins, path, m) for m in (1, 3, 8, 33))
+
+
 @torch.inference_mode()
-def invariant_tiles(lins: list[QuantLinear], path: str) -> list[int]:
-    """[0] when every probed row count gives each row the bits it has in a larger call (the
-    weight's own kernels); else the TILES at which a row's bits do not depend on its place
-    in a call of that many rows (none: the path cannot serve prompt rows)."""
-    def same(m: int, offsets: tuple[int, ...], full: int) -> bool:
-        for lin in lins:
-            x = torch.randn(full, lin.in_features, generator=torch.Generator().manual_seed(m))
-            ref = lin.run(path, x[:m])
-            if not all(torch.equal(lin.run(path, x[o:o + m])[:m - o], ref[o:]) for o in offsets):
-                return False
-        return True
-    if all(_rows_match(lins, path, m) for m in (1, 3, 8, 33)):
-        return [0]
-    return [t for t in TILES if same(t, (1, 7, 16), 2 * t)]
-
-
 def _rows_match(lins: list[QuantLinear], path: str, m: int, seeds: int = 4) -> bool:
     """The first m rows of a 64-row call equal an m-row call, for several inputs: a path whose
     sums run in another order for m rows shows it only now and then after bf16 rounding."""
@@ -166,18 +111,18 @@ def _rows_match(lins: list[QuantLinear], path: str, m: int, seeds: int = 4) -> b
 
 
 def engine_rows(prefill_chunk: int) -> tuple[int, ...]:
-    """Row counts worth timing: 1 to 8 (decode steps and verify trees; torch's int4 kernel
-    changes cost every 4 rows), then powers of two up to the prefill chunk, and the chunk.
-    The same for every drafter and batch size, so that one measurement serves them all."""
+    """Row counts worth showing (`tercel bench kernels`): 1 to 8 (decode steps and verify trees;
+    torch's int4 kernel changes cost every 4 rows), then powers of two up to the prefill chunk,
+    and the chunk."""
     rows = set(range(1, 9)) | {prefill_chunk} | {1 << i for i in range(prefill_chunk.bit_length())}
     return tuple(sorted(r for r in rows if r <= prefill_chunk))
 
 
 def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int = 3,
                probe: list[QuantLinear] | None = None) -> KernelTimings:
-    """Time each path over the `linears` that offer it, in order (cold weights, as in a forward),
-    and probe each path's row invariance on `probe` (default: the first four linears, one layer)
-    or, for a path none of those offers, on the first four that do."""
+    """Time each own kernel over the `linears` that offer it, in order (cold weights, as in a
+    forward), and probe its row invariance on `probe` (default: the first four linears, one
+    layer) or, for a kernel none of those offers, on the first four that do."""
     paths = list(dict.fromkeys(p for lin in linears for p in lin.paths()))
     having = {p: [lin for lin in linears if p in lin.paths()] for p in paths}
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
@@ -185,7 +130,7 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
         for p in paths:
             ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats)
     probe = probe or linears[:4]
-    return KernelTimings(rows, ms, {p: invariant_tiles([lin for lin in probe if p in lin.paths()] or having[p][:4], p)
+    return KernelTimings(rows, ms, {p: row_invariant([lin for lin in probe if p in lin.paths()] or having[p][:4], p)
                                     for p in paths})
 
 

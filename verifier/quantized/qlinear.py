@@ -1,33 +1,21 @@
 """Modules over quantized weights: `QuantLinear` (CPU matmuls), `QuantEmbedding`, `RescoredHead`.
 
-A QuantLinear can run a matmul on the weight's own kernels (`verifier.quantized.own_kernels`:
+A QuantLinear runs its matmuls on the weight's own kernels (`verifier.quantized.own_kernels`:
 torch's int4 and Tercel's q4x16 for int4 weights, Tercel's q4k for Q4_K ones, torch's int8 and
-Tercel's q8x16 for int8 ones) or on a dense copy ("paths"):
-    bf16   oneDNN over a dense bf16 copy of the same weights, packed once
-    fp32   oneDNN over a dense fp32 copy
-Its own kernels give each row the same bits whether the row is alone or among others: sampled
-rows (decode steps, tree nodes) always take the one the `KernelPlan` chose at load (`own`). The
-dense copies are there for prompt rows, where they are faster: `run_planned` serves them on the
-plan's path, in fixed tiles (`verifier.quantized.matmul_paths`).
-`verifier.quantized.cpu_forward` calls these; the module holds no `forward`. Outputs are bf16.
-"""
+Tercel's q8x16 for int8 ones), which give each row the same bits whether the row is alone or
+among others: every row, prompt rows included, takes the one the `KernelPlan` chose at load
+(`own`). It holds the weights in that kernel's packed layout only: no dense copy
+(`verifier.quantized.matmul_paths`). `verifier.quantized.cpu_forward` calls these; the module
+holds no `forward`. Outputs are bf16."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from verifier.cpu import cpu_ops
-from verifier.model.linear import onednn_available, onednn_bf16
 from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight,
                                   StackedWeight)
 from verifier.quantized.own_kernels import KERNELS, kernels_for
-
-_ONEDNN = onednn_available()
-# oneDNN packs and multiplies bf16 only with AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX; on an
-# AVX2-only CPU it refuses to pack bf16 and torch would emulate the products, far below fp32.
-DENSE_PATHS = ("bf16", "fp32") if onednn_bf16() else ("fp32",)
-
 
 def served_weights(w: QuantWeight) -> QuantWeight:
     """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them (Q4_K's and Q6_K's
@@ -43,24 +31,25 @@ def served_weights(w: QuantWeight) -> QuantWeight:
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, plan):
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, plan, own: str | None = None):
+        """`own`: pack only that kernel where it takes the weight (the plan's choice, made on
+        another layer); None: every kernel that takes it, for the plan to choose among."""
         super().__init__()
         weight, owns = kernels_for(weight)
         if not owns:
             raise ValueError(f"no own kernel takes a {type(weight).__name__} of shape {weight.shape}")
+        if own is not None:
+            owns = [k for k in owns if k.name == own] or owns[:1]
         self.out_features, self.in_features = weight.shape
         self.plan = plan                      # shared by the model's layers; not a submodule
         self.kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", Int8KWeight: "int8",
                      StackedWeight: "mixed"}[type(weight)]
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self._dense: dict[str, torch.Tensor] = {}
-        # The weights as served (bf16 scales) in unpacked form, kept until the dense copies
-        # are made (`release_source`): the packed layouts are the kernels' own.
-        self._source: QuantWeight | None = served_weights(weight)
+        served = served_weights(weight)       # bf16 scales, as the kernels hold them; dropped once packed
         # path -> (kernel, its arguments): the row-invariant kernels this weight offers. A plain
         # attribute: a module's buffer lookup costs about a microsecond, and this runs 4 times
         # per layer per step. CPU only.
-        self._packed = {k.name: k.pack(self._source) for k in owns}
+        self._packed = {k.name: k.pack(served) for k in owns}
         self._owns = {k.name: (k.mm, self._packed[k.name].args) for k in owns}
         self.use_own(owns[0].name)
 
@@ -68,6 +57,11 @@ class QuantLinear(nn.Module):
     def bits(self) -> int:
         """Bits per weight as the own kernel holds them (Q5_0 on q8x16: 5)."""
         return self._packed[self.own].bits
+
+    def nbytes(self) -> int:
+        """Bytes of the packed weights it holds (and its bias)."""
+        tensors = [a for p in self._packed.values() for a in p.args if isinstance(a, torch.Tensor)]
+        return sum(t.nbytes for t in tensors) + (0 if self.bias is None else self.bias.nbytes)
 
     def loop_fields(self):
         """The own kernel's entry in the native loop (`verifier.quantized.own_kernels.base.LoopFields`)."""
@@ -77,47 +71,17 @@ class QuantLinear(nn.Module):
         return tuple(self._owns)
 
     def use_own(self, path: str) -> None:
-        """Sampled rows take `path` (one of `own_paths`); `drop_other_owns` frees the rest."""
+        """Every row takes `path` (one of `own_paths`); `drop_other_owns` frees the rest."""
         self.own, self.own_mm = path, self._owns[path]
 
     def drop_other_owns(self) -> None:
         for path in set(self._owns) - {self.own}:
             del self._owns[path], self._packed[path]
 
-    # ---- dense copies, for the paths that need them ----------------------------------------
-    def add_dense(self, path: str) -> None:
-        if path in self._dense:
-            return
-        if self._source is None:
-            raise RuntimeError("dense copies are made at load, before release_source()")
-        w = self._source.dequantize()
-        w = w if path == "fp32" else w.to(torch.bfloat16)
-        self._dense[path] = torch.ops.mkldnn._reorder_linear_weight(w) if _ONEDNN else w
-
-    def release_source(self) -> None:
-        self._source = None
-
-    def drop_dense(self, path: str) -> None:
-        self._dense.pop(path, None)
-
     def paths(self) -> tuple[str, ...]:
-        return (*self._owns, *self._dense)
+        return tuple(self._owns)
 
     # ---- matmuls --------------------------------------------------------------------------
-    def run_planned(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (prompt rows) -> bf16 [M, N] on the plan's path, in calls of exactly
-        plan.tile rows (the last padded with zeros): a row then gets the same bits wherever
-        it sits, so a prompt's KV does not depend on its chunking or its batch."""
-        m, tile = x.shape[0], self.plan.tile
-        path = self.plan.bulk if self.plan.bulk in self.paths() else self.own    # another kind's own kernel
-        if not tile:
-            return self.run(path, x)
-        whole = m - m % tile            # whole tiles as views of x: only the last one is copied, padded
-        outs = [self.run(path, x[i:i + tile]) for i in range(0, whole, tile)]
-        if whole < m:
-            outs.append(self.run(path, F.pad(x[whole:], (0, 0, 0, tile - (m - whole))))[:m - whole])
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
     def run_own(self, x: torch.Tensor) -> torch.Tensor:
         """x bf16 [M, K], contiguous -> bf16 [M, N] on the row-invariant kernel the plan chose."""
         return self._run_kernel(self.own_mm, x)
@@ -128,28 +92,11 @@ class QuantLinear(nn.Module):
         return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
     def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] through one path -> bf16 [M, N]."""
-        if path in self._owns:
-            return self._run_kernel(self._owns[path], x.to(torch.bfloat16).contiguous())
-        m = x.shape[0]
-        if m == 1:
-            # oneDNN's one-row product (a GEMV) sums in another order than its GEMM, and on
-            # some machines (AVX-512 without AMX) a row's bf16 result then differs now and
-            # then from the same row inside a larger call: a zero row makes it a GEMM.
-            x = F.pad(x, (0, 0, 0, 1))
-        if path == "fp32":
-            return self._dense_mm(x.float(), self._dense["fp32"]).to(torch.bfloat16)[:m]
-        return self._dense_mm(x.to(torch.bfloat16), self._dense["bf16"])[:m]
-
-    @staticmethod
-    def _dense_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if _ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
-        return F.linear(x, w)
+        """x [M, K] through one of its own kernels -> bf16 [M, N]."""
+        return self._run_kernel(self._owns[path], x.to(torch.bfloat16).contiguous())
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, kind={self.kind}, own={self.own}, "
-                f"dense={list(self._dense)}")
+        return f"in={self.in_features}, out={self.out_features}, kind={self.kind}, own={self.own}"
 
 
 class QuantEmbedding(nn.Module):

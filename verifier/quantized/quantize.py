@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from dataclasses import fields
 import json
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -43,14 +45,16 @@ from verifier.model.gguf_quant import INDEX_FILE, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
 from verifier.model.quant import (Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight, StackedWeight,
                                   concat_rows, quantize_int8)
+from verifier.model.weights import checkpoint, param_sources
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
 from verifier.quantized.own_kernels.q8x16 import q8_bits
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
-from verifier.quantized.qlinear import DENSE_PATHS, QuantEmbedding, QuantLinear, RescoredHead
+from verifier.quantized.qlinear import QuantEmbedding, QuantLinear, RescoredHead
 
 log = logging.getLogger("tercel.quantize")
 QUANTIZATIONS = (*MODES, "none")
+SCAN_ROWS = 8192      # head rows converted at once for its scan
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -85,48 +89,101 @@ def check_quantization(mode: str, device: torch.device) -> None:
                          "first use and could not be (is a C compiler, cc or gcc, installed?)")
 
 
-def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path) -> list[QuantLinear]:
-    """Swap the decoder's Linears, the LM head and the embedding of a loaded `net` for
-    quantized modules; returns the decoder's QuantLinears (the plan routes their bulk rows)."""
+def file_blocks(model_dir: Path) -> Mapping[str, QuantWeight]:
+    """The GGUF's quantized tensors by HF name, each read when asked for ({}: not a GGUF)."""
+    index = Path(model_dir) / INDEX_FILE
+    return read_quantized(json.loads(index.read_text()), _hf_config(model_dir)) if index.is_file() else {}
+
+
+def block_params(model_dir: Path, model_type: str) -> frozenset[str]:
+    """The model's parameters whose every checkpoint tensor is in the file's blocks: `quantize_model`
+    serves them from those, so they are never loaded dense."""
+    blocks = file_blocks(model_dir)
+    if not blocks:
+        return frozenset()
+    sources = param_sources(checkpoint(model_dir).names(), model_type)
+    return frozenset(p for p, names in sources.items() if names <= blocks.keys())
+
+
+def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path,
+                   choose: Callable[[list[QuantLinear], RescoredHead], KernelPlan]) -> tuple[list[QuantLinear], KernelPlan]:
+    """Swap the decoder's Linears, the LM head and the embedding of `net` for quantized modules,
+    one layer at a time, each weight read from the file (or the loaded dense weight) just before it
+    is packed. The first layer and the head's scan offer every own kernel; `choose` picks the plan
+    on them (timing them, or reading this machine's timings), and the other layers are packed for
+    the chosen kernel only. Returns the decoder's QuantLinears and the plan."""
     if cfg.head_dim % 16 or cfg.head_dim > 256:
         raise ValueError(f"quantization {mode!r} needs a head size that is a multiple of 16 and at most 256 "
                          f"(the fused decode kernels), got {cfg.head_dim}; use 'none'")
-    index = Path(model_dir) / INDEX_FILE
-    blocks = read_quantized(json.loads(index.read_text()), _hf_config(model_dir)) if index.is_file() else {}
-    decoder = []
-    for i, layer in enumerate(net.model.layers):
-        moe = isinstance(layer.mlp, SparseMoeBlock)
-        for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
-                            *(() if moe else (("mlp", "gate_up_proj"), ("mlp", "down_proj")))):
-            parent = getattr(layer, block)
-            dense = getattr(parent, name)
-            weight = _projection(blocks, f"model.layers.{i}.{block}", name, dense.weight, mode)
-            setattr(parent, name, QuantLinear(weight, dense.bias, None))
-            decoder.append(getattr(parent, name))
-        if moe:
-            decoder += _quantize_experts(layer.mlp, blocks, cfg.model_type, i, mode)
+    blocks = file_blocks(model_dir)
+    head = _quantize_ends(net, cfg, blocks, mode)
+    decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, None)
+    plan = choose(decoder, head)
+    for i, layer in enumerate(net.model.layers[1:], 1):
+        decoder += _quantize_layer(layer, i, cfg, blocks, mode, plan)
+    return decoder, plan
+
+
+def _quantize_layer(layer: nn.Module, i: int, cfg: ModelConfig, blocks: Mapping, mode: str,
+                    plan: KernelPlan | None) -> list[QuantLinear]:
+    """Layer `i`'s projections as QuantLinears (packed for `plan`'s kernel; None: every kernel)."""
+    moe = isinstance(layer.mlp, SparseMoeBlock)
+    out = []
+    for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                        *(() if moe else (("mlp", "gate_up_proj"), ("mlp", "down_proj")))):
+        parent = getattr(layer, block)
+        dense = getattr(parent, name)
+        weight = _projection(blocks, f"model.layers.{i}.{block}", name, dense.weight, mode)
+        setattr(parent, name, _planned(weight, dense.bias, plan))
+        out.append(getattr(parent, name))
+    if moe:
+        out += _quantize_experts(layer.mlp, blocks, cfg.model_type, i, mode, plan)
+    return out
+
+
+def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | None) -> QuantLinear:
+    lin = QuantLinear(weight, bias, plan, own=plan and plan.own)
+    if plan is not None:
+        lin.use_own(plan.own if plan.own in lin.own_paths() else lin.own)
+    return lin
+
+
+def _quantize_ends(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str) -> RescoredHead:
+    """The embedding and the LM head (a scan offering every own kernel, and the exact table)."""
     embed = _table(blocks.get("model.embed_tokens.weight"), net.model.embed_tokens.weight)
     head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
     net.model.embed_tokens = QuantEmbedding(embed)
     table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
-    scan = _to_mode(head, REGISTRY[mode].scan)     # it picks candidates: see RescoredHead
-    net.lm_head = RescoredHead(QuantLinear(scan, None, None), table)
-    return decoder
+    net.lm_head = RescoredHead(QuantLinear(_scan_weight(head, REGISTRY[mode].scan), None, None), table)
+    return net.lm_head
 
 
-def _quantize_experts(moe: SparseMoeBlock, blocks: dict, model_type: str, layer: int, mode: str) -> list[QuantLinear]:
+def _scan_weight(head: QuantWeight, mode: str) -> QuantWeight:
+    """The head in the form that scans the vocabulary (it picks candidates: see RescoredHead),
+    converted SCAN_ROWS rows at a time: a whole fp32 copy of a 128k-token head takes gigabytes."""
+    first = _rows(head, 0, SCAN_ROWS)
+    if _to_mode(first, mode) is first:              # served as it is
+        return _to_mode(head, mode)
+    return concat_rows([_to_mode(_rows(head, i, i + SCAN_ROWS), mode) for i in range(0, head.shape[0], SCAN_ROWS)])
+
+
+def _rows(w: QuantWeight, start: int, stop: int) -> QuantWeight:
+    return type(w)(*(getattr(w, f.name)[start:stop] for f in fields(w)))
+
+
+def _quantize_experts(moe: SparseMoeBlock, blocks: Mapping, model_type: str, layer: int, mode: str,
+                      plan: KernelPlan | None) -> list[QuantLinear]:
     """Each expert's projections in `mode` (the file's blocks where they fit), returned for the
     plan; the router as int8 per channel: its own kernel serves every row alike, so a token's
     routing never depends on the rows beside it, and int8 keeps near-ties as the file has them."""
     prefix = block_prefix(model_type, layer)
     moe.gate = QuantLinear(_projection(blocks, prefix, "gate", moe.gate.weight, "int8"), None, None)
-    moe.gate.release_source()
     gate, up, down = CHECKPOINT_NAMES[model_type][1]
     out = []
     for e, expert in enumerate(moe.experts):
         for name, parts in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
             weight = _projection(blocks, f"{prefix}.experts.{e}", name, getattr(expert, name).weight, mode, parts)
-            setattr(expert, name, QuantLinear(weight, None, None))
+            setattr(expert, name, _planned(weight, None, plan))
             out.append(getattr(expert, name))
     return out
 
@@ -186,32 +243,22 @@ def _table(block: QuantWeight | None, dense: torch.Tensor) -> QuantWeight:
     return block if block is not None else quantize_int8(dense.detach(), Q8_GROUP)
 
 
-def apply_plan(decoder: list[QuantLinear], head: RescoredHead, timings: KernelTimings) -> KernelPlan:
-    """Set the plan's own kernel for sampled rows (the head's scan too), keep the dense copies
-    its bulk path needs, drop the rest and the sources."""
-    plan = timings.plan(choosable_owns([*decoder, head.scan]))
-    for lin in [*decoder, head.scan]:
+def apply_plan(linears: list[QuantLinear], timings: KernelTimings) -> KernelPlan:
+    """Set the plan's own kernel in `linears` (one layer and the head's scan) and drop the others."""
+    plan = timings.plan(choosable_owns(linears))
+    for lin in linears:
         lin.use_own(plan.own if plan.own in lin.own_paths() else lin.own)
         lin.drop_other_owns()
-        for path in set(lin.paths()) - set(lin.own_paths()) - {plan.bulk}:
-            lin.drop_dense(path)
-        if plan.bulk in DENSE_PATHS and lin is not head.scan:
-            lin.add_dense(plan.bulk)
         lin.plan = plan
-        lin.release_source()
     return plan
 
 
-def timed_linears(net: nn.Module) -> list[QuantLinear]:
-    """The decoder's QuantLinears one token runs through, in forward order: a MoE layer's first
-    top_k experts stand for the k a token reaches (all have the same shapes), not all of them."""
-    out = []
-    for layer in net.model.layers:
-        mlp = layer.mlp
-        mlps = mlp.experts[:mlp.moe.top_k] if isinstance(mlp, SparseMoeBlock) else [mlp]
-        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
-        out += [lin for m in mlps for lin in (m.gate_up_proj, m.down_proj)]
-    return out
+def timed_linears(layer: list[QuantLinear], moe_top_k: int | None) -> list[QuantLinear]:
+    """The QuantLinears of one layer one token runs through, in forward order: a MoE layer's
+    first top_k experts stand for the k a token reaches (all have the same shapes), not all of them."""
+    if moe_top_k is None:
+        return layer
+    return layer[:2 + 2 * moe_top_k]
 
 
 def shapes_key(linears: list[QuantLinear]) -> str:
@@ -221,29 +268,21 @@ def shapes_key(linears: list[QuantLinear]) -> str:
     return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
 
 
-def tune(decoder: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
-         cache_dir: Path | None, refresh: bool = False,
-         timed: list[QuantLinear] | None = None, threads: int | None = None) -> tuple[KernelPlan, KernelTimings]:
-    """Time every path over `timed` (default: the whole decoder) or read the timings this
-    machine cached for weights of these shapes (`shapes_key`), then keep what the fastest choice
-    per row count needs in all of `decoder`.
-    Where no decoder weight offers a choice of own kernel (every one on its format's only kernel,
-    as a Q4_K_M's), the head's scan, which does, is timed too: its sampled rows' kernel is chosen."""
-    timed = timed or decoder
+def tune(layer: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
+         cache_dir: Path | None, refresh: bool = False, threads: int | None = None,
+         moe_top_k: int | None = None) -> tuple[KernelPlan, KernelTimings]:
+    """Time every own kernel over one layer's linears (`timed_linears`) or read the timings this
+    machine cached for weights of these shapes (`shapes_key`), then keep the fastest in that
+    layer and the head's scan. Where no weight of the layer offers a choice of kernel (every one on
+    its format's only kernel, as a Q4_K_M's), the head's scan, which does, is timed too: its
+    kernel is chosen."""
+    timed = timed_linears(layer, moe_top_k)
     if not any(len(lin.own_paths()) > 1 for lin in timed):
         timed = [*timed, head.scan]
-
-    def measure() -> KernelTimings:
-        for lin in timed:
-            for path in DENSE_PATHS if lin is not head.scan else ():    # the scan takes its own kernel only
-                lin.add_dense(path)
-        return time_paths(timed, rows)
-
     sources = {path.stem: cpu_ops.sources_digest([path])          # a new kernel is timed anew
                for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
     key = {**model_key, "shapes": shapes_key(timed), **sources}
-    timings = load_or_time(rows, key, cache_dir, measure, refresh, threads)
-    plan = apply_plan(decoder, head, timings)
-    log.info("sampled rows take the %s kernel, prefill rows the %s path%s", plan.own, plan.bulk,
-             f" in tiles of {plan.tile} rows" if plan.tile else "")
+    timings = load_or_time(rows, key, cache_dir, lambda: time_paths(timed, rows), refresh, threads)
+    plan = apply_plan([*layer, head.scan], timings)
+    log.info("every row takes the %s kernel", plan.own)
     return plan, timings

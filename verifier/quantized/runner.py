@@ -1,29 +1,36 @@
 """The quantized CPU runner: a target's weights in the GGUF's own blocks (or quantized at load),
 on Tercel's kernels (`verifier/runner.py` gives the contract it keeps).
 
-At load: the decoder's linears are quantized and packed (`verifier/quantized/quantize.py`), their matmul
-paths timed on this machine and the fastest kept per kind of row (`KernelPlan`), attention's
-parallel threshold timed (`verifier/quantized/attention_tuning.py`), and the layer loop built as one
-native call where it compiles (`verifier/quantized/cpu_loop.py`).
+At load: the decoder's linears are read from the file one at a time and packed for their own
+kernels (`verifier/quantized/quantize.py`), the kernels timed on the first layer and the fastest
+kept (`KernelPlan`), attention's parallel threshold timed
+(`verifier/quantized/attention_tuning.py`), and the layer loop built as one native call where it
+compiles (`verifier/quantized/cpu_loop.py`). No dense copy of a weight is made.
 
 Per forward each sequence splits at its first sampled token: the tokens before it (prompt
-rows) run first, on the plan's bulk path in whole tiles, so a prompt's KV is the same however
-it is chunked; the sampled ones (a prompt's last token, decode steps, tree nodes) after them,
-on the weights' own row-invariant kernels (`verifier/quantized/cpu_forward.py`).
+rows) run first, their attention on the prompt path (AMX tiles where the CPU has them); the
+sampled ones (a prompt's last token, decode steps, tree nodes) after them, in the native loop.
+Every matmul runs on the weights' own row-invariant kernels, so a prompt's KV is the same however
+it is chunked (`verifier/quantized/cpu_forward.py`).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.memory import tensor_bytes
+from verifier.model.moe import SparseMoeBlock
 from verifier.quantized.attention_tuning import AttentionTimings
 from verifier.quantized.attention_tuning import tune as tune_attention
 from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
 from verifier.quantized.cpu_loop import native_layers
-from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, engine_rows
-from verifier.quantized.quantize import quantize_model, timed_linears, tune
+from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimings
+from verifier.quantized.qlinear import QuantLinear, RescoredHead
+from verifier.quantized.quantize import block_params, quantize_model, tune
 from verifier.runner import RunnerSettings, flatten
 
 
@@ -40,28 +47,50 @@ class QuantizedRunner:
         # bound by reading the cache (docs/quantization.md).
         return dtype or torch.float32, torch.bfloat16
 
+    @staticmethod
+    def unloaded_params(model_dir: Path, model_type: str) -> frozenset[str]:
+        """The parameters served from the file's own blocks (`quantize_model` reads them): never
+        allocated dense."""
+        return block_params(model_dir, model_type)
+
     def __init__(self, net: nn.Module, settings: RunnerSettings):
         s = settings
         if s.backend not in (None, "torch"):
             raise ValueError(f"quantization {s.quantization!r} attends with Tercel's CPU kernels, not {s.backend!r}")
         self.net = net
-        decoder = quantize_model(net, net.cfg, s.quantization, s.model_dir)
         self.plan: KernelPlan
         self.timings: KernelTimings
-        self.plan, self.timings = tune(decoder, net.lm_head, s.kernel_rows or engine_rows(512),
-                                       {"quantization": s.quantization}, s.cache_dir,
-                                       s.retime, timed_linears(net), s.tune_threads)
+        first = net.model.layers[0].mlp
+        moe = first.moe.top_k if isinstance(first, SparseMoeBlock) else None     # before it is quantized
+
+        def choose(layer: list[QuantLinear], head: RescoredHead) -> KernelPlan:
+            self.plan, self.timings = tune(layer, head, s.kernel_rows or CHOICE_ROWS,
+                                           {"quantization": s.quantization}, s.cache_dir, s.retime,
+                                           s.tune_threads, moe)
+            return self.plan
+        self.decoder, _ = quantize_model(net, net.cfg, s.quantization, s.model_dir, choose)
         self.layers = cpu_layers(net)
         self.heads = cpu_heads(net)
         self.attention_timings: AttentionTimings = tune_attention(self.heads, s.cache_dir, s.retime, s.tune_threads)
         self.native = native_layers(net.cfg, self.heads, self.layers, net.model.norm, net.lm_head)
 
+    def memory_parts(self) -> tuple[int, int, int]:
+        """Bytes held: (the decoder's packed projections, the embedding and head tables with the
+        head's scan, everything else: norms, biases, routers, rotary tables)."""
+        net, head = self.net, self.net.lm_head
+        tables = head.scan.nbytes() + tensor_bytes([*net.model.embed_tokens.buffers(), *head.table.buffers()])
+        counted = {id(t) for m in (net.model.embed_tokens, head.table) for t in m.buffers()}
+        counted |= {id(lin.bias) for lin in self.decoder if lin.bias is not None}
+        others = [m for m in net.modules() if isinstance(m, QuantLinear) and m not in self.decoder and m is not head.scan]
+        other = sum(m.nbytes() for m in others) + tensor_bytes(
+            t for t in [*net.parameters(), *net.buffers()] if id(t) not in counted
+            and not any(t is m.bias for m in others))
+        return sum(lin.nbytes() for lin in self.decoder), tables, other
+
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
-        """The prompt rows' forward, then the sampled rows', outputs in batch order.
-        `chunk_invariant` False: a sequence with fewer prompt rows than the plan's `own_below`
-        runs whole on the own kernels (faster; its KV then depends on its chunking)."""
-        whole_below = 1 if chunk_invariant else self.plan.own_below
-        halves = [split_at_first_sample(s, whole_below) for s in batch.seqs]
+        """The prompt rows' forward, then the sampled rows', outputs in batch order. Every row runs
+        on row-invariant kernels: `chunk_invariant` changes nothing here."""
+        halves = [split_at_first_sample(s) for s in batch.seqs]
         parts = []
         for side in (0, 1):                                  # prompt rows first: the rest attends to them
             idx = [i for i, h in enumerate(halves) if h[side] is not None]
@@ -73,7 +102,8 @@ class QuantizedRunner:
         return _merge(batch, halves, parts)
 
     def forward_rows(self, batch: ForwardBatch, kv: KVCache, own: bool) -> ForwardOutput:
-        """Every row of the batch on one path: the own kernels (`own`) or the plan's bulk path."""
+        """Every row of the batch as sampled rows (`own`: in the native loop where it is built) or
+        as prompt rows (the layers in Python, attention on the prompt path)."""
         ids, _, rows, offsets = flatten(batch)
         cfg = self.net.cfg
         plan = row_plan(batch.seqs, kv.block_size, cfg.num_heads // cfg.num_kv_heads, prompt=not own)
@@ -84,12 +114,11 @@ class QuantizedRunner:
         return ForwardOutput(logits, offsets, taps)
 
 
-def split_at_first_sample(seq: SeqInput, whole_below: int = 1) -> tuple[SeqInput | None, SeqInput | None]:
+def split_at_first_sample(seq: SeqInput) -> tuple[SeqInput | None, SeqInput | None]:
     """(the new tokens before the first sampled one, the rest): a prompt chunk's unsampled
-    tokens and its last token; a decode step or a tree is all rest (so is a masked input, and
-    one with fewer than `whole_below` tokens before its first sampled one)."""
+    tokens and its last token; a decode step or a tree is all rest (so is a masked input)."""
     first = seq.first_sampled
-    if first < whole_below or seq.mask is not None:
+    if first < 1 or seq.mask is not None:
         return None, seq
     if first == seq.num_new:
         return seq, None

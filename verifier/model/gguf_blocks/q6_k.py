@@ -13,12 +13,15 @@ from verifier.model.quant import Int8KWeight
 
 def read(blocks: np.ndarray) -> Int8KWeight:
     n, nsb = blocks.shape[:2]
-    ql = blocks[..., :128].reshape(n, nsb, 2, 64).astype(np.int16)
-    qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32).astype(np.int16)
-    low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
-    q = low | (((qh >> (2 * np.arange(4)).reshape(4, 1)) & 3) << 4)        # [N, nsb, 2, 4, 32]
+    ql = blocks[..., :128].reshape(n, nsb, 2, 64)
+    qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32)
+    q = np.empty((n, nsb, 2, 4, 32), np.uint8)         # bytes throughout: a wide type would cost 2-4x the time
+    q[..., 0, :], q[..., 1, :] = ql[..., :32] & 15, ql[..., 32:] & 15
+    q[..., 2, :], q[..., 3, :] = ql[..., :32] >> 4, ql[..., 32:] >> 4
+    q |= ((qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3) << 4
+    q -= 32                                             # wraps to the int8 value q - 32
     sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, nsb * 16))
-    return Int8KWeight(torch.from_numpy((q - 32).astype(np.int8).reshape(n, -1)), sc, f16(blocks, 208))
+    return Int8KWeight(torch.from_numpy(q.view(np.int8).reshape(n, -1)), sc, f16(blocks, 208))
 
 
 FORMAT = BlockFormat("Q6_K", 256, 210, Int8KWeight, read)

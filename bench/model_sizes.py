@@ -1,0 +1,150 @@
+"""Tercel and llama.cpp side by side on GGUFs of real model sizes: load time, peak memory, disk
+written, prefill and decode tok/s, one table.
+
+    python -m bench.model_shapes --out runs/shapes --shape smollm2-1.7b --kinds Q4_0,Q4_K_M
+    python -m bench.model_sizes --files runs/shapes/smollm2-1.7b-Q4_0.gguf,runs/shapes/smollm2-1.7b-Q4_K_M.gguf
+
+Each (file, engine, round) runs in a fresh process, so that its peak resident memory (the
+kernel's high-water mark, `ru_maxrss`) is its own: the engine loads the file (Tercel's first
+load under an empty `TERCEL_CACHE`, then a second with that cache, as a user's first and later
+starts), prefills a prompt of `--prefill-tokens` tokens (one token out: tok/s is prompt tokens
+over the time to the first token), then decodes `--new-tokens` greedy tokens after a
+`--prompt-tokens` prompt, EOS ignored (tok/s: new tokens over the whole call, prefill
+included, as llama.cpp's users time it; and the decode rate after the first token). Engines
+take `--threads` threads. Rounds alternate the engines; the table gives medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FIELDS = ("load_s", "peak_gb", "disk_gb", "prefill_tok_s", "decode_tok_s", "decode_only_tok_s")
+
+
+def _prompt(n: int) -> list[int]:
+    """n token ids of ordinary text (ids below the default tokenizer's 49,152, any model of it)."""
+    return [(1000 + 7 * i) % 40000 + 100 for i in range(n)]
+
+
+def _tercel(path: str, args) -> dict:
+    import torch
+    torch.set_num_threads(args.threads)
+    from spec.llm import LLM
+    from spec.request import SamplingParams
+    start = time.perf_counter()
+    llm = LLM(model=path, num_threads=args.threads, drafter=None)
+    load = time.perf_counter() - start
+
+    def run(prompt: list[int], n: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+        return time.perf_counter() - t0, out.ttft
+    return _measure(load, run, args)
+
+
+def _llamacpp(path: str, args) -> dict:
+    from llama_cpp import Llama
+    start = time.perf_counter()
+    llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=4096,
+                n_batch=512, verbose=False)
+    load = time.perf_counter() - start
+
+    def run(prompt: list[int], n: int) -> tuple[float, float]:
+        llm.reset()
+        t0, first, count = time.perf_counter(), None, 0
+        for _ in llm.generate(prompt, reset=True, temp=0.0, top_k=1, repeat_penalty=1.0):
+            first = first or time.perf_counter()
+            count += 1
+            if count >= n:
+                break
+        return time.perf_counter() - t0, first - t0
+    return _measure(load, run, args)
+
+
+def _measure(load: float, run, args) -> dict:
+    run(_prompt(8), 2)                                  # warm: first calls build kernels, fault pages in
+    total, _ = run(_prompt(args.prefill_tokens), 1)
+    prefill = args.prefill_tokens / total
+    total, first = run(_prompt(args.prompt_tokens), args.new_tokens)
+    return {"load_s": load, "prefill_tok_s": prefill, "decode_tok_s": args.new_tokens / total,
+            "decode_only_tok_s": (args.new_tokens - 1) / (total - first),
+            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
+
+
+def _child(engine: str, path: str, args) -> dict:
+    """One fresh process's figures (its disk writes: the growth of TERCEL_CACHE)."""
+    cache = Path(os.environ.get("TERCEL_CACHE", ""))
+    before = _tree_bytes(cache)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    cmd = [sys.executable, "-m", "bench.model_sizes", "--child", engine, "--files", path,
+           "--threads", str(args.threads), "--prefill-tokens", str(args.prefill_tokens),
+           "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{engine} on {path} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**result, "disk_gb": (_tree_bytes(cache) - before) / 1e9}
+
+
+def _tree_bytes(root: Path) -> int:
+    if not str(root) or not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def compare(files: list[str], args) -> list[tuple[str, str, dict]]:
+    rows = []
+    for path in files:
+        with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
+            os.environ["TERCEL_CACHE"] = cache
+            runs: dict[str, list[dict]] = {}
+            for r in range(args.rounds):
+                for engine in ("tercel", "llamacpp"):
+                    label = engine if engine != "tercel" else ("tercel, first load" if r == 0 else "tercel")
+                    runs.setdefault(label, []).append(_child(engine, path, args))
+                    print(f"{Path(path).name} {label}: {runs[label][-1]}", file=sys.stderr)
+            rows += [(Path(path).name, label, _medians(samples)) for label, samples in runs.items()]
+    return rows
+
+
+def _medians(samples: list[dict]) -> dict:
+    return {k: statistics.median(s[k] for s in samples) for k in FIELDS if k in samples[0]}
+
+
+def table(rows: list[tuple[str, str, dict]]) -> str:
+    lines = ["| file | engine | load s | peak GB | disk written GB | prefill tok/s | decode tok/s (incl. prefill) "
+             "| decode tok/s (after first) |", "|---|---|---|---|---|---|---|---|"]
+    for name, engine, m in rows:
+        lines.append(f"| {name} | {engine} | {m['load_s']:.1f} | {m['peak_gb']:.2f} | {m.get('disk_gb', 0):.2f} | "
+                     f"{m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['decode_only_tok_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", required=True, help="comma-separated GGUF files")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="Tercel's first is its first load")
+    ap.add_argument("--child", choices=("tercel", "llamacpp"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps((_tercel if args.child == "tercel" else _llamacpp)(args.files, args)))
+        return
+    from verifier.cpu.machine import machine_summary
+    print(f"bench model_sizes: {machine_summary()}, {args.threads} threads", file=sys.stderr)
+    print(table(compare(args.files.split(","), args)))
+
+
+if __name__ == "__main__":
+    main()

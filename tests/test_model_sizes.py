@@ -1,0 +1,76 @@
+"""A GGUF is served from its own blocks: no converted copy on disk, no dense copy in memory, a
+model that will not fit refused at start with the numbers. A tiny model in a real model's form
+(`bench.model_shapes`: Llama layout, random weights, the default tokenizer)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.model_shapes import Shape, write
+from verifier.memory import check_fits, tensor_bytes
+from verifier.model.loader import ALIASES, DEFAULT_MODEL
+from verifier.quantized.qlinear import QuantLinear
+from verifier.target import TargetModel
+
+TINY = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, vocab=49152)
+METADATA = {"config.json", "gguf_blocks.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "special_tokens_map.json"}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shapes") / "tiny-Q4_0.gguf"
+    write(path, TINY, "Q4_0", ALIASES[DEFAULT_MODEL]())
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_gguf, cache):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TERCEL_CACHE", str(cache))
+        yield TargetModel(str(tiny_gguf), quantization="auto")
+
+
+def test_the_load_writes_metadata_only(served, cache):
+    """The cache holds the file's config, tokenizer and tensor index: no weights, in any format."""
+    (folder,) = (cache / "models").iterdir()
+    assert {p.name for p in folder.iterdir()} <= METADATA
+    assert not [p for p in cache.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".npy")]
+
+
+def test_no_dense_copy_of_a_projection_is_made(served, tiny_gguf):
+    """The decoder's projections are QuantLinears holding their packed kernel layout, about the
+    file's bytes (Q4_0: 4.5 bits a weight, int4 packed: 5); what the model holds as tensors is norms."""
+    assert served.quantization == "int4"
+    layer = served.net.model.layers[0]
+    assert all(isinstance(m, QuantLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    h, kv = TINY.hidden, TINY.hidden // TINY.heads * TINY.kv_heads
+    weights = TINY.layers * (h * (h + 2 * kv) + h * h + 3 * h * TINY.ffn)
+    memory = served.memory()
+    assert weights * 4.5 / 8 <= memory.weights <= 1.15 * weights * 4.5 / 8
+    assert memory.weights < weights                      # a bf16 copy would be 2 bytes a weight
+    assert memory.other == tensor_bytes(served.net.parameters()) < weights // 10     # the norms
+
+
+def test_dense_serving_dequantizes_in_memory(tiny_gguf, cache, monkeypatch):
+    """`quantization="none"` reads the same file into fp32 in memory, and still writes nothing."""
+    monkeypatch.setenv("TERCEL_CACHE", str(cache))
+    dense = TargetModel(str(tiny_gguf), quantization="none", load_tokenizer_files=False)
+    w = dense.net.model.layers[1].mlp.down_proj.weight
+    assert w.dtype == torch.float32 and w.shape == (TINY.hidden, TINY.ffn) and w.abs().max() > 0
+    assert not list(cache.rglob("*.safetensors"))
+
+
+def test_a_model_that_will_not_fit_is_refused_with_the_numbers(tiny_gguf, cache, monkeypatch):
+    with pytest.raises(ValueError, match=r"needs about 2\.00 GB of memory and this machine has 1\.00 GB"):
+        check_fits("model x", 2 * 10**9, available=10**9)
+    monkeypatch.setenv("TERCEL_CACHE", str(cache))
+    monkeypatch.setattr("verifier.memory.available_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match="will not fit"):
+        TargetModel(str(tiny_gguf), quantization="auto", load_tokenizer_files=False)
