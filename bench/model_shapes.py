@@ -3,7 +3,8 @@
     python -m bench.model_shapes --out runs/shapes --shape smollm2-1.7b --kinds Q4_0,Q4_K_M
 
 Each file has a published model's shapes (`SHAPES`: hidden size, layers, FFN width, heads, KV
-heads, vocabulary), weights drawn N(0, 0.02), and the default model's tokenizer, its token list
+heads, vocabulary), weights drawn N(0, 0.02) (one draw per distinct shape, which every layer
+reuses: the speed and memory of a forward do not depend on it), and the default model's tokenizer, its token list
 padded with unused tokens up to the model's vocabulary (so that the embedding and the LM head
 have their real size). Its tokens mean nothing; its load time, memory and speed are such a
 file's. Q4_0 and Q4_K_M come from llama.cpp's own quantizer (llama-cpp-python, the optional
@@ -87,13 +88,15 @@ def write(path: Path, shape: Shape, kind: str, tokenizer_gguf: Path, seed: int =
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", shape.rope_theta)
     _copy_tokenizer(source, w, shape.vocab)
-    rng = np.random.default_rng(seed)
+    rng, drawn = np.random.default_rng(seed), {}
 
     def data(dims: tuple[int, ...]) -> np.ndarray:
         if len(dims) == 1:
             return np.ones(dims, np.float32)
-        m = rng.standard_normal(dims, dtype=np.float32) * 0.02
-        return m.astype(np.float16) if kind == "F16" else quantize(m, qtype)
+        if dims not in drawn:      # one draw per shape, reused by every layer: an 8B model's draws took minutes
+            m = rng.standard_normal(dims, dtype=np.float32) * 0.02
+            drawn[dims] = m.astype(np.float16) if kind == "F16" else quantize(m, qtype)
+        return drawn[dims]
     layout = tensors(shape)
     for name, dims in layout:
         raw = None if len(dims) == 1 or kind == "F16" else qtype

@@ -299,9 +299,11 @@ class LLMEngine:
         return self.cpu_budget.describe()
 
     def _same_on_fewer_threads(self) -> bool:
-        """A scratch prompt of 40 tokens (prompt rows, then a sampled row) and a 3-token chain
-        after it give the same logits on every thread count the governor may pick."""
-        rows = 43
+        """A scratch prompt of 17 tokens (prompt rows in two of the kernels' 8-row passes and a
+        partial one, then a sampled row) and a 3-token chain after it give the same logits on
+        every thread count the governor may pick."""
+        prompt = 17
+        rows = prompt + 3
         if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
             return False                # unchecked: not worth a risk to exactness
         tokens = torch.randint(0, self.target.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
@@ -309,8 +311,9 @@ class LLMEngine:
 
         def forward() -> torch.Tensor:
             with self.blocks.scratch(-1, rows) as table:
-                first = self.target.forward(ForwardBatch([SeqInput(tokens[:40], 0, table)]))
-                chain = self.target.forward(ForwardBatch([SeqInput(tokens[40:], 40, table, logits_indices=[0, 1, 2])]))
+                first = self.target.forward(ForwardBatch([SeqInput(tokens[:prompt], 0, table)]))
+                chain = self.target.forward(ForwardBatch([SeqInput(tokens[prompt:], prompt, table,
+                                                                   logits_indices=[0, 1, 2])]))
             return torch.cat([first.logits, chain.logits])
         counts = sorted({1, self.num_threads - 1, self.num_threads} - {0})
         return same_on_every_count(forward, counts)

@@ -27,7 +27,7 @@ FOLDERS = tuple(MAY_IMPORT)
 # verifier/'s floors, bottom first: a module imports only from its own floor or those below.
 VERIFIER_FLOORS = (
     ("cpu", ("verifier/cpu/", "verifier/__init__.py")),       # the probe, the C kernels, the cache
-    ("hand-off", ("verifier/batch.py", "verifier/checks.py", "verifier/block_manager.py")),
+    ("hand-off", ("verifier/batch.py", "verifier/checks.py", "verifier/block_manager.py", "verifier/memory.py")),
     ("attention", ("verifier/attention/",)),                   # the backends and the KV cache
     ("model", ("verifier/model/",)),                           # config, modules, weights, loaders, tokenizer
     ("sampling", ("verifier/sampling/",)),                     # parameters, sampler, grammars

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 import json
 import logging
@@ -119,8 +120,11 @@ def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path,
     head = _quantize_ends(net, cfg, blocks, mode)
     decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, None)
     plan = choose(decoder, head)
-    for i, layer in enumerate(net.model.layers[1:], 1):
-        decoder += _quantize_layer(layer, i, cfg, blocks, mode, plan)
+    rest = list(enumerate(net.model.layers))[1:]
+    # numpy's and torch's unpacking release the GIL: the layers read and pack side by side
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for built in pool.map(lambda il: _quantize_layer(il[1], il[0], cfg, blocks, mode, plan), rest):
+            decoder += built
     return decoder, plan
 
 
