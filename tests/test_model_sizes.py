@@ -74,3 +74,20 @@ def test_a_model_that_will_not_fit_is_refused_with_the_numbers(tiny_gguf, cache,
     monkeypatch.setattr("verifier.memory.available_bytes", lambda: 1000)
     with pytest.raises(ValueError, match="will not fit"):
         TargetModel(str(tiny_gguf), quantization="auto", load_tokenizer_files=False)
+
+
+def test_the_header_reader_reads_what_gguf_py_reads(tiny_gguf):
+    """Every field and tensor of the file as gguf-py's GGUFReader gives them; a string array
+    (the 49,152 tokens) by its length only."""
+    import gguf
+
+    from verifier.model.gguf_header import GGUFHeader, StringCount
+    want, got = gguf.GGUFReader(str(tiny_gguf)), GGUFHeader(str(tiny_gguf))
+    assert [k for k in want.fields if not k.startswith("GGUF.")] == list(got.fields)
+    for key, field in got.fields.items():
+        value = field.contents()
+        expected = want.fields[key].contents()
+        assert len(value) == len(expected) if isinstance(value, StringCount) else value == pytest.approx(expected), key
+    assert len(got.fields["tokenizer.ggml.tokens"].contents()) == TINY.vocab
+    assert [(t.name, t.tensor_type, list(t.shape), int(t.data_offset), int(t.n_bytes)) for t in want.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in got.tensors]

@@ -14,6 +14,7 @@ import torch
 
 from verifier.model.config import GEMMA_TYPES
 from verifier.model.gemma_config import gguf_fields
+from verifier.model.gguf_header import GGUFHeader
 from verifier.model.gguf_quant import INDEX_FILE, block_index
 from verifier.model.gguf_weights import GGUFTensors, tensor_index
 
@@ -108,10 +109,9 @@ def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, the tensors' index and tokenizer files into out_dir: the weights stay
     in the GGUF, read from it at each load (`verifier.model.gguf_weights`)."""
-    import gguf
     from transformers import AutoTokenizer
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = GGUFHeader(str(gguf_path))
     cfg = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
