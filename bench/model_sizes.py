@@ -1,13 +1,16 @@
 """Tercel and llama.cpp side by side on GGUFs of real model sizes: load time, peak memory, disk
 written, prefill and decode tok/s, one table.
 
-    python -m bench.model_shapes --out runs/shapes --shape smollm2-1.7b --kinds Q4_0,Q4_K_M
-    python -m bench.model_sizes --files runs/shapes/smollm2-1.7b-Q4_0.gguf,runs/shapes/smollm2-1.7b-Q4_K_M.gguf
+    python -m bench.model_sizes --shape smollm2-1.7b --kinds Q4_0,Q4_K_M --out runs/shapes
+    python -m bench.model_sizes --files runs/shapes/smollm2-1.7b-Q4_0.gguf,my-model-Q4_K_M.gguf
+
+`--shape` writes random-weight files in a published model's shapes first (`bench.model_shapes`,
+kept under `--out` for the next run); `--files` runs files that exist.
 
 Each (file, engine, round) runs in a fresh process, so that its peak resident memory (the
 kernel's high-water mark, `ru_maxrss`) is its own: the engine loads the file (Tercel's first
-load under an empty `TERCEL_CACHE`, then a second with that cache, as a user's first and later
-starts), prefills a prompt of `--prefill-tokens` tokens (one token out: tok/s is prompt tokens
+load under a new `TERCEL_CACHE` holding only this machine's compiled kernels, as a user's first
+start with a model, then loads with that cache, as later starts), prefills a prompt of `--prefill-tokens` tokens (one token out: tok/s is prompt tokens
 over the time to the first token), then decodes `--new-tokens` greedy tokens after a
 `--prompt-tokens` prompt, EOS ignored (tok/s: new tokens over the whole call, prefill
 included, as llama.cpp's users time it; and the decode rate after the first token). Engines
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,7 +51,7 @@ def _tercel(path: str, args) -> dict:
         t0 = time.perf_counter()
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
         return time.perf_counter() - t0, out.ttft
-    return _measure(load, run, args)
+    return {**_measure(load, run, args), "weights_gb": llm.engine.memory.weights / 1e9}
 
 
 def _llamacpp(path: str, args) -> dict:
@@ -101,13 +105,16 @@ def _tree_bytes(root: Path) -> int:
 
 
 def compare(files: list[str], args) -> list[tuple[str, str, dict]]:
+    from verifier.cpu.cache import cache_root
     rows = []
     for path in files:
         with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
             os.environ["TERCEL_CACHE"] = cache
+            if (built := cache_root() / "cpu_kernels").is_dir():       # this machine's compiled kernels
+                shutil.copytree(built, Path(cache) / "cpu_kernels")
             runs: dict[str, list[dict]] = {}
             for r in range(args.rounds):
-                for engine in ("tercel", "llamacpp"):
+                for engine in args.engines.split(","):
                     label = engine if engine != "tercel" else ("tercel, first load" if r == 0 else "tercel")
                     runs.setdefault(label, []).append(_child(engine, path, args))
                     print(f"{Path(path).name} {label}: {runs[label][-1]}", file=sys.stderr)
@@ -116,34 +123,70 @@ def compare(files: list[str], args) -> list[tuple[str, str, dict]]:
 
 
 def _medians(samples: list[dict]) -> dict:
-    return {k: statistics.median(s[k] for s in samples) for k in FIELDS if k in samples[0]}
+    return {k: statistics.median(s[k] for s in samples) for k in (*FIELDS, "weights_gb") if k in samples[0]}
 
 
-def table(rows: list[tuple[str, str, dict]]) -> str:
-    lines = ["| file | engine | load s | peak GB | disk written GB | prefill tok/s | decode tok/s (incl. prefill) "
-             "| decode tok/s (after first) |", "|---|---|---|---|---|---|---|---|"]
+def read_bandwidth(threads: int, gb: float = 2.0) -> float:
+    """GB/s of summing a buffer of `gb` on `threads` threads (the best of 5): how fast this
+    machine streams memory, which bounds a decode step."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gb * 1e9) // 4)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return gb / best
+
+
+def table(rows: list[tuple[str, str, dict]], bandwidth: float) -> str:
+    """One row per (file, engine); the decoder weights Tercel streams per decode step, times its
+    decode rate, against the machine's read bandwidth."""
+    lines = [f"machine read bandwidth: {bandwidth:.1f} GB/s", "",
+             "| file | engine | load s | peak GB | disk written GB | prefill tok/s | decode tok/s (incl. prefill) "
+             "| decode tok/s (after first) | decoder weights GB/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, engine, m in rows:
+        stream = f"{m['weights_gb'] * m['decode_only_tok_s']:.1f}" if "weights_gb" in m else ""
         lines.append(f"| {name} | {engine} | {m['load_s']:.1f} | {m['peak_gb']:.2f} | {m.get('disk_gb', 0):.2f} | "
-                     f"{m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['decode_only_tok_s']:.1f} |")
+                     f"{m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['decode_only_tok_s']:.1f} | {stream} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--files", required=True, help="comma-separated GGUF files")
+    ap.add_argument("--files", help="comma-separated GGUF files")
+    ap.add_argument("--shape", action="append", default=[], help="write and run files of these shapes "
+                    "(bench.model_shapes.SHAPES)")
+    ap.add_argument("--kinds", default="Q4_0,Q4_K_M", help="with --shape: the quantizations written")
+    ap.add_argument("--out", default="runs/shapes", help="with --shape: where the files are written")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=40)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="Tercel's first is its first load")
+    ap.add_argument("--engines", default="tercel,llamacpp")
+    ap.add_argument("--bandwidth-gb", type=float, default=2.0, help="the buffer the read bandwidth is timed on")
     ap.add_argument("--child", choices=("tercel", "llamacpp"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps((_tercel if args.child == "tercel" else _llamacpp)(args.files, args)))
         return
+    from bench.model_shapes import SHAPES, has_llama_cpp, make
     from verifier.cpu.machine import machine_summary
-    print(f"bench model_sizes: {machine_summary()}, {args.threads} threads", file=sys.stderr)
-    print(table(compare(args.files.split(","), args)))
+    if "llamacpp" in args.engines.split(","):
+        from bench.llamacpp import INSTALL_HINT
+        if not has_llama_cpp():
+            ap.error(INSTALL_HINT + "; or --engines tercel")
+    unknown = set(args.shape) - set(SHAPES)
+    if unknown or not (args.files or args.shape):
+        ap.error(f"--shape takes {', '.join(SHAPES)}" if unknown else "give --files or --shape")
+    files = args.files.split(",") if args.files else []
+    for name in args.shape:
+        files += [str(p) for p in make(Path(args.out), name, args.kinds.split(","))]
+    print(f"bench model_sizes: {machine_summary()}", file=sys.stderr)
+    rows = compare(files, args)
+    print(table(rows, read_bandwidth(args.threads, args.bandwidth_gb)))
 
 
 if __name__ == "__main__":

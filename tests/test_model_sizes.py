@@ -91,3 +91,35 @@ def test_the_header_reader_reads_what_gguf_py_reads(tiny_gguf):
     assert len(got.fields["tokenizer.ggml.tokens"].contents()) == TINY.vocab
     assert [(t.name, t.tensor_type, list(t.shape), int(t.data_offset), int(t.n_bytes)) for t in want.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in got.tensors]
+
+
+def test_the_sizes_bench_runs_a_file(tiny_gguf, capsys):
+    """`python -m bench.model_sizes`: each engine in its own process, one table row per engine and
+    load (the first load's own), figures that add up."""
+    from bench.model_sizes import main
+    main(["--files", str(tiny_gguf), "--engines", "tercel", "--rounds", "1", "--prefill-tokens", "16",
+          "--prompt-tokens", "8", "--new-tokens", "4", "--bandwidth-gb", "0.05"])
+    rows = [[c.strip() for c in line.strip(" |").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| tiny")]
+    assert len(rows) == 1 and rows[0][1] == "tercel, first load"
+    load, peak, disk, prefill, decode, _, stream = (float(v) for v in rows[0][2:9])
+    assert load > 0 and 0 < peak < 8 and disk < 0.1 and prefill > 0 and decode > 0 and stream > 0
+
+
+def test_a_small_model_drafts_for_it_and_the_tokens_are_its_own(tiny_gguf, cache, monkeypatch):
+    """The speculative pair people run (a small model of the family drafting for a larger one):
+    the default model drafts for this GGUF target (their vocabularies are one), at T=0 the tokens
+    are plain decoding's, and the KV pool is whole after."""
+    from spec import LLM, SamplingParams
+    from spec.adaptive import AdaptiveConfig
+    monkeypatch.setenv("TERCEL_CACHE", str(cache))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 300, 4000, 9], [70, 71, 72]]
+    plain = LLM(model=str(tiny_gguf), max_num_seqs=2, num_kv_blocks=64)
+    want = [o.token_ids for o in plain.generate(prompts, greedy)]
+    # the draft's KV pool has as many blocks as the target's: 64 of the 135M model's, not a tiny pool's count
+    pair = LLM(model=str(tiny_gguf), max_num_seqs=2, num_kv_blocks=64, drafter="small:smollm2-135m-instruct",
+               adaptive=AdaptiveConfig(enabled=False))          # whole drafts: the rule is tested, not the cost
+    got = pair.generate(prompts, greedy)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.stats.verify_steps for o in got) > 0 and pair.engine.blocks.num_used_blocks == 0

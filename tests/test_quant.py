@@ -126,10 +126,11 @@ def test_fused_rows_and_embedding():
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     with pytest.raises(ValueError, match="one quantization kind"):
         concat_rows([a, quantize_int8(torch.randn(8, 64))])
-    table = quantize_int8(torch.randn(100, 64), 32)
-    emb = QuantEmbedding(table)
     ids = torch.tensor([5, 0, 99, 5])
-    assert torch.equal(emb(ids), table.dequantize()[ids])
+    for table in (quantize_int8(torch.randn(100, 64), 32), quantize_int4(torch.randn(100, 64), 32)):
+        emb = QuantEmbedding(table)
+        assert torch.equal(emb(ids), table.dequantize()[ids])
+    assert emb.q.shape == (100, 32)                 # int4: two a byte
 
 
 def test_timings_are_cached(tmp_path):

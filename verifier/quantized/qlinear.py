@@ -100,22 +100,29 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token embedding over a quantized table: looked-up rows are dequantized to fp32."""
+    """Token embedding over a quantized table: looked-up rows are dequantized to fp32. An int4
+    table holds its q two to a byte (a 128k-token vocabulary's unpacked q took half a GB)."""
 
     def __init__(self, weight: QuantWeight):
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self._kind = type(weight)
         self._fields = tuple(weight.__dataclass_fields__)
+        self._nibbles = self._kind in (Int4Weight, Int4KWeight)
         for name in self._fields:
-            self.register_buffer(name, getattr(weight, name).contiguous())
+            t = getattr(weight, name)
+            if name == "q" and self._nibbles:
+                t = t[:, 0::2] | (t[:, 1::2] << 4)
+            self.register_buffer(name, t.contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids [T] -> [T, hidden] fp32: only the looked-up rows are dequantized
         if self._kind is Int8Weight and ids.device.type == "cpu" and cpu_ops.available():
             return cpu_ops.embed_int8(ids.contiguous(), self.q, self.scale)
-        rows = self._kind(*(torch.index_select(getattr(self, f), 0, ids) for f in self._fields))
-        return rows.dequantize()
+        rows = {f: torch.index_select(getattr(self, f), 0, ids) for f in self._fields}
+        if self._nibbles:
+            rows["q"] = torch.stack([rows["q"] & 15, rows["q"] >> 4], -1).view(len(ids), -1)
+        return self._kind(**rows).dequantize()
 
 
 class RescoredHead(nn.Module):
