@@ -109,14 +109,17 @@ def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, the tensors' index and tokenizer files into out_dir: the weights stay
     in the GGUF, read from it at each load (`verifier.model.gguf_weights`)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     reader = GGUFHeader(str(gguf_path))
     cfg = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     (out_dir / INDEX_FILE).write_text(json.dumps({**block_index(reader, gguf_path), "all": tensor_index(reader)}))
-    # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata.
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                        local_files_only=True)
+    # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata. A
+    # BPE ("gpt2") vocabulary gets the generic class whichever way: asked for it directly, it skips
+    # AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (3 s of 3.2).
+    bpe = _field(reader, "tokenizer.ggml.model") == "gpt2"
+    tok = (PreTrainedTokenizerFast if bpe else AutoTokenizer).from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     tok.save_pretrained(str(out_dir))

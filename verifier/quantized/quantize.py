@@ -117,12 +117,12 @@ def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path,
         raise ValueError(f"quantization {mode!r} needs a head size that is a multiple of 16 and at most 256 "
                          f"(the fused decode kernels), got {cfg.head_dim}; use 'none'")
     blocks = file_blocks(model_dir)
-    head = _quantize_ends(net, cfg, blocks, mode)
-    decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, None)
-    plan = choose(decoder, head)
-    rest = list(enumerate(net.model.layers))[1:]
-    # numpy's and torch's unpacking release the GIL: the layers read and pack side by side
+    # numpy's and torch's unpacking release the GIL: the head and the layers read and pack side by side
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        ends = pool.submit(_quantize_ends, net, cfg, blocks, mode)
+        decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, None)
+        plan = choose(decoder, ends.result())
+        rest = list(enumerate(net.model.layers))[1:]
         for built in pool.map(lambda il: _quantize_layer(il[1], il[0], cfg, blocks, mode, plan), rest):
             decoder += built
     return decoder, plan
