@@ -3,10 +3,12 @@ model that will not fit refused at start with the numbers. A tiny model in a rea
 (`bench.model_shapes`: Llama layout, random weights, the default tokenizer)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from bench.model_shapes import Shape, write
+from verifier.cpu import cpu_ops
 from verifier.memory import check_fits, tensor_bytes
 from verifier.model.loader import ALIASES, DEFAULT_MODEL
 from verifier.quantized.qlinear import QuantLinear
@@ -123,3 +125,47 @@ def test_a_small_model_drafts_for_it_and_the_tokens_are_its_own(tiny_gguf, cache
     got = pair.generate(prompts, greedy)
     assert [o.token_ids for o in got] == want
     assert sum(o.stats.verify_steps for o in got) > 0 and pair.engine.blocks.num_used_blocks == 0
+
+
+def _random_blocks(kind: str, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
+    """Random blocks of `kind` with small finite fp16 scales: [rows, row bytes]."""
+    weights, size = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}[kind]
+    blocks = gen.integers(0, 256, (rows, cols // weights, size), dtype=np.uint8)
+    scales = 1 if kind == "Q4_0" else 2
+    blocks[..., :2 * scales] = (gen.random((rows, cols // weights, scales)) * 0.01).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_blocks_packed_from_the_file_are_the_served_forms_packing(kind):
+    """The direct packers give the bytes that reading the served form and packing it give
+    (rows not a multiple of the 16-channel tile too)."""
+    from verifier.model.gguf_blocks import read_block_tensor
+    from verifier.quantized.own_kernels import from_file, q4k, q4x16
+    from verifier.quantized.qlinear import served_weights
+    gen = np.random.default_rng(0)
+    for rows in (48, 40):
+        raw = _random_blocks(kind, rows, 512, gen)
+        served = served_weights(read_block_tensor(kind, raw, rows, 512))
+        want = q4k.pack_q4k(served) if kind == "Q4_K" else q4x16.pack_q4(served)
+        got = from_file.PACKERS[kind, "q4k" if kind == "Q4_K" else "q4x16"](raw, rows)
+        assert torch.equal(got.args[0], want)
+
+
+def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, monkeypatch):
+    """Layers after the first take the direct packers (their q and k rows back in HF's order
+    first): every projection's packed bytes equal those of the served-form path."""
+    from verifier.quantized import quantize
+    from verifier.quantized.matmul_paths import KernelPlan, KernelTimings
+    if not cpu_ops.q4_isa():
+        pytest.skip("q4x16 is not built for this CPU")
+    monkeypatch.setenv("TERCEL_CACHE", str(cache))
+    monkeypatch.setattr(KernelTimings, "plan", lambda self, owns: KernelPlan("q4x16"))
+
+    def packed(target):
+        return [a for lin in target.runner.decoder for a in lin._packed[lin.own].args if isinstance(a, torch.Tensor)]
+    direct = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
+    monkeypatch.setattr(quantize, "PACKERS", {})
+    read = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
+    assert all(lin.own == "q4x16" for lin in direct.runner.decoder)
+    assert all(torch.equal(a, b) for a, b in zip(packed(direct), packed(read), strict=True))

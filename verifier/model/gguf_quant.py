@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from verifier.model.gguf_blocks import FORMATS, read_block_tensor
 from verifier.model.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
@@ -65,16 +66,38 @@ class QuantizedTensors(Mapping):
         return iter(self._where)
 
     def __getitem__(self, name: str) -> QuantWeight:
+        t, data = self._bytes(name)
+        w = read_block_tensor(t["kind"], data, t["rows"], t["cols"])
+        heads = self._rope_heads(t["name"])
+        return w if heads is None else _unpermute(w, heads)
+
+    def kind(self, name: str) -> str:
+        """The GGUF type name of the tensor `name` is read from."""
+        return self._where[name][0]["kind"]
+
+    def raw(self, name: str) -> tuple[str, int, np.ndarray]:
+        """(kind, columns, the blocks' bytes [rows, row bytes]) with the rows in the served order."""
+        t, data = self._bytes(name)
+        rows = np.asarray(data).reshape(t["rows"], -1)
+        heads = self._rope_heads(t["name"])
+        if heads is not None:        # a row's blocks move with it
+            rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
+        return t["kind"], t["cols"], rows
+
+    def _bytes(self, name: str) -> tuple[dict, np.ndarray]:
         t, expert = self._where[name]
         data = np.memmap(self._path, dtype=np.uint8, mode="r", offset=t["offset"], shape=(t["nbytes"],))
         if expert is not None:
             data = data.reshape(t["experts"], -1)[expert]             # an expert's rows lie together
-        w = read_block_tensor(t["kind"], data, t["rows"], t["cols"])
-        if self._unpermute and t["name"].endswith("attn_q.weight"):
-            return _unpermute(w, self._heads[0])
-        if self._unpermute and t["name"].endswith("attn_k.weight"):
-            return _unpermute(w, self._heads[1])
-        return w
+        return t, data
+
+    def _rope_heads(self, gguf_name: str) -> int | None:
+        """The head count whose RoPE row order llama.cpp stored this tensor in (None: as HF's)."""
+        if self._unpermute and gguf_name.endswith("attn_q.weight"):
+            return self._heads[0]
+        if self._unpermute and gguf_name.endswith("attn_k.weight"):
+            return self._heads[1]
+        return None
 
 
 def read_quantized(index: dict, cfg: dict) -> QuantizedTensors:

@@ -16,6 +16,7 @@ from verifier.cpu import cpu_ops
 from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight,
                                   StackedWeight)
 from verifier.quantized.own_kernels import KERNELS, kernels_for
+from verifier.quantized.own_kernels.base import Packed
 
 def served_weights(w: QuantWeight) -> QuantWeight:
     """`w` with its scales (and zeros) rounded to bf16, as the kernels hold them (Q4_K's and Q6_K's
@@ -40,18 +41,32 @@ class QuantLinear(nn.Module):
             raise ValueError(f"no own kernel takes a {type(weight).__name__} of shape {weight.shape}")
         if own is not None:
             owns = [k for k in owns if k.name == own] or owns[:1]
-        self.out_features, self.in_features = weight.shape
-        self.plan = plan                      # shared by the model's layers; not a submodule
-        self.kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", Int8KWeight: "int8",
-                     StackedWeight: "mixed"}[type(weight)]
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         served = served_weights(weight)       # bf16 scales, as the kernels hold them; dropped once packed
+        kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", Int8KWeight: "int8",
+                StackedWeight: "mixed"}[type(weight)]
+        self._hold(weight.shape, kind, bias, plan, {k.name: k.pack(served) for k in owns})
+
+    @classmethod
+    def from_packed(cls, shape: tuple[int, int], kind: str, bias: torch.Tensor | None, plan, own: str,
+                    packed: Packed) -> "QuantLinear":
+        """A weight already in kernel `own`'s layout (`own_kernels.from_file`: packed from the file's bytes)."""
+        lin = cls.__new__(cls)
+        nn.Module.__init__(lin)
+        lin._hold(shape, kind, bias, plan, {own: packed})
+        return lin
+
+    def _hold(self, shape: tuple[int, int], kind: str, bias: torch.Tensor | None, plan,
+              packed: dict[str, Packed]) -> None:
+        self.out_features, self.in_features = shape
+        self.plan = plan                      # shared by the model's layers; not a submodule
+        self.kind = kind
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         # path -> (kernel, its arguments): the row-invariant kernels this weight offers. A plain
         # attribute: a module's buffer lookup costs about a microsecond, and this runs 4 times
         # per layer per step. CPU only.
-        self._packed = {k.name: k.pack(served) for k in owns}
-        self._owns = {k.name: (k.mm, self._packed[k.name].args) for k in owns}
-        self.use_own(owns[0].name)
+        self._packed = packed
+        self._owns = {name: (KERNELS[name].mm, p.args) for name, p in packed.items()}
+        self.use_own(next(iter(packed)))
 
     @property
     def bits(self) -> int:

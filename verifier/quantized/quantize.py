@@ -36,19 +36,21 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from verifier.cpu import cpu_ops
 from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
-from verifier.model.gguf_quant import INDEX_FILE, read_quantized
+from verifier.model.gguf_quant import INDEX_FILE, QuantizedTensors, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
 from verifier.model.quant import (Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight, StackedWeight,
                                   concat_rows, quantize_int8)
 from verifier.model.weights import checkpoint, param_sources
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
+from verifier.quantized.own_kernels.from_file import PACKERS
 from verifier.quantized.own_kernels.q8x16 import q8_bits
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
 from verifier.quantized.qlinear import QuantEmbedding, QuantLinear, RescoredHead
@@ -137,12 +139,42 @@ def _quantize_layer(layer: nn.Module, i: int, cfg: ModelConfig, blocks: Mapping,
                         *(() if moe else (("mlp", "gate_up_proj"), ("mlp", "down_proj")))):
         parent = getattr(layer, block)
         dense = getattr(parent, name)
-        weight = _projection(blocks, f"model.layers.{i}.{block}", name, dense.weight, mode)
-        setattr(parent, name, _planned(weight, dense.bias, plan))
+        setattr(parent, name, _served(blocks, f"model.layers.{i}.{block}", name, dense, mode, plan))
         out.append(getattr(parent, name))
     if moe:
         out += _quantize_experts(layer.mlp, blocks, cfg.model_type, i, mode, plan)
     return out
+
+
+def _served(blocks: Mapping, prefix: str, name: str, dense: nn.Module, mode: str, plan: KernelPlan | None,
+            parts: tuple[str, ...] | None = None) -> QuantLinear:
+    """One projection as a QuantLinear: packed straight from the file's bytes where it can be
+    (`_from_file`), else read into its served form and packed from that."""
+    fast = _from_file(blocks, prefix, name, mode, plan, dense.bias, parts)
+    return fast or _planned(_projection(blocks, prefix, name, dense.weight, mode, parts), dense.bias, plan)
+
+
+def _from_file(blocks: Mapping, prefix: str, name: str, mode: str, plan: KernelPlan | None,
+               bias: torch.Tensor | None, parts: tuple[str, ...] | None = None) -> QuantLinear | None:
+    """The projection packed from the file's bytes (`own_kernels.from_file`: the same bytes in a
+    fraction of the time) where its parts lie in one format that the plan's kernel takes as stored:
+    Q4_0 and Q4_1 for q4x16, Q4_K for q4k; else None."""
+    if plan is None or mode not in ("int4", "gguf") or not isinstance(blocks, QuantizedTensors) \
+            or not (cpu_ops.available() and cpu_ops.q4_isa() > 0):
+        return None
+    fused = f"{prefix}.{name}.weight"
+    names = [fused] if fused in blocks else [f"{prefix}.{p}.weight" for p in parts or _FUSED.get(name, (name,))]
+    kinds = {blocks.kind(n) for n in names if n in blocks}
+    if len(kinds) != 1 or not all(n in blocks for n in names):
+        return None
+    (kind,) = kinds
+    own = "q4k" if kind == "Q4_K" else plan.own
+    if (kind, own) not in PACKERS:
+        return None
+    raws = [blocks.raw(n) for n in names]
+    raw = np.concatenate([r for _, _, r in raws]) if len(raws) > 1 else raws[0][2]
+    packed = PACKERS[kind, own](raw, raw.shape[0])
+    return QuantLinear.from_packed((raw.shape[0], raws[0][1]), "int4", bias, plan, own, packed)
 
 
 def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | None) -> QuantLinear:
@@ -186,8 +218,8 @@ def _quantize_experts(moe: SparseMoeBlock, blocks: Mapping, model_type: str, lay
     out = []
     for e, expert in enumerate(moe.experts):
         for name, parts in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
-            weight = _projection(blocks, f"{prefix}.experts.{e}", name, getattr(expert, name).weight, mode, parts)
-            setattr(expert, name, _planned(weight, None, plan))
+            setattr(expert, name, _served(blocks, f"{prefix}.experts.{e}", name, getattr(expert, name), mode, plan,
+                                          parts))
             out.append(getattr(expert, name))
     return out
 
