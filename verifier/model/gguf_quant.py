@@ -71,6 +71,14 @@ class QuantizedTensors(Mapping):
         heads = self._rope_heads(t["name"])
         return w if heads is None else _unpermute(w, heads)
 
+    def rows(self, name: str, stop: int) -> QuantWeight:
+        """The first `stop` rows of a tensor stored in HF's row order (the head, the embedding)."""
+        t, data = self._bytes(name)
+        if self._rope_heads(t["name"]) is not None:
+            raise ValueError(f"{name}: its rows are stored in llama.cpp's RoPE order")
+        stop = min(stop, t["rows"])
+        return read_block_tensor(t["kind"], np.asarray(data).reshape(t["rows"], -1)[:stop], stop, t["cols"])
+
     def kind(self, name: str) -> str:
         """The GGUF type name of the tensor `name` is read from."""
         return self._where[name][0]["kind"]

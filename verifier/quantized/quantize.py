@@ -18,6 +18,11 @@ csrc/mixed_matmul.c); where that kernel is not built they share the more precise
 
 Each expert's projections are decoder projections like the dense MLP's (`verifier/model/moe.py`).
 
+A load reads the file one tensor at a time and keeps no dense copy (`quantize_model`): the first
+layer is packed for every kernel that takes it and timed (`tune`), the others for the chosen
+kernel only, on a thread pool, Q4_0, Q4_1 and Q4_K blocks straight from the file's bytes
+(`verifier/quantized/own_kernels/from_file.py`).
+
 The LM head is a `RescoredHead`: torch's kernels cannot take the default GGUF's Q8_0 head
 as it is (the int8 kernel has one scale per output channel, Q8_0 one per 32 weights), and
 a requantized head alone loses top-1 agreement on held-out text. So a requantized copy scans the
@@ -109,24 +114,26 @@ def block_params(model_dir: Path, model_type: str) -> frozenset[str]:
 
 
 def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path,
-                   choose: Callable[[list[QuantLinear], RescoredHead], KernelPlan]) -> tuple[list[QuantLinear], KernelPlan]:
+                   choose: Callable[[list[QuantLinear], QuantLinear], KernelPlan]) -> tuple[list[QuantLinear], KernelPlan]:
     """Swap the decoder's Linears, the LM head and the embedding of `net` for quantized modules,
     one layer at a time, each weight read from the file (or the loaded dense weight) just before it
-    is packed. The first layer and the head's scan offer every own kernel; `choose` picks the plan
-    on them (timing them, or reading this machine's timings), and the other layers are packed for
-    the chosen kernel only. Returns the decoder's QuantLinears and the plan."""
+    is packed. The first layer and a probe of the head's scan (`_scan_probe`) offer every own
+    kernel; `choose` picks the plan on them (timing them, or reading this machine's timings), and
+    the other layers and the head are packed for the chosen kernel only. Returns the decoder's
+    QuantLinears and the plan."""
     if cfg.head_dim % 16 or cfg.head_dim > 256:
         raise ValueError(f"quantization {mode!r} needs a head size that is a multiple of 16 and at most 256 "
                          f"(the fused decode kernels), got {cfg.head_dim}; use 'none'")
     blocks = file_blocks(model_dir)
     # numpy's and torch's unpacking release the GIL: the head and the layers read and pack side by side
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        ends = pool.submit(_quantize_ends, net, cfg, blocks, mode)
         decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, None)
-        plan = choose(decoder, ends.result())
+        plan = choose(decoder, _scan_probe(net, cfg, blocks, mode))
+        ends = pool.submit(_quantize_ends, net, cfg, blocks, mode, plan)
         rest = list(enumerate(net.model.layers))[1:]
         for built in pool.map(lambda il: _quantize_layer(il[1], il[0], cfg, blocks, mode, plan), rest):
             decoder += built
+        ends.result()
     return decoder, plan
 
 
@@ -184,14 +191,25 @@ def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | 
     return lin
 
 
-def _quantize_ends(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str) -> RescoredHead:
-    """The embedding and the LM head (a scan offering every own kernel, and the exact table)."""
+def _quantize_ends(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str, plan: KernelPlan) -> RescoredHead:
+    """The embedding and the LM head (a scan on the plan's kernel, and the exact table)."""
     embed = _table(blocks.get("model.embed_tokens.weight"), net.model.embed_tokens.weight)
     head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
     net.model.embed_tokens = QuantEmbedding(embed)
     table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
-    net.lm_head = RescoredHead(QuantLinear(_scan_weight(head, REGISTRY[mode].scan), None, None), table)
+    net.lm_head = RescoredHead(_planned(_scan_weight(head, REGISTRY[mode].scan), None, plan), table)
     return net.lm_head
+
+
+def _scan_probe(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str) -> QuantLinear:
+    """The head's first SCAN_ROWS rows in the scan's form, on every kernel that takes them: the plan
+    times the scan on these (its kernels' cost per row is the same over the whole vocabulary),
+    so that the head itself is read and packed once, beside the layers, for the kernel chosen."""
+    name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    dense = net.model.embed_tokens.weight if cfg.tie_word_embeddings else net.lm_head.weight
+    rows = blocks.rows(name, SCAN_ROWS) if name in blocks else None
+    return QuantLinear(_to_mode(_table(rows, None if rows is not None else dense[:SCAN_ROWS]), REGISTRY[mode].scan),
+                       None, None)
 
 
 def _scan_weight(head: QuantWeight, mode: str) -> QuantWeight:
@@ -304,21 +322,21 @@ def shapes_key(linears: list[QuantLinear]) -> str:
     return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
 
 
-def tune(layer: list[QuantLinear], head: RescoredHead, rows: tuple[int, ...], model_key: dict,
+def tune(layer: list[QuantLinear], scan: QuantLinear, rows: tuple[int, ...], model_key: dict,
          cache_dir: Path | None, refresh: bool = False, threads: int | None = None,
          moe_top_k: int | None = None) -> tuple[KernelPlan, KernelTimings]:
     """Time every own kernel over one layer's linears (`timed_linears`) or read the timings this
     machine cached for weights of these shapes (`shapes_key`), then keep the fastest in that
-    layer and the head's scan. Where no weight of the layer offers a choice of kernel (every one on
-    its format's only kernel, as a Q4_K_M's), the head's scan, which does, is timed too: its
-    kernel is chosen."""
+    layer and in `scan` (the head's scan, or its probe). Where no weight of the layer offers a choice
+    of kernel (every one on its format's only kernel, as a Q4_K_M's), the scan, which does, is timed
+    too: its kernel is chosen."""
     timed = timed_linears(layer, moe_top_k)
     if not any(len(lin.own_paths()) > 1 for lin in timed):
-        timed = [*timed, head.scan]
+        timed = [*timed, scan]
     sources = {path.stem: cpu_ops.sources_digest([path])          # a new kernel is timed anew
                for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
     key = {**model_key, "shapes": shapes_key(timed), **sources}
     timings = load_or_time(rows, key, cache_dir, lambda: time_paths(timed, rows), refresh, threads)
-    plan = apply_plan([*layer, head.scan], timings)
+    plan = apply_plan([*layer, scan], timings)
     log.info("every row takes the %s kernel", plan.own)
     return plan, timings

@@ -29,7 +29,7 @@ from verifier.quantized.attention_tuning import tune as tune_attention
 from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
 from verifier.quantized.cpu_loop import native_layers
 from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimings
-from verifier.quantized.qlinear import QuantLinear, RescoredHead
+from verifier.quantized.qlinear import QuantLinear
 from verifier.quantized.quantize import block_params, quantize_model, tune
 from verifier.runner import RunnerSettings, flatten
 
@@ -63,8 +63,8 @@ class QuantizedRunner:
         first = net.model.layers[0].mlp
         moe = first.moe.top_k if isinstance(first, SparseMoeBlock) else None     # before it is quantized
 
-        def choose(layer: list[QuantLinear], head: RescoredHead) -> KernelPlan:
-            self.plan, self.timings = tune(layer, head, s.kernel_rows or CHOICE_ROWS,
+        def choose(layer: list[QuantLinear], scan: QuantLinear) -> KernelPlan:
+            self.plan, self.timings = tune(layer, scan, s.kernel_rows or CHOICE_ROWS,
                                            {"quantization": s.quantization}, s.cache_dir, s.retime,
                                            s.tune_threads, moe)
             return self.plan
