@@ -79,7 +79,7 @@ def test_the_loader_keeps_parts_apart_only_where_layouts_differ():
     assert lin.own_paths() == ("mixed",) and lin.kind == "mixed"
     x = _activations(3, 128)
     assert torch.equal(lin.run_own(x), torch.cat([_own(concat_rows([q, k]), x), _own(v, x)], 1))
-    # the dense copies (prompt rows) are the parts' weights in order
+    # as served, the weight is the parts' weights in order
     assert torch.equal(served_weights(fused).dequantize(), torch.cat([p.dequantize() for p in (q, k, v)]))
     # one layout: one weight, as before
     same = _fused([q, k, _int8_weights(32, 128, 5, 32, seed=4)])

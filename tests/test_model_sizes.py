@@ -169,3 +169,16 @@ def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, mo
     read = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
     assert all(lin.own == "q4x16" for lin in direct.runner.decoder)
     assert all(torch.equal(a, b) for a, b in zip(packed(direct), packed(read), strict=True))
+
+
+def test_the_kv_pool_stays_within_the_memory_left_after_the_load(monkeypatch):
+    """The pool asked for, or nine tenths of what is free when less is: a pool past the memory
+    would meet the OOM killer mid-request instead of a full pool's preemption."""
+    from types import SimpleNamespace
+
+    from spec import engine
+    cpu = SimpleNamespace(target=SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(engine, "available_bytes", lambda: 10 * 10**9)
+    assert engine.LLMEngine._kv_pool_bytes(cpu, 2 * 10**9) == 2 * 10**9
+    monkeypatch.setattr(engine, "available_bytes", lambda: 10**9)
+    assert engine.LLMEngine._kv_pool_bytes(cpu, 2 * 10**9) == 9 * 10**8

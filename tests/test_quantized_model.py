@@ -32,7 +32,7 @@ def _chain(n: int) -> torch.Tensor:
 def test_a_row_is_bitwise_the_same_alone_and_inside_2_5_and_8_row_forwards(int4):
     """Sequence A's next token, through the whole forward: alone; beside another sequence's
     decode step (2 rows); as the root of a 5-node chain (5 rows); beside a 7-node tree (8
-    rows); beside a prefill chunk (bulk rows on another path). The logits are bitwise equal."""
+    rows); beside a prefill chunk (prompt rows, attending on another path). The logits are bitwise equal."""
     a_ids, b_ids, c_ids = list(range(100, 140)), list(range(500, 530)), list(range(900, 1000))
     a, b, c = [0, 1, 2], [3, 4, 5], [6, 7, 8, 9, 10, 11, 12]
     _prefill(int4, a_ids, a)

@@ -149,14 +149,14 @@ def test_jump_forward_without_a_drafter_is_token_identical_and_takes_forced_stre
 def test_every_output_token_runs_as_a_sampled_row(plain, prompts, monkeypatch):
     """A decode step whose grammar allows one token asks for no logits, and still runs on the
     quantized target's row-invariant kernels: the same token inside a jump-forward chain or a
-    draft tree does, and its KV must be the same bits either way. (Run as a prompt row, on the
-    dense path, it was not: T=0 outputs with and without jump-forward drifted apart at a near-tie.)
+    draft tree does, and its KV must be the same bits either way. (Run as a prompt row, then on
+    the dense path, it was not: T=0 outputs with and without jump-forward drifted apart at a near-tie.)
     Only prompt tokens before the last take the prompt-row path."""
-    runner, bulk = plain.engine.target.runner, []
+    runner, prompt_rows = plain.engine.target.runner, []
     run = runner.forward_rows
 
     def spy(sub, kv, own):
-        bulk.extend(s.ctx_len + s.num_new for s in sub.seqs if not own)
+        prompt_rows.extend(s.ctx_len + s.num_new for s in sub.seqs if not own)
         return run(sub, kv, own=own)
     monkeypatch.setattr(runner, "forward_rows", spy)
     plain.engine.reset_prefix_cache()
@@ -165,7 +165,7 @@ def test_every_output_token_runs_as_a_sampled_row(plain, prompts, monkeypatch):
     for t in out.token_ids:                 # the output has steps whose grammar allows one token
         decided += sole_tokens(matcher.mask())[0] >= 0
         matcher.accept(t)
-    assert decided > 0 and bulk and max(bulk) == len(prompts[0]) - 1
+    assert decided > 0 and prompt_rows and max(prompt_rows) == len(prompts[0]) - 1
 
 
 def test_rows_whose_mask_allows_few_tokens_ask_for_those_logits_alone(plain, prompts, reference, monkeypatch):
