@@ -44,7 +44,8 @@ def _tercel(path: str, args) -> dict:
     from spec.llm import LLM
     from spec.request import SamplingParams
     start = time.perf_counter()
-    llm = LLM(model=path, num_threads=args.threads, drafter=None)
+    # no prefix cache: the decode prompt begins as the prefill one does, and llama.cpp is reset per call
+    llm = LLM(model=path, num_threads=args.threads, drafter=None, enable_prefix_cache=False)
     load = time.perf_counter() - start
 
     def run(prompt: list[int], n: int) -> tuple[float, float]:
