@@ -129,15 +129,14 @@ def test_a_small_model_drafts_for_it_and_the_tokens_are_its_own(tiny_gguf, cache
 
 def _random_blocks(kind: str, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
     """Random blocks of `kind` with small finite fp16 scales: [rows, row bytes]."""
-    weights, size, at, count = {"Q4_0": (32, 18, 0, 1), "Q4_1": (32, 20, 0, 2), "Q4_K": (256, 144, 0, 2),
-                                "Q6_K": (256, 210, 208, 1)}[kind]
+    weights, size, at, count = {"Q4_0": (32, 18, 0, 1), "Q4_1": (32, 20, 0, 2), "Q4_K": (256, 144, 0, 2)}[kind]
     blocks = gen.integers(0, 256, (rows, cols // weights, size), dtype=np.uint8)
     scales = (gen.random((rows, cols // weights, count)) * 0.01).astype(np.float16)
     blocks[..., at:at + 2 * count] = scales.view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-KERNEL_OF = {"Q4_0": "q4x16", "Q4_1": "q4x16", "Q4_K": "q4k", "Q6_K": "q8x16"}
+KERNEL_OF = {"Q4_0": "q4x16", "Q4_1": "q4x16", "Q4_K": "q4k"}
 
 
 @pytest.mark.parametrize("kind", sorted(KERNEL_OF))
@@ -154,14 +153,6 @@ def test_blocks_packed_from_the_file_are_the_served_forms_packing(kind):
         got = from_file.PACKERS[kind, KERNEL_OF[kind]](raw, rows)
         assert got.bits == want.bits and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                                              for a, b in zip(got.args, want.args, strict=True))
-
-
-def test_q6_k_blocks_whose_q_fit_5_bits_are_left_to_the_served_form():
-    """The kernel holds such a weight in 5 bits, another layout: the direct packer declines it."""
-    from verifier.quantized.own_kernels import from_file
-    raw = _random_blocks("Q6_K", 16, 256, np.random.default_rng(1)).reshape(16, 1, 210)
-    raw[..., 128:192] = 0b10011001                 # every 2-bit field 1 or 2: q in -16..15
-    assert from_file.q6_k(raw.reshape(16, -1), 16) is None
 
 
 def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, monkeypatch):

@@ -63,7 +63,7 @@ from verifier.quantized.qlinear import QuantEmbedding, QuantLinear, RescoredHead
 log = logging.getLogger("tercel.quantize")
 QUANTIZATIONS = (*MODES, "none")
 SCAN_ROWS = 8192      # head rows converted at once for its scan
-_ONLY_KERNEL = {"Q4_K": "q4k", "Q6_K": "q8x16"}     # formats whose served form one kernel takes
+_ONLY_KERNEL = {"Q4_K": "q4k"}     # formats whose served form one kernel takes
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -166,7 +166,7 @@ def _from_file(blocks: Mapping, prefix: str, name: str, mode: str, plan: KernelP
                bias: torch.Tensor | None, parts: tuple[str, ...] | None = None) -> QuantLinear | None:
     """The projection packed from the file's bytes (`own_kernels.from_file`: the same bytes in a
     fraction of the time) where its parts lie in one format that the plan's kernel takes as stored:
-    Q4_0 and Q4_1 for q4x16, Q4_K for q4k, Q6_K for q8x16; else None."""
+    Q4_0 and Q4_1 for q4x16, Q4_K for q4k; else None."""
     if plan is None or mode not in ("int4", "gguf") or not isinstance(blocks, QuantizedTensors) \
             or not (cpu_ops.available() and cpu_ops.q4_isa() > 0):
         return None
@@ -182,8 +182,7 @@ def _from_file(blocks: Mapping, prefix: str, name: str, mode: str, plan: KernelP
     raws = [blocks.raw(n) for n in names]
     raw = np.concatenate([r for _, _, r in raws]) if len(raws) > 1 else raws[0][2]
     packed = PACKERS[kind, own](raw, raw.shape[0])
-    return packed and QuantLinear.from_packed((raw.shape[0], raws[0][1]), "int8" if own == "q8x16" else "int4",
-                                              bias, plan, own, packed)
+    return QuantLinear.from_packed((raw.shape[0], raws[0][1]), "int4", bias, plan, own, packed)
 
 
 def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | None) -> QuantLinear:

@@ -4,8 +4,7 @@ Reading a tensor into its served form (`verifier.model.gguf_blocks`: q unpacked,
 and packing that (`q4x16.pack_q4`, `q4k.pack_q4k`) passes over the weights several times; most of
 a large model's load went there. The same layouts come from the file's bytes in one or two
 passes: q4x16's nibble bytes are Q4_0's and Q4_1's own bytes reordered (byte j of a block holds
-weights j and j + 16 in both), q4k's are each Q4_K chunk's bytes paired, and q8x16's 6-bit
-layout is Q6_K's low nibbles paired the same way with its high bits as planes. `PACKERS` maps
+weights j and j + 16 in both), and q4k's are each Q4_K chunk's bytes paired. `PACKERS` maps
 (GGUF kind, kernel) to the function; the bytes are the same as packing the served form
 (`tests/test_model_sizes.py`). `raw`: uint8 [rows, row bytes], the rows in the served order.
 """
@@ -16,9 +15,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from verifier.cpu import cpu_ops
 from verifier.model.gguf_blocks.q4_k import k_scales
-from verifier.quantized.own_kernels import q8x16
 from verifier.quantized.own_kernels.base import Q4_TILE, Packed
 
 _BF16 = torch.bfloat16
@@ -82,41 +79,5 @@ def q4_k(raw: np.ndarray, n: int) -> Packed:
     return Packed((torch.from_numpy(packed), table, rows), 4)
 
 
-def _pairs(chunks: np.ndarray, high: bool) -> np.ndarray:
-    """q4x16's nibble bytes of 32 weights held in the low (or high) halves of 32 bytes
-    [..., 32]: byte 4 g + e pairs weights 4 g + e and 16 + 4 g + e."""
-    lo, hi = chunks[..., :16], chunks[..., 16:]
-    return (lo >> 4) | (hi & 0xF0) if high else (lo & 15) | (hi << 4)
-
-
-def q6_k(raw: np.ndarray, n: int) -> Packed | None:
-    """Q6_K super-blocks -> q8x16's 6-bit layout (`q8x16.pack_q8` of the served `Int8KWeight`):
-    u = q + 32 is a low nibble from ql and two bits from qh. Weight 128 h + 32 j + l of a
-    super-block (j < 4) lies in ql[h] byte 32 (j % 2) + l, low half for j < 2, and in bits 2 j,
-    2 j + 1 of qh[h] byte l. None where every q fits 5 bits (the kernel then holds 5: not this layout)."""
-    rows, row = raw.shape
-    blocks = raw.reshape(rows, row // 210, 210)
-    s = blocks.shape[1]
-    ql = blocks[..., :128].reshape(rows, s, 2, 2, 32)                        # [.., h, j % 2, l]
-    qh = blocks[..., 128:192].reshape(rows, s, 2, 1, 32)                     # [.., h, 1, l]
-    fields = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3    # [.., h, j, l]
-    if np.isin(fields, (1, 2)).all():
-        return None
-    nibbles = np.stack([_pairs(ql, False), _pairs(ql, True)], axis=3)        # [.., h, j // 2, j % 2, 16]
-    nibbles = _tiles(nibbles.reshape(rows, s * 8, 4, 4))                     # [T, 16 c, blocks, g, e]
-    t = nibbles.shape[0]
-    nibbles = nibbles.transpose(0, 2, 3, 1, 4).reshape(t, s * 8, 256)
-    bits = torch.from_numpy(_tiles(fields.reshape(rows, s * 8, 32))).view(t, Q4_TILE, s * 8, 2, 4, 4)
-    planes = [(q8x16._masks if cpu_ops.q8_plane_masks() else q8x16._planes)((bits >> p) & 1, t, s * 8)
-              for p in (0, 1)]
-    weights = torch.cat([torch.from_numpy(nibbles), *planes], -1)
-    sc = torch.from_numpy(_tiles(np.ascontiguousarray(blocks[..., 192:208]).reshape(rows, s * 8, 2)))
-    sc = sc.permute(0, 2, 3, 1).reshape(t, s * 8, 32)                        # [.., block, half, 16 c]
-    per_block = torch.cat([weights, sc], -1).view(t, s, -1)
-    d = torch.from_numpy(np.ascontiguousarray(_tiles(blocks[..., 208:210]).transpose(0, 2, 1, 3))).reshape(t, s, 32)
-    packed = torch.cat([d, per_block], -1).contiguous()
-    return Packed((packed, 6, q8x16.SUPER_GROUP, rows), 6)
-
-
-PACKERS: dict[tuple[str, str], Callable[[np.ndarray, int], Packed | None]] = {
-    ("Q4_0", "q4x16"): q4_0, ("Q4_1", "q4x16"): q4_1, ("Q4_K", "q4k"): q4_k, ("Q6_K", "q8x16"): q6_k}
+PACKERS: dict[tuple[str, str], Callable[[np.ndarray, int], Packed]] = {
+    ("Q4_0", "q4x16"): q4_0, ("Q4_1", "q4x16"): q4_1, ("Q4_K", "q4k"): q4_k}
