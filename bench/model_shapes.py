@@ -15,6 +15,7 @@ never in memory whole. `bench.model_sizes` runs them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,22 +129,19 @@ def _stored_shape(dims: tuple[int, ...], kind: str) -> tuple[int, ...]:
     return (dims[0], dims[1] // block * size)
 
 
-def llama_cpp_quantize(src: Path, dst: Path, kind: str) -> None:
+def llama_cpp_quantize(src: Path, dst: Path, kind: str, requantize: bool = False) -> None:
+    """`src` quantized to `kind` by llama.cpp (`requantize`: from a quantized file)."""
     import ctypes
 
     import llama_cpp
     p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype, p.allow_requantize, p.nthread = LLAMA_CPP_FTYPES[kind], False, 2
+    p.ftype, p.allow_requantize, p.nthread = LLAMA_CPP_FTYPES[kind], requantize, 2
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) != 0:
         raise RuntimeError(f"llama_model_quantize failed for {dst}")
 
 
 def has_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def make(out: Path, name: str, kinds: list[str], seed: int = 0) -> list[Path]:

@@ -148,7 +148,7 @@ def table(rows: list[tuple[str, str, dict]], bandwidth: float) -> str:
              "| file | engine | load s | peak GB | disk written GB | prefill tok/s | decode tok/s (incl. prefill) "
              "| decode tok/s (after first) | decoder weights GB/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, engine, m in rows:
-        stream = f"{m['weights_gb'] * m['decode_only_tok_s']:.1f}" if "weights_gb" in m else ""
+        stream = f"{m['weights_gb'] * m['decode_only_tok_s']:.3g}" if "weights_gb" in m else ""
         lines.append(f"| {name} | {engine} | {m['load_s']:.1f} | {m['peak_gb']:.2f} | {m.get('disk_gb', 0):.2f} | "
                      f"{m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | {m['decode_only_tok_s']:.1f} | {stream} |")
     return "\n".join(lines)

@@ -181,6 +181,7 @@ class LLMEngine:
             1, self._kv_pool_bytes(config.kv_cache_bytes) // self.target.kv_bytes_per_block(config.block_size))
         self.target.allocate_kv(num_blocks, config.block_size)
         self.memory = self.target.memory()
+        self._memory_parts = tuple(self.memory.parts().items())     # for stats(), after every step
         log.info("%s", self.memory.line())
         self.blocks = BlockManager(BlockManagerConfig(num_blocks, config.block_size,
                                                       config.enable_prefix_cache))
@@ -383,7 +384,7 @@ class LLMEngine:
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),
             steps=self._steps, last_step_tokens=self._last_step_tokens,
-            timing=self.timing, memory=tuple(self.memory.parts().items()))
+            timing=self.timing, memory=self._memory_parts)
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached blocks no request holds; returns how many."""

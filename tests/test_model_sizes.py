@@ -31,10 +31,18 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+def pin_torch_int4(mp: pytest.MonkeyPatch) -> None:
+    """Every load takes torch's int4 kernel (built everywhere), whatever this machine's timings
+    would choose: two loads compared, or a byte count read, cannot differ by machine kind."""
+    from verifier.quantized.matmul_paths import KernelPlan, KernelTimings
+    mp.setattr(KernelTimings, "plan", lambda self, owns: KernelPlan("int4" if "int4" in owns else owns[0]))
+
+
 @pytest.fixture(scope="module")
 def served(tiny_gguf, cache):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TERCEL_CACHE", str(cache))
+        pin_torch_int4(mp)
         yield TargetModel(str(tiny_gguf), quantization="auto")
 
 
@@ -115,6 +123,7 @@ def test_a_small_model_drafts_for_it_and_the_tokens_are_its_own(tiny_gguf, cache
     from spec import LLM, SamplingParams
     from spec.adaptive import AdaptiveConfig
     monkeypatch.setenv("TERCEL_CACHE", str(cache))
+    pin_torch_int4(monkeypatch)            # both loads, and the draft's, on one kernel
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 17, 300, 4000, 9], [70, 71, 72]]
     plain = LLM(model=str(tiny_gguf), max_num_seqs=2, num_kv_blocks=64)

@@ -200,9 +200,10 @@ def test_quantized_is_close_to_dense_and_rows_do_not_depend_on_neighbours(family
     want = logits(TargetModel(str(family_dir), quantization="none", load_tokenizer_files=False), ids)
     target = TargetModel(str(family_dir), quantization=mode, load_tokenizer_files=False)
     assert target.runner.native is None               # the experts run in the Python layer loop
-    moe = target.config.moe                        # load times the experts one token reaches, not all
-    layer = target.runner.decoder[:2 + 2 * moe.num_experts]
-    assert timed_linears(layer, moe.top_k) == layer[:2 + 2 * moe.top_k]
+    moe, first = target.config.moe, target.net.model.layers[0]     # load times the experts a token reaches
+    reached = [first.self_attn.qkv_proj, first.self_attn.o_proj,
+               *(lin for e in first.mlp.experts[:moe.top_k] for lin in (e.gate_up_proj, e.down_proj))]
+    assert timed_linears(target.runner.decoder[:2 + 2 * moe.num_experts], moe.top_k) == reached
     got = logits(target, ids)
     assert relative_error(got, want, mode) < tol
     target.allocate_kv(8, BLOCK)

@@ -109,7 +109,8 @@ class TargetModel:
         with torch.device("meta"), uninitialized():
             net = (GemmaForCausalLM if self.config.gemma else LlamaForCausalLM)(self.config, self.shard)
         unloaded = runner.unloaded_params(self.model_dir, self.config.model_type)
-        materialize(net, self.device, self.dtype, unloaded)
+        tied = frozenset({"lm_head.weight"} if self.config.tie_word_embeddings else ())    # the embedding's, below
+        materialize(net, self.device, self.dtype, unloaded | tied)
         if self.config.tie_word_embeddings:
             net.lm_head.weight = net.model.embed_tokens.weight
         load_checkpoint(net, self.model_dir, self.shard, unloaded)

@@ -118,7 +118,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / INDEX_FILE).write_text(json.dumps({**block_index(reader, gguf_path), "all": tensor_index(reader)}))
     # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata. A
     # BPE ("gpt2") vocabulary gets the generic class whichever way: asked for it directly, it skips
-    # AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (3 s of 3.2).
+    # AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (most of its
+    # time: docs/performance.md, "Load and import times").
     bpe = _field(reader, "tokenizer.ggml.model") == "gpt2"
     tok = (PreTrainedTokenizerFast if bpe else AutoTokenizer).from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)

@@ -1,8 +1,9 @@
 """A GGUF file's metadata and tensor table, read without its string arrays' contents.
 
-gguf-py's `GGUFReader` builds a numpy view per element of every array: a Llama-3 file's 128k
-tokens and their merges took it 9 s, where Tercel needs only their count (the vocabulary size;
-transformers reads the tokenizer's arrays itself, `verifier.model.loader`). This reads the
+gguf-py's `GGUFReader` builds a numpy view per element of every array, the tokenizer's tens of
+thousands of strings included (seconds: docs/performance.md, "Load and import times"), where
+Tercel needs only their count (the vocabulary size; transformers reads the tokenizer's arrays
+itself, `verifier.model.loader`). This reads the
 same fields and tensors in the shape the loader reads from `GGUFReader` (`fields[key].contents()`,
 `tensors[i].name / tensor_type / shape / data_offset / n_bytes`), a string array's contents as
 `StringCount` (its length only). The format: github.com/ggml-org/ggml, docs/gguf.md.

@@ -46,6 +46,28 @@ def hf_names(gguf_name: str, model_type: str, experts: int) -> list[str]:
     return [name.format(e) for e in range(experts)] if "{}" in name else [name]
 
 
+def by_hf_name(tensors: list[dict], model_type: str, experts_of) -> dict[str, tuple[dict, int | None]]:
+    """HF name -> (the index entry it is read from, its expert's slice or None), for every tensor of
+    a file's index (`experts_of(entry)`: its expert count, 0 for a matrix)."""
+    out = {}
+    for t in tensors:
+        experts = experts_of(t)
+        for e, name in enumerate(hf_names(t["name"], model_type, experts)):
+            out[name] = (t, e if experts else None)
+    return out
+
+
+def rope_heads(gguf_name: str, cfg: dict) -> int | None:
+    """The head count in whose RoPE row order llama.cpp stored this tensor's rows (None: HF's order)."""
+    if cfg["model_type"] not in ROPE_PERMUTED:
+        return None
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return cfg["num_attention_heads"]
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return cfg["num_key_value_heads"]
+    return None
+
+
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     # llama.cpp: w.reshape(n_heads, 2, d/2, ...).swapaxes(1, 2); this is the inverse.
     rows = w.shape[0]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from verifier.model.gguf_blocks import FORMATS, read_block_tensor
-from verifier.model.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
+from verifier.model.gguf_names import by_hf_name, rope_heads, unpermute_rope_rows
 from verifier.model.quant import QuantWeight
 
 
@@ -48,13 +48,8 @@ class QuantizedTensors(Mapping):
     mapped file when asked for: a model's weights are never all unpacked at once."""
 
     def __init__(self, index: dict, cfg: dict):
-        self._path, self._heads = index["gguf"], (cfg["num_attention_heads"], cfg["num_key_value_heads"])
-        self._unpermute = cfg["model_type"] in ROPE_PERMUTED
-        self._where: dict[str, tuple[dict, int | None]] = {}
-        for t in index["tensors"]:
-            experts = t.get("experts", 0)
-            for e, name in enumerate(hf_names(t["name"], cfg["model_type"], experts)):
-                self._where[name] = (t, e if experts else None)
+        self._path, self._cfg = index["gguf"], cfg
+        self._where = by_hf_name(index["tensors"], cfg["model_type"], lambda t: t.get("experts", 0))
 
     def __len__(self) -> int:
         return len(self._where)
@@ -68,13 +63,13 @@ class QuantizedTensors(Mapping):
     def __getitem__(self, name: str) -> QuantWeight:
         t, data = self._bytes(name)
         w = read_block_tensor(t["kind"], data, t["rows"], t["cols"])
-        heads = self._rope_heads(t["name"])
+        heads = rope_heads(t["name"], self._cfg)
         return w if heads is None else _unpermute(w, heads)
 
     def rows(self, name: str, stop: int) -> QuantWeight:
         """The first `stop` rows of a tensor stored in HF's row order (the head, the embedding)."""
         t, data = self._bytes(name)
-        if self._rope_heads(t["name"]) is not None:
+        if rope_heads(t["name"], self._cfg) is not None:
             raise ValueError(f"{name}: its rows are stored in llama.cpp's RoPE order")
         stop = min(stop, t["rows"])
         return read_block_tensor(t["kind"], np.asarray(data).reshape(t["rows"], -1)[:stop], stop, t["cols"])
@@ -87,7 +82,7 @@ class QuantizedTensors(Mapping):
         """(kind, columns, the blocks' bytes [rows, row bytes]) with the rows in the served order."""
         t, data = self._bytes(name)
         rows = np.asarray(data).reshape(t["rows"], -1)
-        heads = self._rope_heads(t["name"])
+        heads = rope_heads(t["name"], self._cfg)
         if heads is not None:        # a row's blocks move with it
             rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
         return t["kind"], t["cols"], rows
@@ -98,14 +93,6 @@ class QuantizedTensors(Mapping):
         if expert is not None:
             data = data.reshape(t["experts"], -1)[expert]             # an expert's rows lie together
         return t, data
-
-    def _rope_heads(self, gguf_name: str) -> int | None:
-        """The head count whose RoPE row order llama.cpp stored this tensor in (None: as HF's)."""
-        if self._unpermute and gguf_name.endswith("attn_q.weight"):
-            return self._heads[0]
-        if self._unpermute and gguf_name.endswith("attn_k.weight"):
-            return self._heads[1]
-        return None
 
 
 def read_quantized(index: dict, cfg: dict) -> QuantizedTensors:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from verifier.model.config import GEMMA_TYPES
-from verifier.model.gguf_names import ROPE_PERMUTED, hf_names, unpermute_rope_rows
+from verifier.model.gguf_names import by_hf_name, rope_heads, unpermute_rope_rows
 
 
 def tensor_index(reader) -> list[dict]:
@@ -32,11 +32,9 @@ def tensor_index(reader) -> list[dict]:
 def dense_tensor(name: str, w: torch.Tensor, cfg: dict) -> torch.Tensor:
     """The fp32 values of GGUF tensor `name` as HF holds them (q/k rows back in HF's order,
     Gemma's norms without llama.cpp's added 1)."""
-    if cfg["model_type"] in ROPE_PERMUTED:
-        if name.endswith(("attn_q.weight", "attn_q.bias")):
-            return unpermute_rope_rows(w, cfg["num_attention_heads"])
-        if name.endswith(("attn_k.weight", "attn_k.bias")):
-            return unpermute_rope_rows(w, cfg["num_key_value_heads"])
+    heads = rope_heads(name, cfg)
+    if heads is not None:
+        return unpermute_rope_rows(w, heads)
     if cfg["model_type"] in GEMMA_TYPES and name.endswith("norm.weight"):
         return w - 1.0
     return w
@@ -56,18 +54,10 @@ class GGUFTensors:
 
     def __init__(self, path: str | Path, tensors: list[dict], cfg: dict):
         self.path, self.cfg = str(path), cfg
-        self._where: dict[str, tuple[dict, int | None]] = {}       # HF name -> (entry, expert or None)
-        for t in tensors:
-            experts = t["shape"][0] if len(t["shape"]) == 3 else 0
-            for e, name in enumerate(hf_names(t["name"], cfg["model_type"], experts)):
-                self._where[name] = (t, e if experts else None)
+        self._where = by_hf_name(tensors, cfg["model_type"], lambda t: t["shape"][0] if len(t["shape"]) == 3 else 0)
 
     def names(self) -> list[str]:
         return list(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        t, expert = self._where[name]
-        return tuple(t["shape"][1:] if expert is not None else t["shape"])
 
     def get(self, name: str) -> torch.Tensor:
         """fp32, dequantized in memory (KeyError for a name the file lacks)."""

@@ -52,10 +52,6 @@ class SafetensorsFiles:
     def names(self) -> list[str]:
         return list(self._file)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self._file[name]), framework="pt") as st:
-            return tuple(st.get_slice(name).get_shape())
-
     def get(self, name: str, shard: TensorShard | None = None) -> torch.Tensor:
         """The tensor in its stored dtype; with a shard, this rank's slice only."""
         with safe_open(str(self._file[name]), framework="pt") as st:
@@ -71,7 +67,7 @@ class _ShardedGGUF:
 
     def __init__(self, tensors: GGUFTensors):
         self.tensors = tensors
-        self.names, self.shape = tensors.names, tensors.shape
+        self.names = tensors.names
 
     def get(self, name: str, shard: TensorShard | None = None) -> torch.Tensor:
         w = self.tensors.get(name)

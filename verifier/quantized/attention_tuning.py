@@ -83,14 +83,15 @@ def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator):
     return plan, q, caches[:2], caches[2:], torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
 
 
-EVICT_MAX = 128 << 20       # a server CPU's shared L3 (480 MiB on one Xeon here) outgrows what a step streams
+EVICT_MAX = 128 << 20       # a server CPU's shared L3 outgrows what a small model's step streams
 
 
 def _evictor() -> torch.Tensor:
     """A buffer twice the last-level cache, at least 32 MiB and at most EVICT_MAX: reading it
-    pushes the caches' lines out, as a step's weights do. Capped because a VM's share of a server
-    CPU's L3 would make it gigabytes, each read costing a load tens of seconds, where a small
-    model's weights leave its KV in that L3 between steps anyway."""
+    pushes the caches' lines out, as a step's weights do. Capped because a VM on a server CPU sees
+    its whole shared L3, which made the buffer a gigabyte read a thousand times per load
+    (docs/performance.md, "Models of real sizes"), where a small model's weights leave its KV in
+    that L3 between steps anyway."""
     return torch.ones(min(max(2 * cache_bytes(3), 32 << 20), EVICT_MAX) // 4)
 
 

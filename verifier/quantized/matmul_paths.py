@@ -123,14 +123,14 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
     """Time each own kernel over the `linears` that offer it, in order (cold weights, as in a
     forward), and probe its row invariance on `probe` (default: the first four linears, one
     layer) or, for a kernel none of those offers, on the first four that do."""
-    paths = list(dict.fromkeys(p for lin in linears for p in lin.paths()))
-    having = {p: [lin for lin in linears if p in lin.paths()] for p in paths}
+    paths = list(dict.fromkeys(p for lin in linears for p in lin.own_paths()))
+    having = {p: [lin for lin in linears if p in lin.own_paths()] for p in paths}
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
     for m in rows:
         for p in paths:
             ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats)
     probe = probe or linears[:4]
-    return KernelTimings(rows, ms, {p: row_invariant([lin for lin in probe if p in lin.paths()] or having[p][:4], p)
+    return KernelTimings(rows, ms, {p: row_invariant([lin for lin in probe if p in lin.own_paths()] or having[p][:4], p)
                                     for p in paths})
 
 

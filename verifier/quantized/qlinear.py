@@ -93,9 +93,6 @@ class QuantLinear(nn.Module):
         for path in set(self._owns) - {self.own}:
             del self._owns[path], self._packed[path]
 
-    def paths(self) -> tuple[str, ...]:
-        return tuple(self._owns)
-
     # ---- matmuls --------------------------------------------------------------------------
     def run_own(self, x: torch.Tensor) -> torch.Tensor:
         """x bf16 [M, K], contiguous -> bf16 [M, N] on the row-invariant kernel the plan chose."""

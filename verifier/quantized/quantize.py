@@ -186,10 +186,8 @@ def _from_file(blocks: Mapping, prefix: str, name: str, mode: str, plan: KernelP
 
 
 def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | None) -> QuantLinear:
-    lin = QuantLinear(weight, bias, plan, own=plan and plan.own)
-    if plan is not None:
-        lin.use_own(plan.own if plan.own in lin.own_paths() else lin.own)
-    return lin
+    """Packed for the plan's kernel (its first where it does not take the weight); no plan: for every kernel."""
+    return QuantLinear(weight, bias, plan, own=plan and plan.own)
 
 
 def _quantize_ends(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str, plan: KernelPlan) -> RescoredHead:

@@ -29,7 +29,7 @@ from verifier.quantized.attention_tuning import tune as tune_attention
 from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
 from verifier.quantized.cpu_loop import native_layers
 from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimings
-from verifier.quantized.qlinear import QuantLinear
+from verifier.quantized.qlinear import QuantEmbedding, QuantLinear
 from verifier.quantized.quantize import block_params, quantize_model, tune
 from verifier.runner import RunnerSettings, flatten
 
@@ -78,14 +78,15 @@ class QuantizedRunner:
         """Bytes held: (the decoder's packed projections, the embedding and head tables with the
         head's scan, everything else: norms, biases, routers, rotary tables)."""
         net, head = self.net, self.net.lm_head
+        decoder = {id(lin) for lin in self.decoder} | {id(head.scan)}
         tables = head.scan.nbytes() + tensor_bytes([*net.model.embed_tokens.buffers(), *head.table.buffers()])
-        counted = {id(t) for m in (net.model.embed_tokens, head.table) for t in m.buffers()}
-        counted |= {id(lin.bias) for lin in self.decoder if lin.bias is not None}
-        others = [m for m in net.modules() if isinstance(m, QuantLinear) and m not in self.decoder and m is not head.scan]
-        other = sum(m.nbytes() for m in others) + tensor_bytes(
-            t for t in [*net.parameters(), *net.buffers()] if id(t) not in counted
-            and not any(t is m.bias for m in others))
-        return sum(lin.nbytes() for lin in self.decoder), tables, other
+        routers, rest = 0, []
+        for m in net.modules():
+            if isinstance(m, QuantLinear):
+                routers += 0 if id(m) in decoder else m.nbytes()          # with its bias
+            elif not isinstance(m, QuantEmbedding):
+                rest += [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        return sum(lin.nbytes() for lin in self.decoder), tables, routers + tensor_bytes(rest)
 
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
         """The prompt rows' forward, then the sampled rows', outputs in batch order. Every row runs

@@ -15,7 +15,7 @@ def read(blocks: np.ndarray) -> Int8KWeight:
     n, nsb = blocks.shape[:2]
     ql = blocks[..., :128].reshape(n, nsb, 2, 64)
     qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32)
-    q = np.empty((n, nsb, 2, 4, 32), np.uint8)         # bytes throughout: a wide type would cost 2-4x the time
+    q = np.empty((n, nsb, 2, 4, 32), np.uint8)         # bytes throughout: a wider type moves 2-4x the bytes
     q[..., 0, :], q[..., 1, :] = ql[..., :32] & 15, ql[..., 32:] & 15
     q[..., 2, :], q[..., 3, :] = ql[..., :32] >> 4, ql[..., 32:] >> 4
     q |= ((qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3) << 4

@@ -46,7 +46,7 @@ def pack_q8(w: Int8Weight | Int8KWeight, bits: int | None = None, masks: bool | 
     bits, (n, k) = bits or q8_bits(w), w.shape
     masks = cpu_ops.q8_plane_masks() if masks is None else masks
     pad = -n % Q4_TILE
-    # u in 0..255: bytes throughout (int32 took 0.5 s a weight of a 1.7B model's FFN)
+    # u in 0..255: bytes throughout (int32 took 6x the time: docs/performance.md, "Models of real sizes")
     unpadded = (w.q.view(torch.uint8) + (1 << (bits - 1)) % 256) if w.q.dtype == torch.int8 else \
         (w.q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
     u = F.pad(unpadded, (0, 0, 0, pad))                         # padded channels: scale 0
