@@ -74,6 +74,7 @@ def _engine_greedy(llm, prompts):
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
+@pytest.mark.slow          # the batch below runs the same prompts; alone, each is one more decode
 def test_greedy_matches_hf_generate_one_at_a_time(llm, prompts, hf_greedy):
     """4 MT-bench prompts x 32 new tokens, run one at a time: token-identical to HF generate."""
     ours = [_engine_greedy(llm, [p])[0] for p in prompts]

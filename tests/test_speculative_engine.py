@@ -142,8 +142,10 @@ def test_stats_are_consistent(tiny_spec):
     assert 1.0 <= st.mean_accepted_length <= 5.0
 
 
-# The tree runs the small drafter beside n-gram, so `make test` leaves "small" alone to `make test-slow`.
-@pytest.mark.parametrize("drafter", slow_marked(["small", "ngram", "tree", "eagle3", "datastore", "suffix"], {"small"}))
+# `make test` runs the drafters that hold KV of their own: the tree (a small model beside n-gram) and
+# EAGLE-3; the lookups (n-gram, datastore, suffix) and the small model alone under `make test-slow`.
+@pytest.mark.parametrize("drafter", slow_marked(["small", "ngram", "tree", "eagle3", "datastore", "suffix"],
+                                                {"small", "ngram", "datastore", "suffix"}))
 def test_no_leaked_blocks_after_speculative_requests_with_cancellations(tiny_llama_dir, tiny_eagle_head, drafter,
                                                                         tmp_path):
     """100 speculative requests, random aborts and a pool small enough to preempt: integrity

@@ -146,8 +146,9 @@ CASES = {
 
 # `make test` runs one case per rule: plain, sampled chains with frequent rejections
 # (residual sampling), a sampled top-k tree; over int4, a deterministic chain. The rest of
-# the matrix runs under `make test-slow` (each case costs 15-40 s on these CPUs).
-SLOW_CASES = {"ngram-chain", "small-chain-sampled", "eagle3-tree", "tree-small+ngram"}
+# the matrix (the suffix drafter's frequency-ranked tree among it: a tree, as the top-k one)
+# runs under `make test-slow` (each case costs 10-40 s on these CPUs).
+SLOW_CASES = {"ngram-chain", "small-chain-sampled", "eagle3-tree", "tree-small+ngram", "suffix-tree"}
 
 
 @pytest.mark.parametrize("case", slow_marked(CASES, SLOW_CASES))

@@ -23,7 +23,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, make_random_eagle_head, make_tiny_model
+from conftest import ROOT, make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
 from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
@@ -88,7 +88,8 @@ def eagle_head(tiny_dir, tmp_path_factory):
     return make_random_eagle_head(tiny_dir, tmp_path_factory.mktemp("tp_eagle"), draft_vocab=64)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "small", "eagle3"])
+# the small draft model (unsharded on rank 0, as the EAGLE-3 head is) under `make test-slow`
+@pytest.mark.parametrize("drafter", slow_marked(["ngram", "small", "eagle3"], {"small"}))
 def test_speculative_tp2_equals_tp1_plain(tiny_dir, prompts, reference, eagle_head, drafter):
     """Speculation on under TP=2: the n-gram drafter; a small draft model (the tiny model itself,
     unsharded on rank 0); a random EAGLE-3 head on rank 0, reading the tapped hidden states and
