@@ -136,32 +136,98 @@ def test_a_small_model_drafts_for_it_and_the_tokens_are_its_own(tiny_gguf, cache
     assert sum(o.stats.verify_steps for o in got) > 0 and pair.engine.blocks.num_used_blocks == 0
 
 
-def _random_blocks(kind: str, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
-    """Random blocks of `kind` with small finite fp16 scales: [rows, row bytes]."""
-    weights, size, at, count = {"Q4_0": (32, 18, 0, 1), "Q4_1": (32, 20, 0, 2), "Q4_K": (256, 144, 0, 2)}[kind]
+def _random_blocks(kind: str, rows: int, cols: int, gen: np.random.Generator, narrow: bool = False) -> np.ndarray:
+    """Random blocks of `kind` with small finite fp16 scales: [rows, row bytes]. `narrow`: Q6_K
+    weights that all fit 5 bits (q8x16 holds such a tensor in 5)."""
+    weights, size, at, count = {"Q4_0": (32, 18, 0, 1), "Q4_1": (32, 20, 0, 2), "Q4_K": (256, 144, 0, 2),
+                                "Q6_K": (256, 210, 208, 1)}[kind]
     blocks = gen.integers(0, 256, (rows, cols // weights, size), dtype=np.uint8)
     scales = (gen.random((rows, cols // weights, count)) * 0.01).astype(np.float16)
     blocks[..., at:at + 2 * count] = scales.view(np.uint8)
+    if narrow:
+        blocks[..., :192] = _q6k_bits(gen.integers(16, 48, (rows, cols // weights, 256), dtype=np.uint8))
     return blocks.reshape(rows, -1)
 
 
-KERNEL_OF = {"Q4_0": "q4x16", "Q4_1": "q4x16", "Q4_K": "q4k"}
+def _q6k_bits(u: np.ndarray) -> np.ndarray:
+    """6-bit values [..., 256] -> Q6_K's 128 bytes of low nibbles and 64 of high bit pairs: weight
+    128 h + 32 k + l in byte 64 h + 32 (k & 1) + l's nibble k >> 1, bits 2 k of byte 128 + 32 h + l."""
+    u = u.reshape(*u.shape[:-1], 2, 4, 32)                          # [.., h, k, l]
+    low = (u[..., [0, 1], :] & 15) | ((u[..., [2, 3], :] & 15) << 4)
+    high = sum((u[..., k, :] >> 4) << (2 * k) for k in range(4))
+    return np.concatenate([low.reshape(*u.shape[:-3], 128), high.reshape(*u.shape[:-3], 64)], -1)
 
 
-@pytest.mark.parametrize("kind", sorted(KERNEL_OF))
-def test_blocks_packed_from_the_file_are_the_served_forms_packing(kind):
-    """The direct packers give the bytes that reading the served form and packing it give
-    (rows not a multiple of the 16-channel tile too)."""
+KERNEL_OF = {"Q4_0": "q4x16", "Q4_1": "q4x16", "Q4_K": "q4k", "Q6_K": "q8x16"}
+
+
+def _file_rows(kind: str, raw: np.ndarray, cols: int):
+    from verifier.model.gguf_quant import file_rows
+    return file_rows(kind, cols, raw)
+
+
+def _served(kind: str, raws: list[np.ndarray], cols: int):
+    """The parts' served forms packed as a load without csrc/repack.c packs them."""
     from verifier.model.gguf_blocks import read_block_tensor
-    from verifier.quantized.own_kernels import KERNELS, from_file
+    from verifier.quantized import quantize
+    from verifier.quantized.own_kernels import KERNELS
     from verifier.quantized.qlinear import served_weights
-    gen = np.random.default_rng(0)
+    parts = [read_block_tensor(k, r, r.shape[0], cols) for k, r in zip(kind.split("+"), raws)]
+    w = quantize._fused(parts) if len(parts) > 1 else parts[0]
+    return KERNELS["mixed" if len(parts) > 1 else KERNEL_OF[kind]].pack(served_weights(w))
+
+
+def _same(got, want) -> bool:
+    return got.bits == want.bits and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                                         for a, b in zip(got.args, want.args, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q6_K narrow", "Q4_K+Q6_K+Q4_0"])
+def test_blocks_packed_from_the_file_are_the_served_forms_packing(kind):
+    """csrc/repack.c gives the bytes that reading the served form and packing it give: each format,
+    Q6_K in 6 bits and in 5, a fused projection of three formats (the mixed kernel), rows not a
+    multiple of the 16-channel tile."""
+    from verifier.quantized.own_kernels import from_file
+    if not cpu_ops.q4_isa():
+        pytest.skip("the own kernels are not built for this CPU")
+    gen, kind, narrow = np.random.default_rng(0), kind.split()[0], kind.endswith("narrow")
     for rows in (48, 40):
-        raw = _random_blocks(kind, rows, 512, gen)
-        want = KERNELS[KERNEL_OF[kind]].pack(served_weights(read_block_tensor(kind, raw, rows, 512)))
-        got = from_file.PACKERS[kind, KERNEL_OF[kind]](raw, rows)
-        assert got.bits == want.bits and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-                                             for a, b in zip(got.args, want.args, strict=True))
+        raws = [_random_blocks(k, rows - 8 * i, 512, gen, narrow) for i, k in enumerate(kind.split("+"))]
+        own, got = from_file.packed([_file_rows(k, r, 512) for k, r in zip(kind.split("+"), raws)], "gguf", "q4x16")
+        assert own == ("mixed" if "+" in kind else KERNEL_OF[kind]) and _same(got, _served(kind, raws, 512))
+        assert "+" in kind or kind != "Q6_K" or got.bits == (5 if narrow else 6)
+
+
+@pytest.mark.parametrize("masks", [False, True])
+def test_q6k_packs_both_layouts_of_the_higher_bits(masks):
+    """Planes (AVX2 builds) and masks (AVX-512 builds) alike, whichever this library reads."""
+    from verifier.model.gguf_blocks import read_block_tensor
+    from verifier.quantized.own_kernels.q8x16 import pack_q8
+    if not cpu_ops.available():
+        pytest.skip("no C compiler")
+    raw = _random_blocks("Q6_K", 24, 512, np.random.default_rng(1))
+    out = torch.empty(2, 2, 32 + 8 * (256 + 128 + 32), dtype=torch.uint8)
+    cpu_ops.repack_q6k(torch.from_numpy(_file_rows("Q6_K", raw, 512).address), 6, masks, out)
+    assert torch.equal(out, pack_q8(read_block_tensor("Q6_K", raw, 24, 512), 6, masks))
+
+
+def test_the_heads_table_and_scan_from_the_file_are_the_python_paths():
+    """csrc/repack.c's Q6_K table (int8 q, fp32 d * sc per 16) and the head's int4 scan requantized
+    from an int8 table (Q6_K's groups of 16, Q8_0's of 32) equal numpy's and torch's, bit for bit."""
+    from verifier.model.gguf_blocks import read_block_tensor
+    from verifier.model.quant import quantize_int8
+    from verifier.quantized.modes import REGISTRY
+    from verifier.quantized.own_kernels import KERNELS
+    from verifier.quantized.qlinear import served_weights
+    if not cpu_ops.q4_isa():
+        pytest.skip("the own kernels are not built for this CPU")
+    raw = _random_blocks("Q6_K", 40, 512, np.random.default_rng(2))
+    q, scale = cpu_ops.unpack_q6k(torch.from_numpy(_file_rows("Q6_K", raw, 512).address), 512)
+    q6k = read_block_tensor("Q6_K", raw, 40, 512).as_grouped()
+    assert torch.equal(q, q6k.q) and torch.equal(scale, q6k.scale)
+    for table in (q6k, quantize_int8(torch.randn(40, 512, generator=torch.Generator().manual_seed(0)), 32)):
+        want = KERNELS["q4x16"].pack(served_weights(REGISTRY["int4"].serve(table))).args[0]
+        assert torch.equal(cpu_ops.scan_int4_from_int8(table.q, table.scale), want)
 
 
 def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, monkeypatch):
@@ -177,7 +243,7 @@ def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, mo
     def packed(target):
         return [a for lin in target.runner.decoder for a in lin._packed[lin.own].args if isinstance(a, torch.Tensor)]
     direct = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
-    monkeypatch.setattr(quantize, "PACKERS", {})
+    monkeypatch.setattr(quantize.from_file, "packed", lambda *a: None)
     read = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
     assert all(lin.own == "q4x16" for lin in direct.runner.decoder)
     assert all(torch.equal(a, b) for a, b in zip(packed(direct), packed(read), strict=True))

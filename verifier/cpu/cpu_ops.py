@@ -29,9 +29,9 @@ from verifier.cpu.machine import cache_bytes, machine_key, march
 
 log = logging.getLogger("tercel.cpu_ops")
 CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on first use
-DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER = SOURCES = [
+DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER, REPACK = SOURCES = [
     CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c",
-    CSRC / "draft_layer.c"]
+    CSRC / "draft_layer.c", CSRC / "repack.c"]
 INTEGER_MATMULS = [Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL]   # one runner (mixed_matmul.c) over the layouts' tiles
 # included by the sources: part of the library's cache key
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
@@ -47,6 +47,12 @@ def sources_digest(paths: list[Path] | None = None) -> str:
 FLAGS = ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
+    "repack_q4x16": [_P, _I, _I, _I, _P],
+    "repack_q4k": [_P, _I, _I, _P],
+    "repack_q6k": [_P, _I, _I, _I, _I, _P],
+    "q6k_fits_5_bits": [_P, _I, _I],
+    "unpack_q6k": [_P, _I, _I, _P, _P],
+    "scan_int4_from_int8": [_P, _P, _I, _I, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "rms_norm_rows": [_P, _P, _P, _F, _I, _I, _P],
     "silu_mul": [_P, _I, _I, _P],
@@ -74,7 +80,7 @@ _SIGNATURES = {
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
     "draft_layer": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
-_RETURNS = {"row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I,
+_RETURNS = {"q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I, "q4_matmul": _I,
             "q4_matmul_ref": _I, "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I,
             "mixed_matmul": _I, "mixed_matmul_ref": _I, "draft_layer": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
@@ -366,6 +372,53 @@ def mixed_matmul(packed: torch.Tensor, parts: torch.Tensor, n: int, x: torch.Ten
         raise ValueError(f"mixed_matmul takes K a multiple of 32 (got {k}) and up to 8 parts of 4, 5, 6 or 8 "
                          f"bits (K a multiple of 256 for 4 bits in groups of 256) whose rows add up to {n} "
                          f"(got {parts.tolist()}), or ran out of memory")
+    return out
+
+
+def _rows(address: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows' addresses, rows, blocks or super-blocks per row, out) as csrc/repack.c takes them."""
+    return address.data_ptr(), address.shape[0], out.shape[1], out.data_ptr()
+
+
+def repack_q4x16(address: torch.Tensor, affine: bool, out: torch.Tensor) -> None:
+    """Q4_0 (`affine` False) or Q4_1 rows at `address` (int64 [N]) -> out uint8 [ceil(N / 16), K / 32, 320]
+    in q4x16's layout (`verifier.quantized.own_kernels.from_file`)."""
+    at, rows, blocks, o = _rows(address, out)
+    _library().repack_q4x16(at, rows, blocks, int(affine), o)
+
+
+def repack_q4k(address: torch.Tensor, out: torch.Tensor) -> None:
+    """Q4_K rows at `address` (int64 [N]) -> out uint8 [ceil(N / 16), K / 256, 2368] in q4k's layout."""
+    at, rows, supers, o = _rows(address, out)
+    _library().repack_q4k(at, rows, supers, o)
+
+
+def q6k_fits_5_bits(address: torch.Tensor, supers: int) -> bool:
+    """Whether every weight of the Q6_K rows at `address` (int64 [N], `supers` super-blocks each) fits 5 bits."""
+    return bool(_library().q6k_fits_5_bits(address.data_ptr(), address.shape[0], supers))
+
+
+def repack_q6k(address: torch.Tensor, bits: int, masks: bool, out: torch.Tensor) -> None:
+    """Q6_K rows at `address` (int64 [N]) -> out uint8 [ceil(N / 16), K / 256, 32 + 8 (288 + 64 (bits - 4))]
+    in q8x16's layout of `bits` (5 or 6) with Q6_K's own scales, its higher bits as `masks` or planes."""
+    at, rows, supers, o = _rows(address, out)
+    _library().repack_q6k(at, rows, supers, bits, int(masks), o)
+
+
+def unpack_q6k(address: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows at `address` (int64 [N]) -> (q int8 [N, cols], scale fp32 [N, cols / 16]): the int8 form."""
+    rows = address.shape[0]
+    q, scale = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, cols // 16)
+    _library().unpack_q6k(address.data_ptr(), rows, cols // 256, q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+def scan_int4_from_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 table (q int8 [N, K], scale fp32 [N, K / g], g 16 or 32, contiguous) requantized
+    to int4 groups of 32 (`quantize_int4`'s bits) in q4x16's layout: uint8 [ceil(N / 16), K / 32, 320]."""
+    (rows, cols), group = q.shape, q.shape[1] // scale.shape[1]
+    out = torch.empty(-(-rows // 16), cols // 32, 320, dtype=torch.uint8)
+    _library().scan_int4_from_int8(q.data_ptr(), scale.data_ptr(), rows, cols, group, out.data_ptr())
     return out
 
 

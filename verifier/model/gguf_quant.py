@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +41,21 @@ def block_index(reader, gguf_path: Path) -> dict:
     others = sorted({t.tensor_type.name for t in reader.tensors
                      if t.name.startswith("blk.") and len(t.shape) >= 2 and t.tensor_type.name not in FORMATS})
     return {"gguf": str(Path(gguf_path).resolve()), "tensors": tensors, "other_kinds": others}
+
+
+class FileRows(NamedTuple):
+    """One tensor's rows as the file holds them, in the served order."""
+    kind: str               # GGUF type name
+    cols: int
+    address: np.ndarray     # int64 [rows]: each row's first byte
+    keep: np.ndarray        # the mapping the addresses point into
+
+
+def file_rows(kind: str, cols: int, data: np.ndarray, order: np.ndarray | None = None) -> FileRows:
+    """`data` [rows, row bytes] (C-contiguous, mapped or not); `order`: the file's row for each served row."""
+    rows, row_bytes = data.shape
+    address = data.ctypes.data + row_bytes * (np.arange(rows, dtype=np.int64) if order is None else order)
+    return FileRows(kind, cols, address.astype(np.int64), data)
 
 
 class QuantizedTensors(Mapping):
@@ -78,14 +94,13 @@ class QuantizedTensors(Mapping):
         """The GGUF type name of the tensor `name` is read from."""
         return self._where[name][0]["kind"]
 
-    def raw(self, name: str) -> tuple[str, int, np.ndarray]:
-        """(kind, columns, the blocks' bytes [rows, row bytes]) with the rows in the served order."""
+    def file_rows(self, name: str) -> FileRows:
+        """The tensor's rows where the file holds them, in the served order (no copy: the rows of
+        q and k move back to HF's order by their addresses)."""
         t, data = self._bytes(name)
-        rows = np.asarray(data).reshape(t["rows"], -1)
         heads = rope_heads(t["name"], self._cfg)
-        if heads is not None:        # a row's blocks move with it
-            rows = unpermute_rope_rows(torch.from_numpy(np.array(rows)), heads).numpy()
-        return t["kind"], t["cols"], rows
+        order = None if heads is None else unpermute_rope_rows(torch.arange(t["rows"]), heads).numpy()
+        return file_rows(t["kind"], t["cols"], np.asarray(data).reshape(t["rows"], -1), order)
 
     def _bytes(self, name: str) -> tuple[dict, np.ndarray]:
         t, expert = self._where[name]

@@ -55,7 +55,8 @@ from verifier.model.quant import (Int4Weight, Int8KWeight, Int8Weight, KQuantWei
 from verifier.model.weights import checkpoint, param_sources
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
-from verifier.quantized.own_kernels.from_file import PACKERS
+from verifier.quantized.own_kernels import from_file
+from verifier.quantized.own_kernels.base import Packed
 from verifier.quantized.own_kernels.q8x16 import q8_bits
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
 from verifier.quantized.qlinear import QuantEmbedding, QuantLinear, RescoredHead
@@ -63,7 +64,6 @@ from verifier.quantized.qlinear import QuantEmbedding, QuantLinear, RescoredHead
 log = logging.getLogger("tercel.quantize")
 QUANTIZATIONS = (*MODES, "none")
 SCAN_ROWS = 8192      # head rows converted at once for its scan
-_ONLY_KERNEL = {"Q4_K": "q4k"}     # formats whose served form one kernel takes
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -164,25 +164,22 @@ def _served(blocks: Mapping, prefix: str, name: str, dense: nn.Module, mode: str
 
 def _from_file(blocks: Mapping, prefix: str, name: str, mode: str, plan: KernelPlan | None,
                bias: torch.Tensor | None, parts: tuple[str, ...] | None = None) -> QuantLinear | None:
-    """The projection packed from the file's bytes (`own_kernels.from_file`: the same bytes in a
-    fraction of the time) where its parts lie in one format that the plan's kernel takes as stored:
-    Q4_0 and Q4_1 for q4x16, Q4_K for q4k; else None."""
+    """The projection packed from the file's bytes by csrc/repack.c (`own_kernels.from_file`: the
+    same bytes in a fraction of the time) where its parts lie in formats it packs; else None."""
     if plan is None or mode not in ("int4", "gguf") or not isinstance(blocks, QuantizedTensors) \
             or not (cpu_ops.available() and cpu_ops.q4_isa() > 0):
         return None
     fused = f"{prefix}.{name}.weight"
     names = [fused] if fused in blocks else [f"{prefix}.{p}.weight" for p in parts or _FUSED.get(name, (name,))]
-    kinds = {blocks.kind(n) for n in names if n in blocks}
-    if len(kinds) != 1 or not all(n in blocks for n in names):
+    if not all(n in blocks for n in names):
         return None
-    (kind,) = kinds
-    own = _ONLY_KERNEL.get(kind, plan.own)
-    if (kind, own) not in PACKERS:
+    rows = [blocks.file_rows(n) for n in names]
+    if len({r.cols for r in rows}) != 1 or (made := from_file.packed(rows, mode, plan.own)) is None:
         return None
-    raws = [blocks.raw(n) for n in names]
-    raw = np.concatenate([r for _, _, r in raws]) if len(raws) > 1 else raws[0][2]
-    packed = PACKERS[kind, own](raw, raw.shape[0])
-    return QuantLinear.from_packed((raw.shape[0], raws[0][1]), "int4", bias, plan, own, packed)
+    own, packed = made
+    kind = {"q4x16": "int4", "q4k": "int4", "q8x16": "int8", "mixed": "mixed"}[own]
+    shape = (sum(r.address.shape[0] for r in rows), rows[0].cols)
+    return QuantLinear.from_packed(shape, kind, bias, plan, own, packed)
 
 
 def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | None) -> QuantLinear:
@@ -192,12 +189,34 @@ def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | 
 
 def _quantize_ends(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str, plan: KernelPlan) -> RescoredHead:
     """The embedding and the LM head (a scan on the plan's kernel, and the exact table)."""
-    embed = _table(blocks.get("model.embed_tokens.weight"), net.model.embed_tokens.weight)
-    head = embed if cfg.tie_word_embeddings else _table(blocks.get("lm_head.weight"), net.lm_head.weight)
+    embed = _table(_file_table(blocks, "model.embed_tokens.weight"), net.model.embed_tokens.weight)
+    head = embed if cfg.tie_word_embeddings else _table(_file_table(blocks, "lm_head.weight"), net.lm_head.weight)
     net.model.embed_tokens = QuantEmbedding(embed)
     table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
-    net.lm_head = RescoredHead(_planned(_scan_weight(head, REGISTRY[mode].scan), None, plan), table)
+    net.lm_head = RescoredHead(_scan(head, mode, plan), table)
     return net.lm_head
+
+
+def _file_table(blocks: Mapping, name: str) -> QuantWeight | None:
+    """The file's tensor `name` (None: not a block tensor), Q6_K unpacked into its int8 form by
+    csrc/repack.c where it is built (numpy's unpacking took seconds for a large vocabulary)."""
+    if name not in blocks:
+        return None
+    if isinstance(blocks, QuantizedTensors) and blocks.kind(name) == "Q6_K" and cpu_ops.available():
+        rows = blocks.file_rows(name)
+        return Int8Weight(*cpu_ops.unpack_q6k(torch.from_numpy(rows.address), rows.cols))
+    return blocks[name]
+
+
+def _scan(head: QuantWeight, mode: str, plan: KernelPlan) -> QuantLinear:
+    """The head's scan on the plan's kernel: an int8 table requantized to int4 and packed for
+    q4x16 in one pass by csrc/repack.c where the plan took q4x16 (the same bytes), else
+    converted in chunks (`_scan_weight`) and packed."""
+    if REGISTRY[mode].scan == "int4" and plan.own == "q4x16" and isinstance(head, Int8Weight) \
+            and head.group in (16, 32) and head.shape[1] % 32 == 0 and cpu_ops.available():
+        packed = Packed((cpu_ops.scan_int4_from_int8(head.q.contiguous(), head.scale.contiguous()), head.shape[0]), 4)
+        return QuantLinear.from_packed(head.shape, "int4", None, plan, "q4x16", packed)
+    return _planned(_scan_weight(head, REGISTRY[mode].scan), None, plan)
 
 
 def _scan_probe(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str) -> QuantLinear:

@@ -1,0 +1,204 @@
+/* A GGUF's blocks repacked into Tercel's kernel layouts in one pass over the file's bytes
+ * (verifier/quantized/own_kernels/from_file.py calls these at load).
+ *
+ * Every function takes the weight's rows as an array of row addresses (`row`, rows of one
+ * fused projection may lie in several tensors of the file) and writes whole tiles of 16
+ * channels, channels past `rows` zero. The layouts are the ones the kernels read and the
+ * Python packers write (own_kernels/q4x16.py pack_q4, q4k.py pack_q4k, q8x16.py pack_q8),
+ * byte for byte (tests/test_model_sizes.py).
+ *
+ * Nibble bytes of a block of 32 weights (csrc/q4_nibbles.h): byte 64 g + 4 c + e holds
+ * channel c's weights 4 g + e (low nibble) and 16 + 4 g + e (high nibble). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* Each product and quotient rounded on its own, as torch rounds them (no fused multiply-add):
+ * the LM head's scan requantized here is the one `quantize_int4` gives, bit for bit. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#define TILE 16
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline void store_bf16(uint8_t *p, float f) {
+    bf16 v = f32_to_bf16(f);
+    memcpy(p, &v, 2);
+}
+
+/* Q4_0 (d; w = d (q - 8)) or Q4_1 (d, m; w = d q + m) -> q4x16: per tile and block 256 nibble
+ * bytes, 16 bf16 scales d, 16 bf16 zeros (0, or m + 8 d). A block's byte j holds weights j and
+ * j + 16 in the file as in the layout: the nibble bytes are the file's, reordered. */
+void repack_q4x16(const int64_t *row, int64_t rows, int64_t blocks, int64_t affine, uint8_t *out) {
+    const int64_t size = affine ? 20 : 18, qs_at = affine ? 4 : 2, tiles = (rows + TILE - 1) / TILE;
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *o = out + (t * blocks + b) * 320;
+            memset(o, 0, 320);
+            for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
+                const uint8_t *blk = (const uint8_t *)(intptr_t)row[t * TILE + c] + b * size;
+                for (int g = 0; g < 4; g++)
+                    memcpy(o + 64 * g + 4 * c, blk + qs_at + 4 * g, 4);
+                float d = f16_to_f32(load_u16(blk));
+                store_bf16(o + 256 + 2 * c, d);
+                store_bf16(o + 288 + 2 * c, affine ? f16_to_f32(load_u16(blk + 2)) + 8.0f * d : 0.0f);
+            }
+        }
+    }
+}
+
+/* Q4_K super-blocks (d, dmin fp16; 12 bytes of 6-bit sc and mn; 4 chunks of 32 bytes, chunk j
+ * holding sub-block 2 j in its low nibbles and 2 j + 1 in its high ones) -> q4k: per tile and
+ * super-block the channels' d and dmin (fp16 as stored), sc and mn (sub-block major), then the
+ * 8 sub-blocks' nibbles as q4x16 lays a block's out. */
+void repack_q4k(const int64_t *row, int64_t rows, int64_t supers, uint8_t *out) {
+    const int64_t tiles = (rows + TILE - 1) / TILE, bytes = 64 + 256 + 8 * 256;
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t s = 0; s < supers; s++) {
+            uint8_t *o = out + (t * supers + s) * bytes;
+            memset(o, 0, bytes);
+            for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
+                const uint8_t *blk = (const uint8_t *)(intptr_t)row[t * TILE + c] + s * 144;
+                const uint8_t *d4 = blk + 4, *m4 = blk + 8, *low = blk + 12;
+                memcpy(o + 2 * c, blk, 2);
+                memcpy(o + 32 + 2 * c, blk + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    int sc = j < 4 ? d4[j] & 63 : (low[j - 4] & 15) | ((d4[j - 4] >> 2) & 0x30);
+                    int mn = j < 4 ? m4[j] & 63 : (low[j - 4] >> 4) | ((m4[j - 4] >> 2) & 0x30);
+                    o[64 + 16 * j + c] = (uint8_t)sc;
+                    o[192 + 16 * j + c] = (uint8_t)mn;
+                }
+                for (int chunk = 0; chunk < 4; chunk++) {
+                    const uint8_t *lo = blk + 16 + 32 * chunk, *hi = lo + 16;
+                    uint8_t *even = o + 320 + 2 * chunk * 256 + 4 * c, *odd = even + 256;
+                    for (int l = 0; l < 16; l++) {
+                        int at = 64 * (l / 4) + l % 4;
+                        even[at] = (uint8_t)((lo[l] & 15) | (hi[l] << 4));
+                        odd[at] = (uint8_t)((lo[l] >> 4) | (hi[l] & 0xF0));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Q6_K weight i (0..255) of a super-block as its unsigned 6-bit value u (w = d sc (u - 32)):
+ * half h = i / 128 takes 64 bytes of low nibbles and 32 of high bit pairs. */
+static inline int q6k_u(const uint8_t *blk, int i) {
+    int h = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
+    const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+    int nib = quarter & 1 ? ql[32 + l] : ql[l];
+    nib = quarter & 2 ? nib >> 4 : nib & 15;
+    return nib | ((qh[l] >> (2 * quarter)) & 3) << 4;
+}
+
+/* 1 where every weight of the Q6_K rows fits 5 bits (u - 32 in -16..15: q8x16 holds it in 5). */
+int64_t q6k_fits_5_bits(const int64_t *row, int64_t rows, int64_t supers) {
+    for (int64_t n = 0; n < rows; n++)
+        for (int64_t s = 0; s < supers; s++) {
+            const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 210;
+            for (int i = 0; i < 256; i++) {
+                int u = q6k_u(blk, i);
+                if (u < 16 || u >= 48)
+                    return 0;
+            }
+        }
+    return 1;
+}
+
+/* Q6_K -> q8x16 in `bits` (5 or 6) with Q6_K's own scales: per tile and super-block the channels'
+ * d (fp16 as stored), then per block of 32 weights u's low nibbles (v = u - 32 + 2^(bits - 1)),
+ * 64 bytes per higher bit (as planes: bit 4 h + g of byte 4 c + e holds weight 16 h + 4 g + e's;
+ * as masks: bit 4 c + e of 64-bit mask 4 h + g), and the channels' int8 sc of its two groups of 16. */
+void repack_q6k(const int64_t *row, int64_t rows, int64_t supers, int64_t bits, int64_t masks, uint8_t *out) {
+    const int64_t tiles = (rows + TILE - 1) / TILE, block_bytes = 256 + 64 * (bits - 4) + 32;
+    const int64_t bytes = 32 + 8 * block_bytes, shift = 32 - (1 << (bits - 1));
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t s = 0; s < supers; s++) {
+            uint8_t *o = out + (t * supers + s) * bytes;
+            memset(o, 0, bytes);
+            for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
+                const uint8_t *blk = (const uint8_t *)(intptr_t)row[t * TILE + c] + s * 210;
+                memcpy(o + 2 * c, blk + 208, 2);
+                for (int b = 0; b < 8; b++) {
+                    uint8_t *ob = o + 32 + b * block_bytes;
+                    for (int w = 0; w < 32; w++) {
+                        int v = q6k_u(blk, 32 * b + w) - (int)shift, h = w / 16, g = (w % 16) / 4, e = w % 4;
+                        ob[64 * g + 4 * c + e] |= (uint8_t)((v & 15) << (4 * h));
+                        for (int p = 4; p < bits; p++) {
+                            int bit = (v >> p) & 1, vec = 4 * h + g, lane = 4 * c + e;
+                            uint8_t *plane = ob + 256 + 64 * (p - 4);
+                            if (masks)
+                                plane[8 * vec + lane / 8] |= (uint8_t)(bit << (lane % 8));
+                            else
+                                plane[lane] |= (uint8_t)(bit << vec);
+                        }
+                    }
+                    ob[block_bytes - 32 + c] = blk[192 + 2 * b];
+                    ob[block_bytes - 16 + c] = blk[192 + 2 * b + 1];
+                }
+            }
+        }
+    }
+}
+
+/* Q6_K rows -> the int8 form a table takes (`Int8KWeight.as_grouped`): q = u - 32, int8 [N, K];
+ * scale = d * sc per 16 weights, fp32 [N, K / 16]. */
+void unpack_q6k(const int64_t *row, int64_t rows, int64_t supers, int8_t *q, float *scale) {
+    for (int64_t n = 0; n < rows; n++) {
+        for (int64_t s = 0; s < supers; s++) {
+            const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 210;
+            int8_t *qo = q + (n * supers + s) * 256;
+            for (int i = 0; i < 256; i++)
+                qo[i] = (int8_t)(q6k_u(blk, i) - 32);
+            float d = f16_to_f32(load_u16(blk + 208));
+            for (int j = 0; j < 16; j++)
+                scale[(n * supers + s) * 16 + j] = d * (float)(int8_t)blk[192 + j];
+        }
+    }
+}
+
+/* An int8 table (q int8 [N, K], an fp32 scale per `group` of 16 or 32) requantized to int4 groups
+ * of 32 as `quantize_int4` does (per group min lo and max hi, d = (hi - lo) / 15, q rounded half
+ * to even from (w - lo) / d, zero lo + 8 d) and packed for q4x16 (out [ceil(N / 16), K / 32, 320]):
+ * the LM head's scan, in one pass over the table. */
+void scan_int4_from_int8(const int8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t group,
+                         uint8_t *out) {
+    const int64_t tiles = (rows + TILE - 1) / TILE, blocks = cols / 32;
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *o = out + (t * blocks + b) * 320;
+            memset(o, 0, 320);
+            for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
+                const int64_t n = t * TILE + c;
+                float w[32], lo, hi;
+                for (int i = 0; i < 32; i++)
+                    w[i] = (float)q[n * cols + 32 * b + i] * scale[n * (cols / group) + (32 * b + i) / group];
+                lo = hi = w[0];
+                for (int i = 1; i < 32; i++) {
+                    lo = w[i] < lo ? w[i] : lo;
+                    hi = w[i] > hi ? w[i] : hi;
+                }
+                float d = (hi - lo) / 15.0f, safe = d > 0.0f ? d : 1.0f;
+                for (int i = 0; i < 32; i++) {
+                    float r = nearbyintf((w[i] - lo) / safe);
+                    int v = r < 0.0f ? 0 : r > 15.0f ? 15 : (int)r;
+                    int h = i / 16, g = (i % 16) / 4, e = i % 4;
+                    o[64 * g + 4 * c + e] |= (uint8_t)(v << (4 * h));
+                }
+                store_bf16(o + 256 + 2 * c, d);
+                store_bf16(o + 288 + 2 * c, lo + 8.0f * d);
+            }
+        }
+    }
+}
