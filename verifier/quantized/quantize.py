@@ -41,7 +41,6 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
