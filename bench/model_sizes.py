@@ -107,11 +107,11 @@ def _tree_bytes(root: Path) -> int:
 
 def compare(files: list[str], args) -> list[tuple[str, str, dict]]:
     from verifier.cpu.cache import cache_root
-    rows = []
-    for path in files:
+    rows, built = [], cache_root() / "cpu_kernels"          # this machine's compiled kernels, read before
+    for path in files:                                       # TERCEL_CACHE points elsewhere
         with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
             os.environ["TERCEL_CACHE"] = cache
-            if (built := cache_root() / "cpu_kernels").is_dir():       # this machine's compiled kernels
+            if built.is_dir():
                 shutil.copytree(built, Path(cache) / "cpu_kernels")
             runs: dict[str, list[dict]] = {}
             for r in range(args.rounds):

@@ -92,56 +92,71 @@ void repack_q4k(const int64_t *row, int64_t rows, int64_t supers, uint8_t *out) 
     }
 }
 
-/* Q6_K weight i (0..255) of a super-block as its unsigned 6-bit value u (w = d sc (u - 32)):
- * half h = i / 128 takes 64 bytes of low nibbles and 32 of high bit pairs. */
-static inline int q6k_u(const uint8_t *blk, int i) {
-    int h = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
-    const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-    int nib = quarter & 1 ? ql[32 + l] : ql[l];
-    nib = quarter & 2 ? nib >> 4 : nib & 15;
-    return nib | ((qh[l] >> (2 * quarter)) & 3) << 4;
+/* A Q6_K super-block's 256 unsigned 6-bit values, in order. */
+static inline void q6k_decode(const uint8_t *blk, uint8_t *u) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+        uint8_t *o = u + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            o[l] = (uint8_t)((ql[l] & 15) | (qh[l] & 3) << 4);
+            o[32 + l] = (uint8_t)((ql[32 + l] & 15) | ((qh[l] >> 2) & 3) << 4);
+            o[64 + l] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+            o[96 + l] = (uint8_t)((ql[32 + l] >> 4) | ((qh[l] >> 6) & 3) << 4);
+        }
+    }
 }
 
 /* 1 where every weight of the Q6_K rows fits 5 bits (u - 32 in -16..15: q8x16 holds it in 5). */
 int64_t q6k_fits_5_bits(const int64_t *row, int64_t rows, int64_t supers) {
     for (int64_t n = 0; n < rows; n++)
         for (int64_t s = 0; s < supers; s++) {
-            const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 210;
-            for (int i = 0; i < 256; i++) {
-                int u = q6k_u(blk, i);
-                if (u < 16 || u >= 48)
+            uint8_t u[256];
+            q6k_decode((const uint8_t *)(intptr_t)row[n] + s * 210, u);
+            for (int i = 0; i < 256; i++)
+                if (u[i] < 16 || u[i] >= 48)
                     return 0;
-            }
         }
     return 1;
 }
 
 /* Q6_K -> q8x16 in `bits` (5 or 6) with Q6_K's own scales: per tile and super-block the channels'
- * d (fp16 as stored), then per block of 32 weights u's low nibbles (v = u - 32 + 2^(bits - 1)),
+ * d (fp16 as stored), then per block of 32 weights v's low nibbles (v = u - 32 + 2^(bits - 1)),
  * 64 bytes per higher bit (as planes: bit 4 h + g of byte 4 c + e holds weight 16 h + 4 g + e's;
  * as masks: bit 4 c + e of 64-bit mask 4 h + g), and the channels' int8 sc of its two groups of 16. */
 void repack_q6k(const int64_t *row, int64_t rows, int64_t supers, int64_t bits, int64_t masks, uint8_t *out) {
     const int64_t tiles = (rows + TILE - 1) / TILE, block_bytes = 256 + 64 * (bits - 4) + 32;
-    const int64_t bytes = 32 + 8 * block_bytes, shift = 32 - (1 << (bits - 1));
+    const int64_t bytes = 32 + 8 * block_bytes;
+    const uint8_t shift = (uint8_t)(32 - (1 << (bits - 1)));
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t s = 0; s < supers; s++) {
             uint8_t *o = out + (t * supers + s) * bytes;
             memset(o, 0, bytes);
             for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
                 const uint8_t *blk = (const uint8_t *)(intptr_t)row[t * TILE + c] + s * 210;
+                uint8_t v[256];
+                q6k_decode(blk, v);
+                for (int i = 0; i < 256; i++)
+                    v[i] = (uint8_t)(v[i] - shift);
                 memcpy(o + 2 * c, blk + 208, 2);
                 for (int b = 0; b < 8; b++) {
                     uint8_t *ob = o + 32 + b * block_bytes;
-                    for (int w = 0; w < 32; w++) {
-                        int v = q6k_u(blk, 32 * b + w) - (int)shift, h = w / 16, g = (w % 16) / 4, e = w % 4;
-                        ob[64 * g + 4 * c + e] |= (uint8_t)((v & 15) << (4 * h));
-                        for (int p = 4; p < bits; p++) {
-                            int bit = (v >> p) & 1, vec = 4 * h + g, lane = 4 * c + e;
-                            uint8_t *plane = ob + 256 + 64 * (p - 4);
-                            if (masks)
-                                plane[8 * vec + lane / 8] |= (uint8_t)(bit << (lane % 8));
-                            else
-                                plane[lane] |= (uint8_t)(bit << vec);
+                    const uint8_t *vb = v + 32 * b;
+                    for (int g = 0; g < 4; g++)
+                        for (int e = 0; e < 4; e++)
+                            ob[64 * g + 4 * c + e] = (uint8_t)((vb[4 * g + e] & 15) | (vb[16 + 4 * g + e] & 15) << 4);
+                    for (int p = 4; p < bits; p++) {
+                        uint8_t *plane = ob + 256 + 64 * (p - 4);
+                        for (int vec = 0; vec < 8; vec++) {          /* weights 16 h + 4 g + e, vec = 4 h + g */
+                            const uint8_t *w = vb + 4 * vec;
+                            if (masks) {
+                                int four = 0;
+                                for (int e = 0; e < 4; e++)
+                                    four |= ((w[e] >> p) & 1) << e;
+                                plane[8 * vec + c / 2] |= (uint8_t)(four << (4 * (c % 2)));
+                            } else {
+                                for (int e = 0; e < 4; e++)
+                                    plane[4 * c + e] |= (uint8_t)(((w[e] >> p) & 1) << vec);
+                            }
                         }
                     }
                     ob[block_bytes - 32 + c] = blk[192 + 2 * b];
@@ -159,8 +174,10 @@ void unpack_q6k(const int64_t *row, int64_t rows, int64_t supers, int8_t *q, flo
         for (int64_t s = 0; s < supers; s++) {
             const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 210;
             int8_t *qo = q + (n * supers + s) * 256;
+            uint8_t u[256];
+            q6k_decode(blk, u);
             for (int i = 0; i < 256; i++)
-                qo[i] = (int8_t)(q6k_u(blk, i) - 32);
+                qo[i] = (int8_t)(u[i] - 32);
             float d = f16_to_f32(load_u16(blk + 208));
             for (int j = 0; j < 16; j++)
                 scale[(n * supers + s) * 16 + j] = d * (float)(int8_t)blk[192 + j];
