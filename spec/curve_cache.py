@@ -1,9 +1,14 @@
-"""The adaptive controller's cost curve (spec/step_cost.py), timed once per machine and target
-shape: a load reads it where a quiet load of a target of the same shapes, weights and kernel
-plan timed it, beside the kernels' own timings ($TERCEL_CACHE/kernels, through
-`verifier.cpu.machine.cached_measurement`: keyed by the CPU, its flags, torch and the thread
-count, and not kept when other processes took the CPUs while it was timed). Steps then rescale
-it to the forwards they run (StepCost), as they do a curve timed at load."""
+"""What a load measures of a CPU target once per machine and target shape, beside the kernels'
+own timings ($TERCEL_CACHE/kernels, through `verifier.cpu.machine.cached_measurement`: keyed by
+the CPU, its flags, torch and the thread count, and not kept when other processes took the CPUs
+while it was measured):
+
+- the adaptive controller's cost curve (spec/step_cost.py): a load reads it where a quiet load
+  of a target of the same shapes, weights and kernel plan timed it; steps then rescale it to the
+  forwards they run (StepCost), as they do a curve timed at load;
+- whether the forward gives the same bits on fewer threads (the thread governor's condition):
+  the kernels split their work by shapes and thread counts, never by the weights' values, so
+  the answer for one target's shapes, kernels and plan holds for every load of them."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +33,14 @@ def cached_curve(target: TargetModel, rows: list[int], context: int, block_size:
            "block_size": block_size, "rounds": rounds, "sources": cpu_ops.sources_digest()}
     return cached_measurement(cache_root() / "kernels" if cpu else None, "curve-", key, time_curve,
                               _to_json, _from_json)
+
+
+def cached_thread_check(target: TargetModel, counts: list[int], check: Callable[[], bool]) -> bool:
+    """`check()`'s answer (the same bits on each of `counts` threads), cached as the curve is."""
+    cpu = target.device.type == "cpu" and target.shard.size == 1
+    key = {"format": FORMAT, "target": target_key(target), "counts": counts, "sources": cpu_ops.sources_digest()}
+    return cached_measurement(cache_root() / "kernels" if cpu else None, "threads-", key, check,
+                              lambda same: {"same": same}, lambda d: bool(d["same"]))
 
 
 def target_key(target: TargetModel) -> dict:

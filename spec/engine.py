@@ -29,7 +29,7 @@ from drafters.prediction import PredictionDrafter, join_prediction
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
-from spec.curve_cache import cached_curve
+from spec.curve_cache import cached_curve, cached_thread_check
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import NO_TOKEN_ALLOWED, RequestError, RequestFault
 from spec.prompt_logprobs import prompt_logprobs
@@ -302,7 +302,8 @@ class LLMEngine:
     def _same_on_fewer_threads(self) -> bool:
         """A scratch prompt of 17 tokens (prompt rows in two of the kernels' 8-row passes and a
         partial one, then a sampled row) and a 3-token chain after it give the same logits on
-        every thread count the governor may pick."""
+        every thread count the governor may pick; checked once per machine and target shape
+        (`spec.curve_cache.cached_thread_check`)."""
         prompt = 17
         rows = prompt + 3
         if self.blocks.blocks_needed(None, rows) > self.blocks.num_free_blocks:
@@ -317,7 +318,7 @@ class LLMEngine:
                                                                    logits_indices=[0, 1, 2])]))
             return torch.cat([first.logits, chain.logits])
         counts = sorted({1, self.num_threads - 1, self.num_threads} - {0})
-        return same_on_every_count(forward, counts)
+        return cached_thread_check(self.target, counts, lambda: same_on_every_count(forward, counts))
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -249,11 +249,15 @@ def test_output_is_the_same_whatever_the_thread_count(drafter, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(fixed_logits, changing_logits))
 
 
-def test_a_forward_whose_bits_follow_the_thread_count_turns_the_governor_off(tiny_llama_dir, monkeypatch, caplog):
+def test_a_forward_whose_bits_follow_the_thread_count_turns_the_governor_off(tiny_llama_dir, monkeypatch, caplog,
+                                                                            tmp_path):
     """The load-time check: were a kernel to sum in another order on fewer threads, the engine
-    keeps its thread count fixed (and says so) rather than change a row's bits mid-request."""
+    keeps its thread count fixed (and says so) rather than change a row's bits mid-request. Each
+    load checks afresh (a cache of its own): a forward patched to differ is not the machine's."""
+    from spec import curve_cache
     from verifier.target import TargetModel
-    forward = TargetModel.forward
+    forward, caches = TargetModel.forward, iter([tmp_path / "a", tmp_path / "b"])
+    monkeypatch.setattr(curve_cache, "cache_root", lambda: next(caches))
 
     def thread_dependent(self, batch):
         out = forward(self, batch)
@@ -263,3 +267,18 @@ def test_a_forward_whose_bits_follow_the_thread_count_turns_the_governor_off(tin
     assert not llm.engine.threads.active and "depend on the thread count" in caplog.text
     monkeypatch.setattr(TargetModel, "forward", forward)
     assert LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2).engine.threads.active
+
+
+def test_the_thread_check_is_made_once_per_machine_and_target_shape(tiny_llama_dir, monkeypatch, tmp_path,
+                                                                   neighbours):
+    """A second load of the same target reads the first one's answer instead of running the
+    check's forwards again; the governor is on after both (the machine taken as quiet: a busy one
+    keeps no answer)."""
+    from spec import curve_cache, engine
+    checks, check = [], engine.same_on_every_count
+    monkeypatch.setattr(curve_cache, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(engine, "same_on_every_count",
+                        lambda forward, counts: checks.append(counts) or check(forward, counts))
+    for _ in range(2):
+        assert LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2).engine.threads.active
+    assert checks == [[1, 2]]
