@@ -20,8 +20,9 @@ Each expert's projections are decoder projections like the dense MLP's (`verifie
 
 A load reads the file one tensor at a time and keeps no dense copy (`quantize_model`): the first
 layer is packed for every kernel that takes it and timed (`tune`), the others for the chosen
-kernel only, on a thread pool, Q4_0, Q4_1 and Q4_K blocks straight from the file's bytes
-(`verifier/quantized/own_kernels/from_file.py`).
+kernel only, on a thread pool, Q4_0, Q4_1, Q4_K and Q6_K blocks (and fused projections mixing
+them) packed by csrc/repack.c straight from the file's bytes
+(`verifier/quantized/own_kernels/from_file.py`), the LM head's table and scan likewise.
 
 The LM head is a `RescoredHead`: torch's kernels cannot take the default GGUF's Q8_0 head
 as it is (the int8 kernel has one scale per output channel, Q8_0 one per 32 weights), and
