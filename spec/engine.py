@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from drafters.base import Proposal
 
 log = logging.getLogger("tercel.engine")
-CURVE_ROUNDS = 5        # timed forwards per row count for the adaptive controller's cost curve
+CURVE_ROUNDS = 5        # timed forwards per row count for the adaptive controller's cost curve, at most
+CURVE_BUDGET_S = 10.0   # seconds of timed rounds past the first: a 1.7B target's round takes seconds
 CURVE_CONTEXT = 256     # tokens before the timed rows: about a chat request's context
 
 
@@ -271,8 +272,11 @@ class LLMEngine:
             for n in rows[tree:]:
                 forward(n)                           # the batch sizes' first use (see _warm_up)
             # Rounds over every count, the fastest of each: a neighbour's burst slows one
-            # round, not one count (a median of 3 in a row timed 2 rows below 1).
-            times = [[forward(n) for n in rows] for _ in range(CURVE_ROUNDS)]
+            # round, not one count (a median of 3 in a row timed 2 rows below 1). A round is
+            # added while the rounds so far and one more stay within the budget.
+            times = [[forward(n) for n in rows]]
+            while len(times) < CURVE_ROUNDS and sum(map(sum, times)) + sum(times[0]) <= CURVE_BUDGET_S:
+                times.append([forward(n) for n in rows])
         return CostCurve.measured({n: min(t[i] for t in times) * 1e3 for i, n in enumerate(rows)})
 
     def _thread_governor(self, config: EngineConfig, free: int) -> ThreadGovernor:

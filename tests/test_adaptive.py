@@ -306,6 +306,30 @@ def test_engine_measures_its_cost_curve_at_load(tiny_llama_dir):
     assert LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).engine.adaptive.cost is None
 
 
+def test_a_curve_past_its_budget_is_timed_in_one_round_over_every_row_count(tiny_llama_dir, monkeypatch, tmp_path):
+    """A target whose round of timed forwards would outlast the budget (a 1-8B model's) gets one
+    round over every row count: the prefix, the batch sizes' first use, then each count once."""
+    from spec import LLM, curve_cache, engine
+    monkeypatch.setattr(curve_cache, "cache_root", lambda: tmp_path)       # timed here, not read back
+    monkeypatch.setattr(engine, "CURVE_BUDGET_S", 0.0)                      # past it after one round
+    timed, time_curve = [], engine.LLMEngine._time_curve
+
+    def counted(self, rows, tree, ctx):
+        forward, calls = self.target.forward, []
+        self.target.forward = lambda batch: calls.append(1) or forward(batch)
+        try:
+            return time_curve(self, rows, tree, ctx)
+        finally:
+            del self.target.forward
+            prefix = -(-ctx // self.config.max_num_batched_tokens)
+            timed.append(len(calls) == prefix + (len(rows) - tree) + len(rows))
+    monkeypatch.setattr(engine.LLMEngine, "_time_curve", counted)
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
+              speculation=SpecConfig(num_speculative_tokens=3))
+    curve = llm.engine.adaptive.cost.curve
+    assert timed == [True] and curve.rows[:4] == (1, 2, 3, 4) and curve.rows[-1] == 16
+
+
 def test_the_cost_curve_is_timed_once_per_machine_and_shape(tiny_llama_dir, tmp_path, monkeypatch, neighbours):
     """A quiet load times the curve and caches it; a target of the same shapes (another copy of
     the model) reads it back; timings taken beside a busy neighbour are not kept."""
