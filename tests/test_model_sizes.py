@@ -11,7 +11,7 @@ from bench.model_shapes import Shape, write
 from verifier.cpu import cpu_ops
 from verifier.memory import check_fits, tensor_bytes
 from verifier.model.loader import ALIASES, DEFAULT_MODEL
-from verifier.quantized.qlinear import QuantLinear
+from verifier.quantized.qlinear import QuantEmbedding, QuantLinear
 from verifier.target import TargetModel
 
 TINY = Shape(hidden=64, layers=2, ffn=128, heads=4, kv_heads=2, vocab=49152)
@@ -225,8 +225,9 @@ def test_q6k_packs_both_layouts_of_the_higher_bits(masks):
 
 
 def test_the_heads_table_and_scan_from_the_file_are_the_python_paths():
-    """csrc/repack.c's Q6_K table (int8 q, fp32 d * sc per 16) and the head's int4 scan requantized
-    from an int8 table (Q6_K's groups of 16, Q8_0's of 32) equal numpy's and torch's, bit for bit."""
+    """csrc/repack.c's Q6_K table (int8 q, fp32 d * sc per 16), the head's int4 scan requantized
+    from an int8 table (Q6_K's groups of 16, Q8_0's of 32) and a Q4_K embedding table (q two to a
+    byte) equal numpy's and torch's, bit for bit."""
     from verifier.model.gguf_blocks import read_block_tensor
     from verifier.model.quant import quantize_int8
     from verifier.quantized.modes import REGISTRY
@@ -241,6 +242,10 @@ def test_the_heads_table_and_scan_from_the_file_are_the_python_paths():
     for table in (q6k, quantize_int8(torch.randn(40, 512, generator=torch.Generator().manual_seed(0)), 32)):
         want = KERNELS["q4x16"].pack(served_weights(REGISTRY["int4"].serve(table))).args[0]
         assert torch.equal(cpu_ops.scan_int4_from_int8(table.q, table.scale), want)
+    raw = _random_blocks("Q4_K", 40, 512, np.random.default_rng(3))
+    embedding = QuantEmbedding(read_block_tensor("Q4_K", raw, 40, 512))
+    fields = cpu_ops.unpack_q4k_table(torch.from_numpy(_file_rows("Q4_K", raw, 512).address), 512)
+    assert all(torch.equal(fields[name], buffer) for name, buffer in embedding.named_buffers())
 
 
 def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, monkeypatch):

@@ -53,6 +53,7 @@ _SIGNATURES = {
     "q6k_fits_5_bits": [_P, _I, _I],
     "unpack_q6k": [_P, _I, _I, _P, _P],
     "scan_int4_from_int8": [_P, _P, _I, _I, _I, _P],
+    "unpack_q4k_table": [_P, _I, _I, _P, _P, _P, _P, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "rms_norm_rows": [_P, _P, _P, _F, _I, _I, _P],
     "silu_mul": [_P, _I, _I, _P],
@@ -411,6 +412,19 @@ def unpack_q6k(address: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Te
     q, scale = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, cols // 16)
     _library().unpack_q6k(address.data_ptr(), rows, cols // 256, q.data_ptr(), scale.data_ptr())
     return q, scale
+
+
+def unpack_q4k_table(address: torch.Tensor, cols: int) -> dict[str, torch.Tensor]:
+    """Q4_K rows at `address` (int64 [N]) -> an embedding table's fields (`QuantEmbedding` over
+    `Int4KWeight`): q uint8 [N, cols / 2] two to a byte in weight order, sc and mn uint8
+    [N, cols / 32], d and dmin fp32 [N, cols / 256]."""
+    rows, supers = address.shape[0], cols // 256
+    out = {"q": torch.empty(rows, cols // 2, dtype=torch.uint8), "sc": torch.empty(rows, 8 * supers, dtype=torch.uint8),
+           "mn": torch.empty(rows, 8 * supers, dtype=torch.uint8), "d": torch.empty(rows, supers),
+           "dmin": torch.empty(rows, supers)}
+    _library().unpack_q4k_table(address.data_ptr(), rows, supers, *(out[f].data_ptr() for f in ("q", "sc", "mn", "d",
+                                                                                                 "dmin")))
+    return out
 
 
 def scan_int4_from_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -117,14 +117,25 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: QuantWeight):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self._kind = type(weight)
-        self._fields = tuple(weight.__dataclass_fields__)
-        self._nibbles = self._kind in (Int4Weight, Int4KWeight)
-        for name in self._fields:
-            t = getattr(weight, name)
-            if name == "q" and self._nibbles:
-                t = t[:, 0::2] | (t[:, 1::2] << 4)
+        fields = {name: getattr(weight, name) for name in weight.__dataclass_fields__}
+        if type(weight) in (Int4Weight, Int4KWeight):
+            fields["q"] = fields["q"][:, 0::2] | (fields["q"][:, 1::2] << 4)
+        self._hold(type(weight), weight.shape, fields)
+
+    @classmethod
+    def from_fields(cls, kind: type, shape: tuple[int, int], fields: dict[str, torch.Tensor]) -> "QuantEmbedding":
+        """A table whose fields are already in its form (an int4 kind's q two to a byte:
+        `cpu_ops.unpack_q4k_table`, straight from a file's Q4_K blocks)."""
+        table = cls.__new__(cls)
+        nn.Module.__init__(table)
+        table._hold(kind, shape, fields)
+        return table
+
+    def _hold(self, kind: type, shape: tuple[int, int], fields: dict[str, torch.Tensor]) -> None:
+        self.num_embeddings, self.embedding_dim = shape
+        self._kind, self._fields = kind, tuple(fields)
+        self._nibbles = kind in (Int4Weight, Int4KWeight)
+        for name, t in fields.items():
             self.register_buffer(name, t.contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,8 @@ from verifier.model.config import ModelConfig
 from verifier.model.gguf_blocks import INT4_NATIVE
 from verifier.model.gguf_quant import INDEX_FILE, QuantizedTensors, read_quantized
 from verifier.model.moe import CHECKPOINT_NAMES, SparseMoeBlock, block_prefix
-from verifier.model.quant import (Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight, StackedWeight,
-                                  concat_rows, quantize_int8)
+from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, KQuantWeight, QuantWeight,
+                                  StackedWeight, concat_rows, quantize_int8)
 from verifier.model.weights import checkpoint, param_sources
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
@@ -189,9 +189,12 @@ def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | 
 
 def _quantize_ends(net: nn.Module, cfg: ModelConfig, blocks: Mapping, mode: str, plan: KernelPlan) -> RescoredHead:
     """The embedding and the LM head (a scan on the plan's kernel, and the exact table)."""
-    embed = _table(_file_table(blocks, "model.embed_tokens.weight"), net.model.embed_tokens.weight)
+    if not cfg.tie_word_embeddings and (looked_up := _q4k_embedding(blocks)) is not None:
+        net.model.embed_tokens = looked_up              # no head to scan in it: read in its table's form
+    else:
+        embed = _table(_file_table(blocks, "model.embed_tokens.weight"), net.model.embed_tokens.weight)
+        net.model.embed_tokens = QuantEmbedding(embed)
     head = embed if cfg.tie_word_embeddings else _table(_file_table(blocks, "lm_head.weight"), net.lm_head.weight)
-    net.model.embed_tokens = QuantEmbedding(embed)
     table = net.model.embed_tokens if cfg.tie_word_embeddings else QuantEmbedding(head)
     net.lm_head = RescoredHead(_scan(head, mode, plan), table)
     return net.lm_head
@@ -206,6 +209,19 @@ def _file_table(blocks: Mapping, name: str) -> QuantWeight | None:
         rows = blocks.file_rows(name)
         return Int8Weight(*cpu_ops.unpack_q6k(torch.from_numpy(rows.address), rows.cols))
     return blocks[name]
+
+
+def _q4k_embedding(blocks: Mapping) -> QuantEmbedding | None:
+    """The embedding table of a file storing it as Q4_K, unpacked by csrc/repack.c into the
+    table's form (q two to a byte) without the served form's byte a weight between (half a GB
+    for a 128k-token vocabulary); None for other formats or where the library is not built."""
+    name = "model.embed_tokens.weight"
+    if not (isinstance(blocks, QuantizedTensors) and name in blocks and blocks.kind(name) == "Q4_K"
+            and cpu_ops.available()):
+        return None
+    rows = blocks.file_rows(name)
+    fields = cpu_ops.unpack_q4k_table(torch.from_numpy(rows.address), rows.cols)
+    return QuantEmbedding.from_fields(Int4KWeight, (rows.address.shape[0], rows.cols), fields)
 
 
 def _scan(head: QuantWeight, mode: str, plan: KernelPlan) -> QuantLinear:

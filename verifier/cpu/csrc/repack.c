@@ -219,3 +219,31 @@ void scan_int4_from_int8(const int8_t *q, const float *scale, int64_t rows, int6
         }
     }
 }
+
+/* Q4_K rows -> the embedding table's form (`QuantEmbedding` over `Int4KWeight`): q two to a byte
+ * in weight order (byte j: weights 2 j low, 2 j + 1 high; q [N, K / 2]), each sub-block's sc and
+ * mn (uint8 [N, K / 32]), each super-block's d and dmin (fp32 [N, K / 256]). */
+void unpack_q4k_table(const int64_t *row, int64_t rows, int64_t supers, uint8_t *q, uint8_t *sc, uint8_t *mn,
+                      float *d, float *dmin) {
+    for (int64_t n = 0; n < rows; n++) {
+        for (int64_t s = 0; s < supers; s++) {
+            const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 144;
+            const uint8_t *d4 = blk + 4, *m4 = blk + 8, *low = blk + 12;
+            const int64_t at = n * supers + s;
+            d[at] = f16_to_f32(load_u16(blk));
+            dmin[at] = f16_to_f32(load_u16(blk + 2));
+            for (int j = 0; j < 8; j++) {
+                sc[8 * at + j] = (uint8_t)(j < 4 ? d4[j] & 63 : (low[j - 4] & 15) | ((d4[j - 4] >> 2) & 0x30));
+                mn[8 * at + j] = (uint8_t)(j < 4 ? m4[j] & 63 : (low[j - 4] >> 4) | ((m4[j - 4] >> 2) & 0x30));
+            }
+            uint8_t *qo = q + 128 * at;
+            for (int c = 0; c < 4; c++) {              /* chunk c: weights 64 c + l (low), 64 c + 32 + l (high) */
+                const uint8_t *qs = blk + 16 + 32 * c;
+                for (int l = 0; l < 32; l += 2) {
+                    qo[32 * c + l / 2] = (uint8_t)((qs[l] & 15) | (qs[l + 1] & 15) << 4);
+                    qo[32 * c + 16 + l / 2] = (uint8_t)((qs[l] >> 4) | (qs[l + 1] & 0xF0));
+                }
+            }
+        }
+    }
+}
