@@ -262,3 +262,16 @@ def test_the_engine_takes_torchs_count_where_the_caller_set_it_below_the_budget(
     torch.set_num_threads(1)
     engine = LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8).engine
     assert engine.num_threads == 1 and not engine.threads.active
+
+
+def test_a_child_process_s_cpu_time_is_the_process_own():
+    """The kernels' compiler, run while a first load is metered, is not a neighbour: its CPU time
+    counts as the process's own once it has ended (CPU time, whatever runs beside it)."""
+    import subprocess
+    import sys
+
+    from verifier.cpu.cpus import own_cpu_time
+    before = own_cpu_time()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert own_cpu_time() - before >= 0.3

@@ -162,13 +162,21 @@ class IdleMeter:
         return (now[1] - last[1]) / (now[0] - last[0])
 
 
+def own_cpu_time() -> float:
+    """CPU seconds of this process and of its children that ended (the C compiler a first load
+    runs): work of ours, not a neighbour's."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class NeighbourMeter:
     """How many of the process's CPUs other processes kept busy, on average, since the last
     call: the CPUs' busy time (/proc/stat, less idle and iowait) less this process's own CPU
-    time. Unlike idle CPUs it reads right while the process works too; `threads_left` turns a reading
-    into a thread count (a neighbour's CPU is not worth a thread whose barriers would wait on it)."""
+    time (its ended children's included, `own_cpu_time`). Unlike idle CPUs it reads right while
+    the process works too; `threads_left` turns a reading into a thread count (a neighbour's CPU
+    is not worth a thread whose barriers would wait on it)."""
 
-    def __init__(self, stat: Path = Path("/proc/stat"), own: Callable[[], float] = time.process_time):
+    def __init__(self, stat: Path = Path("/proc/stat"), own: Callable[[], float] = own_cpu_time):
         self._idle, self._own = IdleMeter(stat), own
         self._last = (time.monotonic(), own())
 
