@@ -170,6 +170,7 @@ void repack_q6k(const int64_t *row, int64_t rows, int64_t supers, int64_t bits, 
 /* Q6_K rows -> the int8 form a table takes (`Int8KWeight.as_grouped`): q = u - 32, int8 [N, K];
  * scale = d * sc per 16 weights, fp32 [N, K / 16]. */
 void unpack_q6k(const int64_t *row, int64_t rows, int64_t supers, int8_t *q, float *scale) {
+    #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < rows; n++) {
         for (int64_t s = 0; s < supers; s++) {
             const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 210;
@@ -192,15 +193,20 @@ void unpack_q6k(const int64_t *row, int64_t rows, int64_t supers, int8_t *q, flo
 void scan_int4_from_int8(const int8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t group,
                          uint8_t *out) {
     const int64_t tiles = (rows + TILE - 1) / TILE, blocks = cols / 32;
+    /* on every thread: a large vocabulary's scan is the longest task of a load (each tile its own bytes) */
+    #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *o = out + (t * blocks + b) * 320;
             memset(o, 0, 320);
             for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
                 const int64_t n = t * TILE + c;
+                const int8_t *qb = q + n * cols + 32 * b;
+                const float *sb = scale + n * (cols / group) + 32 * b / group;
                 float w[32], lo, hi;
-                for (int i = 0; i < 32; i++)
-                    w[i] = (float)q[n * cols + 32 * b + i] * scale[n * (cols / group) + (32 * b + i) / group];
+                uint8_t v[32];
+                for (int i = 0; i < 32; i++)            /* split so that the compiler vectorizes each */
+                    w[i] = (float)qb[i] * sb[group == 32 ? 0 : i / 16];
                 lo = hi = w[0];
                 for (int i = 1; i < 32; i++) {
                     lo = w[i] < lo ? w[i] : lo;
@@ -209,10 +215,11 @@ void scan_int4_from_int8(const int8_t *q, const float *scale, int64_t rows, int6
                 float d = (hi - lo) / 15.0f, safe = d > 0.0f ? d : 1.0f;
                 for (int i = 0; i < 32; i++) {
                     float r = nearbyintf((w[i] - lo) / safe);
-                    int v = r < 0.0f ? 0 : r > 15.0f ? 15 : (int)r;
-                    int h = i / 16, g = (i % 16) / 4, e = i % 4;
-                    o[64 * g + 4 * c + e] |= (uint8_t)(v << (4 * h));
+                    v[i] = (uint8_t)(r < 0.0f ? 0.0f : r > 15.0f ? 15.0f : r);
                 }
+                for (int g = 0; g < 4; g++)
+                    for (int e = 0; e < 4; e++)
+                        o[64 * g + 4 * c + e] = (uint8_t)(v[4 * g + e] | v[16 + 4 * g + e] << 4);
                 store_bf16(o + 256 + 2 * c, d);
                 store_bf16(o + 288 + 2 * c, lo + 8.0f * d);
             }
