@@ -52,15 +52,14 @@ def fork_walk(compiled, history: list[int], tree: TokenTree, vocab_size: int) ->
 def draft_tree(m: Matcher, reply: list[int], depth: int, width: int) -> TokenTree:
     """The reply's next `depth` tokens as a chain below its last token, and at each chain node
     `width` - 1 more children the grammar allows there."""
-    tokens, parents = [reply[0]], [-1]
-    for d, token in enumerate(reply[1:depth + 1]):
-        at = len(tokens) - 1 if d == 0 else chain_node
+    tokens, parents, at = [reply[0]], [-1], 0            # at: the chain node the next tokens hang from
+    for token in reply[1:depth + 1]:
         allowed = allowed_tokens(m.mask(), m.vocab_size)[0].nonzero().flatten().tolist()
         extra = [t for t in allowed if t != token][:width - 1]
         for t in [token, *extra]:
             tokens.append(t)
             parents.append(at)
-        chain_node = len(tokens) - 1 - len(extra)
+        at = len(tokens) - 1 - len(extra)
         m.accept(token)
     m._m.rollback(min(depth, len(reply) - 1))
     return TokenTree(tokens, parents)
@@ -103,7 +102,7 @@ def main() -> None:
             cell["python"].append(per_call_us(lambda: python_walk(m, tree), args.repeats))
             cell["fork"].append(per_call_us(lambda: fork_walk(backend.compile(structured), out[:half], tree, m.vocab_size),
                                             max(1, args.repeats // 10)))
-    print(f"| tree nodes | traverse_draft_tree us | Python accept/rollback us | fork per node us |\n|---|---|---|---|")
+    print("| tree nodes | traverse_draft_tree us | Python accept/rollback us | fork per node us |\n|---|---|---|---|")
     for nodes, cell in sorted(rows.items()):
         print(f"| {nodes} | " + " | ".join(f"{statistics.median(cell[k]):.0f}" for k in ("traverse", "python", "fork"))
               + " |")
