@@ -54,8 +54,8 @@ class FileRows(NamedTuple):
 def file_rows(kind: str, cols: int, data: np.ndarray, order: np.ndarray | None = None) -> FileRows:
     """`data` [rows, row bytes] (C-contiguous, mapped or not); `order`: the file's row for each served row."""
     rows, row_bytes = data.shape
-    address = data.ctypes.data + row_bytes * (np.arange(rows, dtype=np.int64) if order is None else order)
-    return FileRows(kind, cols, address.astype(np.int64), data)
+    index = np.arange(rows, dtype=np.int64) if order is None else np.asarray(order, np.int64)
+    return FileRows(kind, cols, data.ctypes.data + row_bytes * index, data)
 
 
 class QuantizedTensors(Mapping):

@@ -31,6 +31,9 @@ def served_weights(w: QuantWeight) -> QuantWeight:
     return Int8Weight(w.q, r(w.scale))
 
 
+_KIND = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", Int8KWeight: "int8", StackedWeight: "mixed"}
+
+
 class QuantLinear(nn.Module):
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None, plan, own: str | None = None):
         """`own`: pack only that kernel where it takes the weight (the plan's choice, made on
@@ -42,17 +45,16 @@ class QuantLinear(nn.Module):
         if own is not None:
             owns = [k for k in owns if k.name == own] or owns[:1]
         served = served_weights(weight)       # bf16 scales, as the kernels hold them; dropped once packed
-        kind = {Int4Weight: "int4", Int4KWeight: "int4", Int8Weight: "int8", Int8KWeight: "int8",
-                StackedWeight: "mixed"}[type(weight)]
-        self._hold(weight.shape, kind, bias, plan, {k.name: k.pack(served) for k in owns})
+        self._hold(weight.shape, _KIND[type(weight)], bias, plan, {k.name: k.pack(served) for k in owns})
 
     @classmethod
-    def from_packed(cls, shape: tuple[int, int], kind: str, bias: torch.Tensor | None, plan, own: str,
+    def from_packed(cls, shape: tuple[int, int], bias: torch.Tensor | None, plan, own: str,
                     packed: Packed) -> "QuantLinear":
         """A weight already in kernel `own`'s layout (`own_kernels.from_file`: packed from the file's bytes)."""
         lin = cls.__new__(cls)
         nn.Module.__init__(lin)
-        lin._hold(shape, kind, bias, plan, {own: packed})
+        form = KERNELS[own].form
+        lin._hold(shape, _KIND[form[0] if isinstance(form, tuple) else form], bias, plan, {own: packed})
         return lin
 
     def _hold(self, shape: tuple[int, int], kind: str, bias: torch.Tensor | None, plan,

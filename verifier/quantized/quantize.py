@@ -177,9 +177,7 @@ def _from_file(blocks: Mapping, prefix: str, name: str, mode: str, plan: KernelP
     if len({r.cols for r in rows}) != 1 or (made := from_file.packed(rows, mode, plan.own)) is None:
         return None
     own, packed = made
-    kind = {"q4x16": "int4", "q4k": "int4", "q8x16": "int8", "mixed": "mixed"}[own]
-    shape = (sum(r.address.shape[0] for r in rows), rows[0].cols)
-    return QuantLinear.from_packed(shape, kind, bias, plan, own, packed)
+    return QuantLinear.from_packed((sum(r.address.shape[0] for r in rows), rows[0].cols), bias, plan, own, packed)
 
 
 def _planned(weight: QuantWeight, bias: torch.Tensor | None, plan: KernelPlan | None) -> QuantLinear:
@@ -231,7 +229,7 @@ def _scan(head: QuantWeight, mode: str, plan: KernelPlan) -> QuantLinear:
     if REGISTRY[mode].scan == "int4" and plan.own == "q4x16" and isinstance(head, Int8Weight) \
             and head.group in (16, 32) and head.shape[1] % 32 == 0 and cpu_ops.available():
         packed = Packed((cpu_ops.scan_int4_from_int8(head.q.contiguous(), head.scale.contiguous()), head.shape[0]), 4)
-        return QuantLinear.from_packed(head.shape, "int4", None, plan, "q4x16", packed)
+        return QuantLinear.from_packed(head.shape, None, plan, "q4x16", packed)
     return _planned(_scan_weight(head, REGISTRY[mode].scan), None, plan)
 
 

@@ -57,6 +57,17 @@ void repack_q4x16(const int64_t *row, int64_t rows, int64_t blocks, int64_t affi
     }
 }
 
+/* A Q4_K super-block's 8 sub-blocks' 6-bit scales and mins from its 12 bytes at blk + 4: bytes
+ * 0-3 hold scales 0-3 (and the top bits of scales 4-7), 4-7 mins 0-3 (and the top bits of mins
+ * 4-7), 8-11 the low four bits of scales and mins 4-7 (gguf_blocks/q4_k.py:k_scales). */
+static inline void q4k_scales(const uint8_t *blk, uint8_t *sc, uint8_t *mn) {
+    const uint8_t *d4 = blk + 4, *m4 = blk + 8, *low = blk + 12;
+    for (int j = 0; j < 8; j++) {
+        sc[j] = (uint8_t)(j < 4 ? d4[j] & 63 : (low[j - 4] & 15) | ((d4[j - 4] >> 2) & 0x30));
+        mn[j] = (uint8_t)(j < 4 ? m4[j] & 63 : (low[j - 4] >> 4) | ((m4[j - 4] >> 2) & 0x30));
+    }
+}
+
 /* Q4_K super-blocks (d, dmin fp16; 12 bytes of 6-bit sc and mn; 4 chunks of 32 bytes, chunk j
  * holding sub-block 2 j in its low nibbles and 2 j + 1 in its high ones) -> q4k: per tile and
  * super-block the channels' d and dmin (fp16 as stored), sc and mn (sub-block major), then the
@@ -69,14 +80,13 @@ void repack_q4k(const int64_t *row, int64_t rows, int64_t supers, uint8_t *out) 
             memset(o, 0, bytes);
             for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
                 const uint8_t *blk = (const uint8_t *)(intptr_t)row[t * TILE + c] + s * 144;
-                const uint8_t *d4 = blk + 4, *m4 = blk + 8, *low = blk + 12;
+                uint8_t sc[8], mn[8];
                 memcpy(o + 2 * c, blk, 2);
                 memcpy(o + 32 + 2 * c, blk + 2, 2);
+                q4k_scales(blk, sc, mn);
                 for (int j = 0; j < 8; j++) {
-                    int sc = j < 4 ? d4[j] & 63 : (low[j - 4] & 15) | ((d4[j - 4] >> 2) & 0x30);
-                    int mn = j < 4 ? m4[j] & 63 : (low[j - 4] >> 4) | ((m4[j - 4] >> 2) & 0x30);
-                    o[64 + 16 * j + c] = (uint8_t)sc;
-                    o[192 + 16 * j + c] = (uint8_t)mn;
+                    o[64 + 16 * j + c] = sc[j];
+                    o[192 + 16 * j + c] = mn[j];
                 }
                 for (int chunk = 0; chunk < 4; chunk++) {
                     const uint8_t *lo = blk + 16 + 32 * chunk, *hi = lo + 16;
@@ -235,14 +245,10 @@ void unpack_q4k_table(const int64_t *row, int64_t rows, int64_t supers, uint8_t 
     for (int64_t n = 0; n < rows; n++) {
         for (int64_t s = 0; s < supers; s++) {
             const uint8_t *blk = (const uint8_t *)(intptr_t)row[n] + s * 144;
-            const uint8_t *d4 = blk + 4, *m4 = blk + 8, *low = blk + 12;
             const int64_t at = n * supers + s;
             d[at] = f16_to_f32(load_u16(blk));
             dmin[at] = f16_to_f32(load_u16(blk + 2));
-            for (int j = 0; j < 8; j++) {
-                sc[8 * at + j] = (uint8_t)(j < 4 ? d4[j] & 63 : (low[j - 4] & 15) | ((d4[j - 4] >> 2) & 0x30));
-                mn[8 * at + j] = (uint8_t)(j < 4 ? m4[j] & 63 : (low[j - 4] >> 4) | ((m4[j - 4] >> 2) & 0x30));
-            }
+            q4k_scales(blk, sc + 8 * at, mn + 8 * at);
             uint8_t *qo = q + 128 * at;
             for (int c = 0; c < 4; c++) {              /* chunk c: weights 64 c + l (low), 64 c + 32 + l (high) */
                 const uint8_t *qs = blk + 16 + 32 * c;

@@ -16,13 +16,15 @@ import numpy as np
 import torch
 
 from verifier.cpu import cpu_ops
+from verifier.model.gguf_blocks import FORMATS
 from verifier.model.gguf_quant import FileRows
 from verifier.quantized.own_kernels.base import Q4_TILE, Packed
 from verifier.quantized.own_kernels.mixed import MAX_PARTS
+from verifier.quantized.own_kernels.q4k import TABLE_GROUP
+from verifier.quantized.own_kernels.q8x16 import SUPER_GROUP
 
-_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}   # weights, bytes
 _KERNEL = {"Q4_0": "q4x16", "Q4_1": "q4x16", "Q4_K": "q4k", "Q6_K": "q8x16"}
-K_GROUP = 256           # the table group of q4k and of q8x16 over Q6_K's own scales
+_GROUP = {"q4x16": 0, "q4k": TABLE_GROUP, "q8x16": SUPER_GROUP}    # a part's scale group in the mixed kernel's table
 
 
 def packed(parts: list[FileRows], mode: str, plan_own: str) -> tuple[str, Packed] | None:
@@ -39,7 +41,9 @@ def packed(parts: list[FileRows], mode: str, plan_own: str) -> tuple[str, Packed
         kernel = _KERNEL[parts[0].kind]
         return None if kernel == "q4x16" and plan_own != "q4x16" else (kernel, _pack_run(*runs[0]))
     packs = [_pack_run(*run) for run in runs]
-    table = torch.tensor([_table_entry(run, p) for (_, run), p in zip(runs, packs)], dtype=torch.int64)
+    # each part's rows (its packing's last argument), bits and scale group
+    table = torch.tensor([(p.args[-1], p.bits, _GROUP[_KERNEL[run[0].kind]]) for (_, run), p in zip(runs, packs)],
+                         dtype=torch.int64)
     rows = int(table[:, 0].sum())
     bits = round(sum(r * b for r, b, _ in table.tolist()) / rows)
     return "mixed", Packed((torch.cat([p.args[0].flatten() for p in packs]), table, rows), bits)
@@ -49,7 +53,7 @@ def _bits(p: FileRows) -> int:
     """Q6_K: 5 where every weight of the part fits 5 bits, else 6 (`q8x16.q8_bits`); others 4."""
     if p.kind != "Q6_K":
         return 4
-    return 5 if cpu_ops.q6k_fits_5_bits(_addresses([p]), p.cols // 256) else 6
+    return 5 if cpu_ops.q6k_fits_5_bits(_addresses([p]), p.cols // FORMATS["Q6_K"].weights) else 6
 
 
 def _addresses(run: list[FileRows]) -> torch.Tensor:
@@ -60,7 +64,7 @@ def _pack_run(bits: int, run: list[FileRows]) -> Packed:
     """Consecutive parts in one format and `bits`, packed as one weight."""
     kind, cols, address = run[0].kind, run[0].cols, _addresses(run)
     rows, tiles = address.shape[0], -(-address.shape[0] // Q4_TILE)
-    weights, _ = _BLOCK[kind]
+    weights = FORMATS[kind].weights
     if kind in ("Q4_0", "Q4_1"):
         out = torch.empty(tiles, cols // weights, 320, dtype=torch.uint8)
         cpu_ops.repack_q4x16(address, kind == "Q4_1", out)
@@ -68,13 +72,8 @@ def _pack_run(bits: int, run: list[FileRows]) -> Packed:
     if kind == "Q4_K":
         out = torch.empty(tiles, cols // weights, 64 + 256 + 8 * 256, dtype=torch.uint8)
         cpu_ops.repack_q4k(address, out)
-        return Packed((out, torch.tensor([[rows, 4, K_GROUP]], dtype=torch.int64), rows), 4)
+        return Packed((out, torch.tensor([[rows, 4, TABLE_GROUP]], dtype=torch.int64), rows), 4)
     out = torch.empty(tiles, cols // weights, 32 + 8 * (256 + 64 * (bits - 4) + 32), dtype=torch.uint8)
     cpu_ops.repack_q6k(address, bits, cpu_ops.q8_plane_masks(), out)
-    return Packed((out, bits, K_GROUP, rows), bits)
+    return Packed((out, bits, SUPER_GROUP, rows), bits)
 
-
-def _table_entry(run: list[FileRows], p: Packed) -> tuple[int, int, int]:
-    """The run's row in the mixed kernel's table: rows, bits, scale group (0 for q4x16)."""
-    rows = sum(r.address.shape[0] for r in run)
-    return rows, p.bits, 0 if _KERNEL[run[0].kind] == "q4x16" else K_GROUP
