@@ -188,3 +188,21 @@ def test_conversations_send_each_turn_after_the_reply_and_report_prefix_hits(ser
     (r,) = run_serve_bench(cfg, convs)
     assert r["requests"] == 4 and r["errors"] == 0
     assert 0 < r["prefix_hit_rate"] <= 1
+
+
+def test_serve_pair_levels_take_unseen_prompts_and_ignore_eos(server):
+    """bench/serve_pair.py: each level gets prompts no other level (nor the warm-up) sends, and
+    every request runs to max_tokens; the table divides each server by the baseline."""
+    from bench.serve_pair import run_server, slices, table
+    prompts = [[{"role": "user", "content": f"Say {i}."}] for i in range(12)]
+    warm, by_level = slices(prompts, [1, 2], 3)
+    assert warm == prompts[0] and [len(v) for v in by_level.values()] == [3, 4]
+    sent = [p[0]["content"] for ps in by_level.values() for p in ps]
+    assert len(set(sent)) == len(sent) and warm[0]["content"] not in sent
+    with pytest.raises(ValueError, match="too few"):
+        slices(prompts, [1, 8], 3)
+    out = asyncio.run(run_server(server.url, warm, by_level, max_tokens=6))
+    assert [(r["concurrency"], r["requests"], r["errors"], r["output_tokens"]) for r in out.values()] \
+        == [(1, 3, 0, 18), (2, 4, 0, 24)]
+    rounds = [{"default": out, "none": {c: {**r, "throughput_tok_s": 2 * r["throughput_tok_s"]} for c, r in out.items()}}]
+    assert "| 1 |" in table(rounds, [1, 2], ["default"]) and "0.50x (0.50-0.50)" in table(rounds, [1, 2], ["default"])
