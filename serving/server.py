@@ -30,6 +30,9 @@ def add_serve_args(sub) -> None:
     add_speculation_args(p, DEFAULT_DRAFTER, "suffix (default), ngram, eagle3:PATH, small:PATH, tree:SPEC, or 'none'")
     p.add_argument("--no-adaptive", action="store_true",
                    help="every request verifies its drafter's whole tree every step, whatever it costs")
+    p.add_argument("--no-batch-guard", action="store_true",
+                   help="draft at every batch size, even where speculation's measured steps cost more per "
+                        "token than plain ones")
     p.add_argument("--no-jump-forward", action="store_true",
                    help="constrained requests sample the tokens their grammar forces one step each")
     p.add_argument("--host", default="127.0.0.1")
@@ -115,6 +118,7 @@ def parse_serve_args(argv: list[str]):
 
 def engine_config(args):
     from spec.adaptive import AdaptiveConfig
+    from spec.batch_guard import GuardConfig
     from spec.config import EngineConfig
     from spec.threads import ThreadConfig
     drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
@@ -138,7 +142,8 @@ def engine_config(args):
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
                         grammar=grammar_limits(args),
                         tensor_parallel_size=args.tensor_parallel_size,
-                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive),
+                        adaptive=AdaptiveConfig(enabled=not args.no_adaptive,
+                                                guard=GuardConfig(enabled=not args.no_batch_guard)),
                         logprobs_mode=args.logprobs_mode, **kv)
 
 

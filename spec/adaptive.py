@@ -45,6 +45,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from spec.batch_guard import GuardConfig
 from spec.step_cost import CostCurve, StepCost
 
 
@@ -61,6 +62,9 @@ class AdaptiveConfig:
     # A forward's cost curve stated instead of timed at load, and kept as stated (step_cost.StatedCost):
     # tests and what-if runs pin the controller's choices to a machine's curve, whatever this host's timings.
     cost_curve: CostCurve | None = None
+    # Whether speculation pays end to end at the batch's size, measured in windows (spec/batch_guard.py);
+    # off where the cost curve is stated, as the controller's other timing-driven choices are pinned then.
+    guard: GuardConfig = GuardConfig()
 
     def __post_init__(self):
         if not 1 <= self.probe_every <= self.max_probe_every or not 0 < self.memory <= 1 \
@@ -68,6 +72,8 @@ class AdaptiveConfig:
                 or not 0 < self.smoothing <= 1:
             raise ValueError("AdaptiveConfig: need 1 <= probe_every <= max_probe_every, 0 < memory <= 1, "
                              "prior_weight > 0, 0 <= first_guess <= 1, score_bands >= 1, 0 < smoothing <= 1")
+        if not isinstance(self.guard, GuardConfig):
+            raise ValueError(f"AdaptiveConfig: guard must be a GuardConfig, got {type(self.guard).__name__}")
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
             raise ValueError(f"AdaptiveConfig: cost_curve must be a CostCurve, got {type(self.cost_curve).__name__}")
 

@@ -27,6 +27,7 @@ from drafters.base import DraftRequest, Prediction
 from drafters.config import SpecConfig
 from drafters.prediction import PredictionDrafter, join_prediction
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate
+from spec.batch_guard import BatchGuard
 from spec.config import EngineConfig
 from spec.constraints import MAX_FORCED, constrain, forced_proposal
 from spec.curve_cache import cached_curve, cached_thread_check
@@ -216,6 +217,10 @@ class LLMEngine:
         with on_threads(free):
             self._warm_up()
             self.adaptive.cost = self._step_cost(config.adaptive)
+        # measured costs only: a stated curve pins the controller's choices, and so the guard's
+        measured = self.adaptive.active and not isinstance(self.adaptive.cost, StatedCost)
+        self.guard = BatchGuard(replace(config.adaptive.guard, enabled=config.adaptive.guard.enabled and measured))
+        self._guarded: tuple[int, bool] | None = None     # this step's (decoding requests, may draft)
         self.threads = self._thread_governor(config, free)
 
     def _warm_up(self) -> None:
@@ -437,6 +442,7 @@ class LLMEngine:
         if speculated:
             self.timing = self.timing.plus(drafted - start, verified - drafted, end - verified)
         self._observe(plans, verified - drafted, end - start)
+        self._observe_guard(plans, end - start)
         self._last_step_tokens = sum(p.num_rows for p in plans)
         self._steps += 1
         n = torch.get_num_threads()
@@ -453,6 +459,14 @@ class LLMEngine:
         prefill = any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans)
         self.adaptive.cost.observe(StepSample(sum(p.num_rows for p in plans), decoding, self._drafting, nodes,
                                               prefill, forward_s, self._propose_seconds, total_s, self._proposed))
+
+    def _observe_guard(self, plans: list[SeqPlan], total_s: float) -> None:
+        """A decode step's tokens and time, for the batch guard (prompt chunks' steps are not its)."""
+        guarded, self._guarded = self._guarded, None
+        if guarded is None or any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans):
+            return
+        tokens = sum(len(p.tokens) for p in plans)
+        self.guard.observe(guarded[0], guarded[1], tokens, total_s)
 
     # ---- schedule -------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
@@ -473,10 +487,12 @@ class LLMEngine:
         chunk = self.config.max_num_batched_tokens
         base_rows = len(decoding) + sum(min(r.num_tokens - r.num_computed_tokens, chunk)
                                         for r in running if r.in_prefill)
+        allowed = self.guard.speculates(len(decoding))
+        self._guarded = (len(decoding), allowed) if decoding else None
         for r in decoding:
             if r.speculate and not self._pinned(r):
                 r.history = r.history or self.adaptive.history()
-                drafts = self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk))
+                drafts = allowed and self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk))
                 r.draft_cap = self._nodes_to_draft(r, len(decoding), min(base_rows, chunk)) if drafts else 0
 
     def _nodes_to_draft(self, req: Request, decoding: int, base_rows: int) -> int | None:
