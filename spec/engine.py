@@ -487,13 +487,14 @@ class LLMEngine:
         chunk = self.config.max_num_batched_tokens
         base_rows = len(decoding) + sum(min(r.num_tokens - r.num_computed_tokens, chunk)
                                         for r in running if r.in_prefill)
+        chosen = [r for r in decoding if r.speculate and not self._pinned(r)]
         allowed = self.guard.speculates(len(decoding))
-        self._guarded = (len(decoding), allowed) if decoding else None
-        for r in decoding:
-            if r.speculate and not self._pinned(r):
-                r.history = r.history or self.adaptive.history()
-                drafts = allowed and self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk))
-                r.draft_cap = self._nodes_to_draft(r, len(decoding), min(base_rows, chunk)) if drafts else 0
+        # the guard learns from steps where it chose: none where every request decodes plainly anyway
+        self._guarded = (len(decoding), allowed) if chosen else None
+        for r in chosen:
+            r.history = r.history or self.adaptive.history()
+            drafts = allowed and self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk))
+            r.draft_cap = self._nodes_to_draft(r, len(decoding), min(base_rows, chunk)) if drafts else 0
 
     def _nodes_to_draft(self, req: Request, decoding: int, base_rows: int) -> int | None:
         """A drafter whose time grows per node drafts what the controller expects to pay (None: its tree)."""

@@ -102,3 +102,15 @@ def test_engine_output_stays_the_targets_while_the_guard_switches_every_step(tin
     assert engine.blocks.num_used_blocks == 0
     stated = AdaptiveConfig(guard=guard, cost_curve=CostCurve((1, 2), (1.0, 2.0)))
     assert not LLM(str(tiny_llama_dir), **kw, drafter="ngram", adaptive=stated).engine.guard.config.enabled
+
+
+def test_steps_where_no_request_may_draft_teach_the_guard_nothing(tiny_llama_dir):
+    """Requests sent with speculation off decode plainly whatever the guard says: their steps
+    are not counted as either mode's."""
+    from spec import LLM
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
+              adaptive=AdaptiveConfig(guard=GuardConfig(window=1)))
+    llm.generate([[5, 6, 7, 5, 6, 7], [9, 8, 9, 8]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                 speculate=False)
+    assert llm.engine.guard.config.enabled
+    assert all(s.steps == 0 and not s.rate for s in llm.engine.guard.sizes.values())
