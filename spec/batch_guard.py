@@ -16,6 +16,11 @@ speculation pays spends about one window in `max_every` plain, and one where it 
 one in `max_every` speculating. A window's figure is its total time over its total tokens, and
 each mode keeps a moving average of its windows (`memory`), so a stray slow step moves it little.
 
+A lone request is left to the controller (`min_batch`): there the request's choice is the
+step's, its pricing was checked against plain decoding directly (docs/performance.md, "Adaptive
+speculation"), and one request's windows compare different stretches of its own text, whose
+acceptance varies more than speculation's gain.
+
 Steps with a prompt chunk are not measured (their time is the prompt's). The choice depends on
 past steps only and only decides whether requests draft, so the output stays exactly the
 target's; seeded sampled requests keep their trees (the engine does not ask the guard for them).
@@ -34,10 +39,13 @@ class GuardConfig:
     every: int = 4            # windows of the winning mode between windows of the losing one
     max_every: int = 64       # ... at most, after it lost again and again
     memory: float = 0.7       # weight a mode's earlier windows keep at each new one
+    min_batch: int = 2        # decoding requests from which it decides (below: the controller alone)
 
     def __post_init__(self):
-        if self.window < 1 or not 1 <= self.every <= self.max_every or not 0 <= self.memory < 1:
-            raise ValueError("GuardConfig needs window >= 1, 1 <= every <= max_every and 0 <= memory < 1")
+        if self.window < 1 or not 1 <= self.every <= self.max_every or not 0 <= self.memory < 1 \
+                or self.min_batch < 1:
+            raise ValueError("GuardConfig needs window >= 1, 1 <= every <= max_every, 0 <= memory < 1 "
+                             "and min_batch >= 1")
 
 
 @dataclass
@@ -71,14 +79,14 @@ class BatchGuard:
 
     def speculates(self, decoding: int) -> bool:
         """Whether a step of `decoding` requests may draft."""
-        if not self.config.enabled:
+        if not self.config.enabled or decoding < self.config.min_batch:
             return True
         return self._size(decoding).mode == SPECULATE
 
     def observe(self, decoding: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode step (no prompt chunk) of `decoding` requests that emitted `tokens` in
         `seconds`; `speculated`: whether it ran in a window that may draft."""
-        if not self.config.enabled or decoding < 1 or tokens < 1 or seconds <= 0:
+        if not self.config.enabled or decoding < self.config.min_batch or tokens < 1 or seconds <= 0:
             return
         s = self._size(decoding)
         if speculated != (s.mode == SPECULATE):      # the mode was read before a change of size

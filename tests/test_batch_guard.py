@@ -39,8 +39,8 @@ def test_plain_takes_over_where_speculation_costs_more_and_is_checked_ever_more_
 
 def test_speculation_that_pays_keeps_speculating_with_rare_plain_windows():
     g = BatchGuard(GuardConfig(window=4, every=2, max_every=16))
-    modes = run(g, 1, {SPECULATE: 5.0, PLAIN: 6.0}, 400)
-    assert g.sizes[1].leader == SPECULATE
+    modes = run(g, 2, {SPECULATE: 5.0, PLAIN: 6.0}, 400)
+    assert g.sizes[2].leader == SPECULATE
     # plain windows 3, 8, 17, 34, 51, 68 and 85 of 100: after 2 windows, then 4, 8 and 16
     plain_windows = [i // 4 for i in range(0, 400, 4) if modes[i] == PLAIN]
     assert plain_windows == [2, 7, 16, 33, 50, 67, 84] and modes.count(PLAIN) == 7 * 4
@@ -56,10 +56,16 @@ def test_a_leader_that_turns_worse_is_checked_at_once_and_replaced():
 
 def test_sizes_are_powers_of_two_and_each_has_its_own_windows():
     assert [BatchGuard.bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 16, 31)] == [1, 1, 2, 2, 4, 4, 8, 16, 16]
-    g = BatchGuard(GuardConfig(window=1, every=1, max_every=4))
+    g = BatchGuard(GuardConfig(window=1, every=1, max_every=4, min_batch=1))
     run(g, 16, {SPECULATE: 3.0, PLAIN: 1.0}, 10)
     run(g, 1, {SPECULATE: 1.0, PLAIN: 3.0}, 10)
     assert g.sizes[16].leader == PLAIN and g.sizes[1].leader == SPECULATE
+
+
+def test_a_lone_request_is_left_to_the_controller():
+    g = BatchGuard(GuardConfig(window=1, every=1))
+    assert run(g, 1, {SPECULATE: 9.0, PLAIN: 1.0}, 20) == [SPECULATE] * 20 and g.sizes == {}
+    assert PLAIN in run(g, 2, {SPECULATE: 9.0, PLAIN: 1.0}, 20)
 
 
 def test_a_step_read_in_another_mode_or_without_tokens_is_not_counted():
@@ -74,7 +80,7 @@ def test_a_step_read_in_another_mode_or_without_tokens_is_not_counted():
 def test_disabled_always_speculates_and_config_is_checked():
     g = BatchGuard(GuardConfig(enabled=False, window=1))
     assert run(g, 4, {SPECULATE: 9.0, PLAIN: 1.0}, 20) == [SPECULATE] * 20
-    for bad in ({"window": 0}, {"every": 0}, {"every": 8, "max_every": 4}, {"memory": 1.0}):
+    for bad in ({"window": 0}, {"every": 0}, {"every": 8, "max_every": 4}, {"memory": 1.0}, {"min_batch": 0}):
         with pytest.raises(ValueError):
             GuardConfig(**bad)
     with pytest.raises(ValueError):
