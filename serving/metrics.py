@@ -57,6 +57,9 @@ class Metrics:
         self.spec_enabled = Gauge("tercel_spec_enabled", "1 while the engine speculates", registry=r)
         self.spec_draft_budget = Gauge("tercel_spec_draft_budget",
                                        "draft tokens each request may propose per step (0 while off)", registry=r)
+        self.spec_batch_guard = Gauge("tercel_spec_batch_guard", "per batch size the batch guard measured: 1 while "
+                                      "speculation's steps cost less per token there, 0 while plain ones do",
+                                      ["batch_size"], registry=r)
         self.threads = Gauge("tercel_threads", "CPU threads the engine's steps run on", registry=r)
         self.thread_switches = Counter("tercel_thread_switches", "thread count changes by the governor",
                                        registry=r)
@@ -100,6 +103,8 @@ class Metrics:
             self.memory.labels(part=part).set(n)
         self.spec_enabled.set(1 if s.speculating else 0)
         self.spec_draft_budget.set(s.draft_budget)
+        for size, leads in s.batch_guard:
+            self.spec_batch_guard.labels(batch_size=str(size)).set(1 if leads else 0)
 
     def _thread_steps(self, s: EngineStats) -> None:
         seen = {t.threads: t for t in self._seen.thread_steps}

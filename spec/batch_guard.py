@@ -83,6 +83,10 @@ class BatchGuard:
             return True
         return self._size(decoding).mode == SPECULATE
 
+    def leaders(self) -> tuple[tuple[int, bool], ...]:
+        """(batch size, whether speculation leads there) for each size measured, ascending."""
+        return tuple((k, s.leader == SPECULATE) for k, s in sorted(self.sizes.items()))
+
     def observe(self, decoding: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode step (no prompt chunk) of `decoding` requests that emitted `tokens` in
         `seconds`; `speculated`: whether it ran in a window that may draft."""

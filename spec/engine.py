@@ -390,6 +390,7 @@ class LLMEngine:
             kv_blocks_total=self.blocks.num_total_blocks, kv_blocks_free=self.blocks.num_free_blocks,
             prefix_cache_queries=self.blocks.prefix_queries, prefix_cache_hits=self.blocks.prefix_hits,
             speculating=on, draft_budget=self.adaptive.last_budget if on else 0, drafter_errors=self.drafter_errors,
+            batch_guard=self.guard.leaders(),
             preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),

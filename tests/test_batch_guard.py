@@ -120,3 +120,10 @@ def test_steps_where_no_request_may_draft_teach_the_guard_nothing(tiny_llama_dir
                  speculate=False)
     assert llm.engine.guard.config.enabled
     assert all(s.steps == 0 and not s.rate for s in llm.engine.guard.sizes.values())
+
+
+def test_leaders_report_each_measured_size():
+    g = BatchGuard(GuardConfig(window=1, every=1))
+    run(g, 4, {SPECULATE: 3.0, PLAIN: 1.0}, 6)
+    run(g, 2, {SPECULATE: 1.0, PLAIN: 3.0}, 6)
+    assert g.leaders() == ((2, True), (4, False))

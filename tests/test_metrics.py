@@ -73,3 +73,14 @@ def test_every_dashboard_query_names_an_exported_metric(exposition):
                 assert family in families, (panel["title"], name)
                 named.add(family)
     assert families - named == set()
+
+
+def test_the_batch_guards_choice_per_batch_size():
+    """tercel_spec_batch_guard: 1 where speculation leads at that batch size, 0 where plain steps do."""
+    from serving.metrics import Metrics
+    from spec.stats import EngineStats
+    m = Metrics("tiny")
+    m.engine_state(EngineStats(batch_guard=((2, True), (4, False))))
+    got = [s for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
+           if s.name == "tercel_spec_batch_guard"]
+    assert {(s.labels["batch_size"], s.value) for s in got} == {("2", 1.0), ("4", 0.0)}
