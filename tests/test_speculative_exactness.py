@@ -218,6 +218,24 @@ def test_proposals_cut_by_the_adaptive_controller_keep_the_distribution(tiny_voc
     assert stats["accepted"] >= 300 and p > 1e-3
 
 
+def test_steps_the_batch_guard_keeps_plain_keep_the_distribution(tiny_vocab_dir, other_draft_dir, prompt,
+                                                                 exact_joint, monkeypatch):
+    """The batch guard decides per step, before drafting, whether the batch drafts at all (from
+    past steps' timings): here a coin per step stands in for it, with the controller's cuts
+    random as above. The law is still the target's."""
+    import random
+
+    import spec.batch_guard as bg
+    rng = random.Random(1)
+    monkeypatch.setattr(bg.BatchGuard, "speculates", lambda self, decoding: rng.random() < 0.5)
+    counts, stats = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",
+                                  SpecConfig(num_speculative_tokens=2), trim=random_cuts)
+    p = chi_square_pvalue(counts, exact_joint)
+    print(f"guarded steps: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
+          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    assert stats["accepted"] >= 100 and p > 1e-3
+
+
 def test_a_cut_that_reads_the_sampled_tokens_fails_the_same_test(tiny_vocab_dir, other_draft_dir, prompt,
                                                                   exact_joint):
     """The control: a cut that looks at what a sampling drafter drew (keeping a chain only
