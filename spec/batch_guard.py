@@ -1,14 +1,14 @@
 """Whether speculation pays end to end at the batch's size, measured, not modelled.
 
 The adaptive controller (spec/adaptive.py) prices each draft node from the step's cost curve,
-the drafter's time and the acceptance work. What it cannot price is what it does not see: a
-step that drafts runs the scheduler's tree reservations, the tree bookkeeping and the drafter's
-memory traffic, and at 4 or 16 requests the tokens speculation gains are few against a step
-that already emits one per request (docs/performance.md, "Speculation under load"). So the
-guard measures the outcome: per batch size (the decoding requests, in powers of two), the
-milliseconds per emitted token of steps that may speculate against steps that may not, each in
-windows of `window` consecutive decode steps of that size, and lets the batch speculate while
-its windows are the cheaper.
+the drafter's time and the acceptance work, each part from the steps that isolate it. At 4 or
+16 requests the tokens speculation gains are few against a step that already emits one per
+request, so the parts' errors add up to the margin: there the drafting engine's forwards took as
+long in total as plain ones and what drafting costs around them was the loss (docs/performance.md,
+"Speculation under load"). So the guard measures the outcome: per batch size (the decoding
+requests, in powers of two), the milliseconds per emitted token of steps that may speculate
+against steps that may not, each in windows of `window` decode steps of that size, and lets the
+batch speculate while its windows are the cheaper.
 
 The losing mode is measured again every `every` windows, twice as far apart each time it loses
 again (at most `max_every`), back to `every` when the winner changes: a batch size where
