@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.serve_load import launch_server
 from verifier.model.loader import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,20 +105,10 @@ class Run:
 # ---- engines ----------------------------------------------------------------------------------
 class Server:
     def __init__(self, args, port: int, fixed_threads: bool):
-        cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--drafter", args.drafter,
-               "--log-level", "warning"] + (["--threads", str(args.threads)] if args.threads else []) \
-            + (["--fixed-threads"] if fixed_threads else [])
-        self.url, self.max_tokens = f"http://127.0.0.1:{port}", args.max_tokens
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
-            time.sleep(0.5)
-        raise RuntimeError("the server did not start in 10 minutes")
+        serve = ["--drafter", args.drafter, "--log-level", "warning"] \
+            + (["--threads", str(args.threads)] if args.threads else []) + (["--fixed-threads"] if fixed_threads else [])
+        self.proc, self.url = launch_server(serve, port, cwd=ROOT)
+        self.max_tokens = args.max_tokens
 
     def close(self) -> None:
         self.proc.terminate()

@@ -39,8 +39,11 @@ A request with a non-200 status, an error event, or a stream that breaks or ends
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -115,6 +118,23 @@ class ServerUnreachable(ValueError):
 
 
 # ---- server check -------------------------------------------------------------------------
+def launch_server(args: list[str], port: int, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`tercel serve --port port *args` in a process of its own, once its /health answers 200
+    (at most 10 minutes); the process and its URL."""
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), *args]
+    proc, url = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not start in 10 minutes: {' '.join(cmd)}")
+
+
 def check_server(url: str, api_key: str | None = None, timeout: float = 5.0) -> list[str]:
     """Model ids served; ServerUnreachable naming the URL and the reason otherwise."""
     root = url.rstrip("/").removesuffix("/v1")

@@ -22,14 +22,10 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
-
-import httpx
 
 from bench.data import load_datasets
-from bench.serve_load import LoadConfig, check_server, level_result, request_item, run_level
+from bench.serve_load import LoadConfig, check_server, launch_server, level_result, request_item, run_level
 from verifier.cpu.machine import machine_key
 
 # `tercel serve`'s arguments per configuration; "none" is the baseline every other is divided by
@@ -39,26 +35,13 @@ CONFIGS = {"default": [], "none": ["--drafter", "none"], "noguard": ["--no-batch
 @contextlib.contextmanager
 def server(args: list[str], port: int, threads: int | None):
     """`tercel serve` in its own process until the block ends; yields its URL."""
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--log-level", "warning", *args] \
-        + (["--threads", str(threads)] if threads else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = launch_server(["--log-level", "warning", *args] + (["--threads", str(threads)] if threads else []),
+                              port)
     try:
-        deadline = time.monotonic() + 600
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(cmd)} did not start (exit {proc.poll()})")
-            time.sleep(0.5)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    return False
 
 
 def slices(prompts: list, levels: list[int], per_level: int) -> tuple[list, dict[int, list]]:

@@ -57,7 +57,7 @@ class Metrics:
         self.spec_enabled = Gauge("tercel_spec_enabled", "1 while the engine speculates", registry=r)
         self.spec_draft_budget = Gauge("tercel_spec_draft_budget",
                                        "draft tokens each request may propose per step (0 while off)", registry=r)
-        self.spec_batch_guard = Gauge("tercel_spec_batch_guard", "per batch size the batch guard measured: 1 while "
+        self.spec_batch_guard = Gauge("tercel_spec_batch_guard", "per batch size the batch guard decided for: 1 while "
                                       "speculation's steps cost less per token there, 0 while plain ones do",
                                       ["batch_size"], registry=r)
         self.threads = Gauge("tercel_threads", "CPU threads the engine's steps run on", registry=r)

@@ -84,7 +84,8 @@ class BatchGuard:
         return self._size(decoding).mode == SPECULATE
 
     def leaders(self) -> tuple[tuple[int, bool], ...]:
-        """(batch size, whether speculation leads there) for each size measured, ascending."""
+        """(batch size, whether speculation leads there) for each size it has decided for, ascending
+        (speculation leads until plain windows measure cheaper)."""
         return tuple((k, s.leader == SPECULATE) for k, s in sorted(self.sizes.items()))
 
     def observe(self, decoding: int, speculated: bool, tokens: int, seconds: float) -> None:

@@ -442,8 +442,9 @@ class LLMEngine:
         speculated = any(p.drafted is not None for p in plans)
         if speculated:
             self.timing = self.timing.plus(drafted - start, verified - drafted, end - verified)
-        self._observe(plans, verified - drafted, end - start)
-        self._observe_guard(plans, end - start)
+        prefill = any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans)   # a prompt chunk ran
+        self._observe(plans, prefill, verified - drafted, end - start)
+        self._observe_guard(plans, prefill, end - start)
         self._last_step_tokens = sum(p.num_rows for p in plans)
         self._steps += 1
         n = torch.get_num_threads()
@@ -451,20 +452,19 @@ class LLMEngine:
         self.threads.observe(self._last_step_tokens, len(plans), end - start)
         return outputs + new
 
-    def _observe(self, plans: list[SeqPlan], forward_s: float, total_s: float) -> None:
+    def _observe(self, plans: list[SeqPlan], prefill: bool, forward_s: float, total_s: float) -> None:
         """The step's costs, for the adaptive controller."""
         if self.adaptive.cost is None:
             return
         decoding = sum(1 for p in plans if p.proposal is not None or p.seq.num_new_tokens == 1)
         nodes = sum(p.proposal.num_draft_nodes - p.forced for p in plans if p.drafted is not None)
-        prefill = any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans)
         self.adaptive.cost.observe(StepSample(sum(p.num_rows for p in plans), decoding, self._drafting, nodes,
                                               prefill, forward_s, self._propose_seconds, total_s, self._proposed))
 
-    def _observe_guard(self, plans: list[SeqPlan], total_s: float) -> None:
+    def _observe_guard(self, plans: list[SeqPlan], prefill: bool, total_s: float) -> None:
         """A decode step's tokens and time, for the batch guard (prompt chunks' steps are not its)."""
         guarded, self._guarded = self._guarded, None
-        if guarded is None or any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans):
+        if guarded is None or prefill:
             return
         tokens = sum(len(p.tokens) for p in plans)
         self.guard.observe(guarded[0], guarded[1], tokens, total_s)

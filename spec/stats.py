@@ -110,7 +110,7 @@ class EngineStats:
     speculating: bool = False       # a drafter is set and the adaptive controller's last decision was on
     draft_budget: int = 0           # draft nodes a request could propose in the last step; 0 while not speculating
     drafter_errors: int = 0         # drafter exceptions caught (those requests decoded plainly)
-    # (batch size, whether speculation leads there) per size the batch guard measured (spec/batch_guard.py)
+    # (batch size, whether speculation leads there) per size the batch guard decided for (spec/batch_guard.py)
     batch_guard: tuple[tuple[int, bool], ...] = ()
     preemptions: int = 0            # running requests sent back to the queue for want of KV blocks
     threads: int = 0                # CPU threads steps run on now (outside the governor's probes)

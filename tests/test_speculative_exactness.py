@@ -130,6 +130,14 @@ def sample_counts(model_dir, prompt, drafter: str | None, spec: SpecConfig | Non
     return torch.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3), stats
 
 
+def law_pvalue(label: str, counts: torch.Tensor, stats: dict, joint: torch.Tensor) -> float:
+    """The samples' chi-square p against the exact law `joint`, printed with what the drafter did."""
+    p = chi_square_pvalue(counts, joint)
+    print(f"{label}: chi-square p = {p:.3g}, TV = {total_variation(counts, joint):.3f}, "
+          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    return p
+
+
 # (drafter, speculation, minimum accepted draft tokens: proof that the drafter was exercised)
 CASES = {
     "plain": (None, None, 0),
@@ -160,9 +168,7 @@ def test_first_three_tokens_match_target_distribution(tiny_vocab_dir, other_draf
     drafter, spec, min_accepted = CASES[case]
     drafter = drafter.format(dir=tiny_vocab_dir, other=other_draft_dir, eagle=eagle_head_dir) if drafter else None
     counts, stats = sample_counts(tiny_vocab_dir, prompt, drafter, spec)
-    p = chi_square_pvalue(counts, exact_joint)
-    print(f"{case}: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
-          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    p = law_pvalue(case, counts, stats, exact_joint)
     assert stats["accepted"] >= min_accepted, "the drafter should be exercised, not always rejected"
     assert p > 1e-3
 
@@ -179,9 +185,7 @@ def test_int4_target_samples_its_own_distribution(int4_dir, prompt, int4_joint, 
         if case.startswith("eagle3") else None
     drafter = drafter.format(dir=int4_dir, eagle=eagle) if drafter else None
     counts, stats = sample_counts(int4_dir, prompt, drafter, spec, quantization="int4")
-    p = chi_square_pvalue(counts, int4_joint)
-    print(f"int4 {case}: chi-square p = {p:.3g}, TV = {total_variation(counts, int4_joint):.3f}, "
-          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    p = law_pvalue(f"int4 {case}", counts, stats, int4_joint)
     assert stats["accepted"] > 0 or drafter is None
     assert p > 1e-3
 
@@ -212,9 +216,7 @@ def test_proposals_cut_by_the_adaptive_controller_keep_the_distribution(tiny_voc
     the controller's choosing before verification: the law is still the target's."""
     counts, stats = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",
                                   SpecConfig(num_speculative_tokens=2), trim=random_cuts)
-    p = chi_square_pvalue(counts, exact_joint)
-    print(f"cut proposals: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
-          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    p = law_pvalue("cut proposals", counts, stats, exact_joint)
     assert stats["accepted"] >= 300 and p > 1e-3
 
 
@@ -230,9 +232,7 @@ def test_steps_the_batch_guard_keeps_plain_keep_the_distribution(tiny_vocab_dir,
     monkeypatch.setattr(bg.BatchGuard, "speculates", lambda self, decoding: rng.random() < 0.5)
     counts, stats = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",
                                   SpecConfig(num_speculative_tokens=2), trim=random_cuts)
-    p = chi_square_pvalue(counts, exact_joint)
-    print(f"guarded steps: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}, "
-          f"accepted {stats['accepted']} tokens in {stats['steps']} verify steps")
+    p = law_pvalue("guarded steps", counts, stats, exact_joint)
     assert stats["accepted"] >= 100 and p > 1e-3
 
 
