@@ -5,7 +5,8 @@ The choice maximises the step's expected tokens per millisecond. Tokens: each de
 request emits one, plus its draft nodes' chances of being accepted. Milliseconds:
 `spec.step_cost.StepCost`, the forward's cost curve measured at load at every row count and
 scaled to what steps cost now, plus the drafter's time per drafting request and the
-acceptance work per node. Nodes join in order of their chance, across the batch, each
+acceptance work per node. A step that also runs a prompt chunk is charged without the chunk's
+time (the chunk runs either way), its nodes at what they add on top of it. Nodes join in order of their chance, across the batch, each
 request's in its proposal's order (a proposal cut to its first k nodes is a proposal in its
 own right: nodes are topological), and the count with the best ratio wins: the cost curve
 has steps (torch's int4 kernel works in blocks of 4 rows), so the best count is not always
@@ -200,21 +201,23 @@ class AdaptiveController:
         return SpecHistory(RankAcceptance(self.config.memory), self.config.probe_every, worth=self.typical,
                            next_probe=self.config.probe_every)
 
-    def drafts(self, history: SpecHistory, decoding: int, base_rows: int) -> bool:
+    def drafts(self, history: SpecHistory, decoding: int, base_rows: int, prompt_rows: int = 0) -> bool:
         """Before drafting: whether this request drafts this step. `decoding`: requests
-        emitting a token this step; `base_rows`: the step's rows without draft nodes."""
+        emitting a token this step; `base_rows`: the step's rows without draft nodes, of which
+        `prompt_rows` are prompt chunks' (see `_step_ms`)."""
         history.steps += 1
         if not self.active or history.worth is None or history.probing:
             return True
         # tokens expected from drafting against those the drafter's time would decode
-        plain_rate = max(decoding, 1) / self._step_ms(base_rows, decoding, 0)
+        plain_rate = max(decoding, 1) / self._step_ms(base_rows, decoding, 0, prompt_rows=prompt_rows)
         if history.worth >= plain_rate * self.cost.drafting_ms():
             return True
         if self.typical is not None:        # not drafting: forgetting why
             history.worth = _blend(history.worth, self.typical, self.config.memory)
         return False
 
-    def nodes_to_draft(self, history: SpecHistory, decoding: int, base_rows: int, most: int) -> int:
+    def nodes_to_draft(self, history: SpecHistory, decoding: int, base_rows: int, most: int,
+                       prompt_rows: int = 0) -> int:
         """Before drafting, for a drafter whose time grows with each node (`drafts` said this
         request drafts): the proposal size with the most tokens per millisecond by the
         request's acceptance per rank, each node's drafting included; one more while probing."""
@@ -223,25 +226,25 @@ class AdaptiveController:
         per_node = self.cost.propose_node_ms()
 
         def cost_ms(nodes: int) -> float:
-            return self._step_ms(base_rows, decoding, nodes, drafted=1) + nodes * per_node
+            return self._step_ms(base_rows, decoding, nodes, drafted=1, prompt_rows=prompt_rows) + nodes * per_node
         (cut,) = best_prefixes([self._rank_gains(history, most)], max(decoding, 1), cost_ms)
         return min(most, max(1, cut + int(history.probing)))
 
-    def trim(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
+    def trim(self, cands: list[Candidate], decoding: int, base_rows: int, prompt_rows: int = 0) -> list[int]:
         """After drafting: how many of each proposal's draft nodes to verify. `base_rows`: the
-        step's rows without these candidates' draft nodes."""
-        keep = self._cut(cands, decoding, base_rows) if self.active else [len(c.depths) for c in cands]
+        step's rows without these candidates' draft nodes, `prompt_rows` of them prompt chunks'."""
+        keep = self._cut(cands, decoding, base_rows, prompt_rows) if self.active else [len(c.depths) for c in cands]
         self.state = any(keep)
         self.last_budget = max(keep, default=0)
         return keep
 
-    def _cut(self, cands: list[Candidate], decoding: int, base_rows: int) -> list[int]:
+    def _cut(self, cands: list[Candidate], decoding: int, base_rows: int, prompt_rows: int) -> list[int]:
         """`best_prefixes`' cut; a probing candidate verifies one node more than its cut (the
         first node judged not to pay: its estimate is refreshed at the cost of one row). Each
         request remembers what its cut was worth: its nodes' expected tokens less what their
         share of the extra time would have decoded plainly."""
         def step_ms(nodes: int) -> float:
-            return self._step_ms(base_rows, decoding, nodes, drafted=len(cands))
+            return self._step_ms(base_rows, decoding, nodes, drafted=len(cands), prompt_rows=prompt_rows)
         gains = [self.gains(c) for c in cands]
         cut = best_prefixes(gains, max(decoding, 1), step_ms)
         plain_rate, nodes = max(decoding, 1) / step_ms(0), sum(cut)
@@ -298,12 +301,17 @@ class AdaptiveController:
         return [history.ranks.rate(i, self.prior.rate(i, c.first_guess, 1.0), c.prior_weight)
                 for i in range(1, nodes + 1)]
 
-    def _step_ms(self, base_rows: int, decoding: int, nodes: int, drafted: int = 0) -> float:
-        """The step's milliseconds with `nodes` draft nodes after `drafted` requests drafted
-        (the drafter's time is spent by then; its slowdown of the forward is not)."""
+    def _step_ms(self, base_rows: int, decoding: int, nodes: int, drafted: int = 0, prompt_rows: int = 0) -> float:
+        """The step's milliseconds charged to decoding, with `nodes` draft nodes after `drafted`
+        requests drafted (the drafter's time is spent by then; its slowdown of the forward is
+        not). A prompt chunk's `prompt_rows` run whatever is drafted, so their time is left out
+        and the nodes cost what they add on top of them: a chunk's time counted in would make
+        plain decoding look slow and any node cheap beside it."""
         cost = self.cost
-        return cost.forward_ms(base_rows + nodes) + drafted * cost.slowdown_ms() + decoding * cost.request_ms() \
-            + nodes * cost.node_ms()
+        forward = cost.forward_ms(base_rows + nodes)
+        if prompt_rows:
+            forward += cost.forward_ms(max(base_rows - prompt_rows, 1)) - cost.forward_ms(base_rows)
+        return forward + drafted * cost.slowdown_ms() + decoding * cost.request_ms() + nodes * cost.node_ms()
 
 
 def _blend(old: float | None, new: float, memory: float) -> float:

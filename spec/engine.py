@@ -486,23 +486,24 @@ class LLMEngine:
         running = self.scheduler.running
         decoding = [r for r in running if not r.in_prefill]
         chunk = self.config.max_num_batched_tokens
-        base_rows = len(decoding) + sum(min(r.num_tokens - r.num_computed_tokens, chunk)
-                                        for r in running if r.in_prefill)
+        base_rows = min(chunk, len(decoding) + sum(min(r.num_tokens - r.num_computed_tokens, chunk)
+                                                   for r in running if r.in_prefill))
+        prompt_rows = max(0, base_rows - len(decoding))
         chosen = [r for r in decoding if r.speculate and not self._pinned(r)]
         allowed = self.guard.speculates(len(decoding))
         # the guard learns from steps where it chose: none where every request decodes plainly anyway
         self._guarded = (len(decoding), allowed) if chosen else None
         for r in chosen:
             r.history = r.history or self.adaptive.history()
-            drafts = allowed and self.adaptive.drafts(r.history, len(decoding), min(base_rows, chunk))
-            r.draft_cap = self._nodes_to_draft(r, len(decoding), min(base_rows, chunk)) if drafts else 0
+            drafts = allowed and self.adaptive.drafts(r.history, len(decoding), base_rows, prompt_rows=prompt_rows)
+            r.draft_cap = self._nodes_to_draft(r, len(decoding), base_rows, prompt_rows) if drafts else 0
 
-    def _nodes_to_draft(self, req: Request, decoding: int, base_rows: int) -> int | None:
+    def _nodes_to_draft(self, req: Request, decoding: int, base_rows: int, prompt_rows: int) -> int | None:
         """A drafter whose time grows per node drafts what the controller expects to pay (None: its tree)."""
         if not self.drafter.drafts_per_node:
             return None
         most = (req.speculation or self.spec_config).max_nodes
-        return self.adaptive.nodes_to_draft(req.history, decoding, base_rows, most)
+        return self.adaptive.nodes_to_draft(req.history, decoding, base_rows, most, prompt_rows=prompt_rows)
 
     @staticmethod
     def _pinned(req: Request) -> bool:
@@ -600,7 +601,11 @@ class LLMEngine:
         base_rows = sum(p.num_rows for p in plans if p not in drafted) + len(cut) \
             + sum(drafted[i].forced + props[i].num_draft_nodes for i in others)
         decoding = sum(1 for p in plans if not p.mid_prefill)
-        keep = self.adaptive.trim([self._candidate(drafted[i].request, props[i]) for i in cut], decoding, base_rows)
+        # a prompt chunk's rows, less the row a finishing prompt samples its first token from
+        prompt_rows = sum(p.num_rows - (not p.mid_prefill) for p in plans
+                          if p not in drafted and p.proposal is None and p.seq.num_new_tokens > 1)
+        keep = self.adaptive.trim([self._candidate(drafted[i].request, props[i]) for i in cut], decoding, base_rows,
+                                  prompt_rows=prompt_rows)
         out = list(props)
         for i, k in zip(cut, keep):
             out[i] = props[i].truncated(k) if k else None

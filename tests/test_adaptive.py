@@ -137,6 +137,21 @@ def test_trim_keeps_what_pays_on_this_curve():
         assert ctl.trim([cand(ctl)], decoding=1, base_rows=1) == [expected], per_row
 
 
+def test_a_prompt_chunk_in_the_step_does_not_make_nodes_cheap():
+    """A prompt chunk runs whatever is drafted: the nodes are judged by what they add to the
+    step against plain decoding without the chunk, so the cut is the chunk-free one. Counted as
+    decode work, a 200-row chunk would make plain decoding look 20 times slower and keep every node."""
+    def cand(ctl):
+        return Candidate(decoding(ctl), (1, 2, 3, 4), (0.9, 0.9, 0.1, 0.1), "test")
+    ctl = controller(1.0, first_guess=0.5)
+    for i in range(200):
+        ctl.observe(cand(ctl), [1, 2] + [3] * (i % 10 == 0) + [4] * (i % 20 == 0))
+    assert ctl.trim([cand(ctl)], decoding=1, base_rows=1) == [2]
+    assert ctl.trim([cand(ctl)], decoding=1, base_rows=201, prompt_rows=200) == [2]
+    assert ctl.trim([cand(ctl)], decoding=1, base_rows=201) == [4]          # the chunk taken for decode work
+    assert ctl.nodes_to_draft(decoding(ctl), 1, 201, 4, prompt_rows=200) == 2
+
+
 def test_a_draft_model_drafts_what_pays_with_its_time_per_node_counted():
     """A drafter whose time grows with each node (a draft model's forward per depth) is told,
     before drafting, how many nodes to draft: those whose chance pays for their row and their
@@ -259,7 +274,7 @@ def test_engine_verifies_what_the_controller_keeps_and_outputs_stay_the_targets(
     llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
               speculation=SpecConfig(num_speculative_tokens=4))
     engine, cuts, verified = llm.engine, iter(range(10 ** 6)), []
-    engine.adaptive.trim = lambda cands, decoding, base_rows: [next(cuts) % 4 for _ in cands]
+    engine.adaptive.trim = lambda cands, decoding, base_rows, prompt_rows=0: [next(cuts) % 4 for _ in cands]
     accept = engine._accept_proposal
 
     def spy(req, plan):
@@ -268,6 +283,29 @@ def test_engine_verifies_what_the_controller_keeps_and_outputs_stay_the_targets(
     engine._accept_proposal = spy
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
     assert verified and set(verified) <= {1, 2, 3} and len(set(verified)) > 1
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_the_engine_tells_the_controller_a_steps_prompt_rows(tiny_llama_dir):
+    """A prompt arriving while another request drafts: the step that runs its chunk passes the
+    chunk's rows (less the row its first token is sampled from) as prompt rows, on top of them
+    the decoding rows; steps without a chunk pass none."""
+    from spec import LLM
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
+              speculation=SpecConfig(num_speculative_tokens=4))
+    engine, seen = llm.engine, []
+    trim = engine.adaptive.trim
+    engine.adaptive.trim = lambda cands, decoding, base_rows, prompt_rows=0: \
+        seen.append((decoding, base_rows, prompt_rows)) or trim(cands, decoding, base_rows, prompt_rows=prompt_rows)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], greedy)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("b", list(range(10, 50)), greedy)
+    while engine.has_unfinished:
+        engine.step()
+    assert (2, 40 + 1, 39) in seen                   # b's 40 rows, 39 of them prompt, and a's root
+    assert all(p == 0 for d, b, p in seen if b <= d)
     assert engine.blocks.num_used_blocks == 0
 
 

@@ -28,7 +28,7 @@ def test_a_dense_target_drafts_with_its_int4_self_and_keeps_its_tokens(dense):
     assert engine.drafter.model.quantization == "int4" and engine.target.quantization == "none"
     asked, drafted = [], []
     ask, propose = engine.adaptive.nodes_to_draft, engine.drafter.propose
-    engine.adaptive.nodes_to_draft = lambda *a: asked.append(ask(*a)) or asked[-1]
+    engine.adaptive.nodes_to_draft = lambda *a, **kw: asked.append(ask(*a, **kw)) or asked[-1]
     engine.drafter.propose = lambda views: drafted.extend(v.max_depth for v in views) or propose(views)
     outs = llm.generate(prompts, GREEDY)
     del engine.adaptive.nodes_to_draft, engine.drafter.propose    # no cycle left to outlive the test

@@ -204,7 +204,7 @@ def test_broken_acceptance_rule_fails_the_same_test(tiny_vocab_dir, other_draft_
     assert p < 1e-3
 
 
-def random_cuts(cands, decoding, base_rows, rng=__import__("random").Random(0)):
+def random_cuts(cands, decoding, base_rows, prompt_rows=0, rng=__import__("random").Random(0)):
     """A cut per proposal that has nothing to do with the target's logits, as the adaptive
     controller's (which follows timings and past acceptance)."""
     return [rng.randint(0, len(c.depths)) for c in cands]
