@@ -10,7 +10,9 @@ case (SuffixDecoding's agentic workloads), which prompt lookup and a chat corpus
 """
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 from pathlib import Path
 
@@ -57,3 +59,49 @@ def agent_sessions(limit: int | None = None, min_steps: int = 2, path: Path | No
             if limit is not None and len(out) == limit:
                 break
     return out
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> str:
+    """The calculator tool: numbers, + - * / (or x) and parentheses; ValueError for anything else."""
+    try:
+        tree = ast.parse(expression.replace("x", "*").replace(",", ""), mode="eval")
+        value = _evaluate(tree.body)
+    except (SyntaxError, ZeroDivisionError, RecursionError) as e:
+        raise ValueError(f"cannot evaluate {expression!r}: {e}") from None
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _evaluate(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_evaluate(node.operand))
+    raise ValueError(f"the calculator takes numbers and + - * / only, not {ast.dump(node)[:40]}")
+
+
+def tool_reply(reply: str) -> str | None:
+    """The agent's next user turn after the model's `reply`: the calculator's result, or an error
+    the model can correct; None when the reply calls final_answer (the session ends)."""
+    start = reply.find("{")
+    try:
+        call, _ = json.JSONDecoder().raw_decode(reply[start:]) if start >= 0 else (None, 0)
+    except json.JSONDecodeError:
+        call = None
+    if not isinstance(call, dict):
+        return json.dumps({"error": "reply with one JSON object that calls a tool"})
+    name, args = call.get("name"), call.get("arguments")
+    if name == "final_answer":
+        return None
+    expression = args.get("expression") if isinstance(args, dict) else None
+    if name != "calculator" or not isinstance(expression, str):
+        return json.dumps({"error": f"unknown tool or arguments: {json.dumps(call)[:120]}"})
+    try:
+        return json.dumps({"tool": "calculator", "result": calculate(expression)})
+    except ValueError as e:
+        return json.dumps({"tool": "calculator", "error": str(e)})

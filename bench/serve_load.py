@@ -218,10 +218,15 @@ class Conversation:
     first: dict
     later_turns: tuple[str, ...]
 
-    @staticmethod
-    def next_body(body: dict, answer: str, user: str) -> dict:
-        return {**body, "messages": [*body["messages"], {"role": "assistant", "content": answer},
-                                     {"role": "user", "content": user}]}
+    def next_user(self, turn: int, reply: str) -> str | None:
+        """The user message after reply number `turn` (from 0), None when the chat has ended."""
+        return self.later_turns[turn] if turn < len(self.later_turns) else None
+
+
+def next_body(body: dict, answer: str, user: str) -> dict:
+    """`body` carried on: the reply appended as the assistant's turn, then the next user message."""
+    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": answer},
+                                 {"role": "user", "content": user}]}
 
 
 def request_item(cfg: LoadConfig, model: str, prompt, mode: str) -> dict | Conversation:
@@ -232,14 +237,14 @@ def request_item(cfg: LoadConfig, model: str, prompt, mode: str) -> dict | Conve
     return Conversation(first, prompt.turns[1:]) if len(prompt.turns) > 1 else first
 
 
-async def run_item(client: httpx.AsyncClient, item: dict | Conversation) -> list[RequestRecord]:
+async def run_item(client: httpx.AsyncClient, item) -> list[RequestRecord]:
+    """A body's one request, or a multi-turn item's (anything with `first` and `next_user`) turns in order."""
     if isinstance(item, dict):
         return [await stream_request(client, item)]
     records, body = [await stream_request(client, item.first)], item.first
-    for user in item.later_turns:
-        if not records[-1].ok:          # the conversation cannot go on without its reply
-            break
-        body = item.next_body(body, records[-1].text, user)
+    # the conversation cannot go on without its reply
+    while records[-1].ok and (user := item.next_user(len(records) - 1, records[-1].text)) is not None:
+        body = next_body(body, records[-1].text, user)
         records.append(await stream_request(client, body))
     return records
 

@@ -3,6 +3,7 @@
     python -m bench.serve_pair --concurrency 1,4,16 --rounds 3
     TERCEL_CPU_ISA=avx2 python -m bench.serve_pair ...        # the AVX2 build
     python -m bench.serve_pair --configs default,noguard,none  # also the drafter without the batch guard
+    python -m bench.serve_pair --workload agent --concurrency 1,4   # multi-turn agent sessions
 
 Each round starts each server afresh (`tercel serve`, the order reversed in odd rounds) and runs
 every concurrency level on prompts that process has not seen: the levels take disjoint slices of
@@ -13,6 +14,10 @@ uses. The figure per level: tokens / wall time, and the ratio drafter / none per
 table gives medians over rounds (min-max of the ratios in brackets). `--configs` names the
 servers: `default` (`make serve`'s), `noguard` (the same with `--no-batch-guard`), `none` (no
 drafter, the baseline).
+
+`--workload agent` sends the sessions of bench/agent_workload.py instead (calculator-agent loops
+and code edits, each turn after the last reply; EOS ends a reply, `--max-tokens` caps it): a level
+takes `--per-level` sessions (at least 2 per client), and a session's turns count as its requests.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import os
 import statistics
 import sys
 
+from bench.agent_workload import agent_item, agent_specs
 from bench.data import load_datasets
 from bench.serve_load import LoadConfig, check_server, launch_server, level_result, request_item, run_level
 from verifier.cpu.machine import machine_key
@@ -55,10 +61,27 @@ def slices(prompts: list, levels: list[int], per_level: int) -> tuple[list, dict
     return prompts[0], out
 
 
+# per workload: the units sent (from a prompt) and the requests' default max_tokens
+WORKLOADS = {"chat": 128, "agent": 256}
+
+
+def units(workload: str, n: int) -> list:
+    """`n` prompts (message lists) or agent sessions, in the order levels slice them."""
+    if workload == "agent":
+        return agent_specs(n)
+    return [p.messages() for p in load_datasets(["mtbench", "specbench"]).prompts][:n]
+
+
+def work_items(cfg: LoadConfig, model: str, units: list) -> list:
+    """What the workers send: a chat prompt runs to max_tokens (EOS ignored); a session as it ends."""
+    return [{**request_item(cfg, model, u, "on"), "ignore_eos": True} if isinstance(u, list)
+            else agent_item(cfg, model, u) for u in units]
+
+
 async def run_server(url: str, warm, by_level: dict[int, list], max_tokens: int) -> dict[int, dict]:
     cfg = LoadConfig(url=url, max_tokens=max_tokens, modes=("on",))
     model = check_server(url)[0]
-    bodies = lambda ps: [{**request_item(cfg, model, p, "on"), "ignore_eos": True} for p in ps]   # noqa: E731
+    bodies = lambda ps: work_items(cfg, model, ps)   # noqa: E731
     await run_level(cfg, bodies([warm]), 1)
     out = {}
     for c, ps in by_level.items():
@@ -72,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="default,none", help=f"servers compared, of {', '.join(CONFIGS)}")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--per-level", type=int, default=16, help="requests per level (at least 2 per client)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="chat")
+    ap.add_argument("--per-level", type=int, default=None,
+                    help="prompts or sessions per level, at least 2 per client (default 16 prompts, 8 sessions)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 128 chat, 256 agent)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--json", help="write every round's figures here")
@@ -82,15 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",")
     if "none" not in names or not set(names) <= set(CONFIGS):
         raise SystemExit(f"--configs takes none and others of {', '.join(CONFIGS)}, got {args.configs}")
-    data = load_datasets(["mtbench", "specbench"])
-    warm, by_level = slices([p.messages() for p in data.prompts], levels, args.per_level)
+    per_level = args.per_level or (8 if args.workload == "agent" else 16)
+    max_tokens = args.max_tokens or WORKLOADS[args.workload]
+    warm, by_level = slices(units(args.workload, 1 + sum(max(per_level, 2 * c) for c in levels)), levels, per_level)
     rounds: list[dict] = []
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         got = {}
         for name in order:
             with server(CONFIGS[name], args.port, args.threads) as url:
-                got[name] = asyncio.run(run_server(url, warm, by_level, args.max_tokens))
+                got[name] = asyncio.run(run_server(url, warm, by_level, max_tokens))
             print(f"round {r + 1} {name}: " + ", ".join(f"{c} clients {got[name][c]['throughput_tok_s']:.1f} tok/s"
                                                          for c in levels), file=sys.stderr, flush=True)
         rounds.append(got)
@@ -98,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_key(), "isa": os.environ.get("TERCEL_CPU_ISA"), "threads": args.threads,
+                       "workload": args.workload, "max_tokens": max_tokens,
                        "rounds": rounds}, f, indent=1)
     return 0
 

@@ -267,6 +267,57 @@ def test_agent_sessions_call_the_calculator_for_each_shown_step(tmp_path):
         assert calls and all(c["name"] == "calculator" and c["arguments"]["expression"] for c in calls)
 
 
+def test_the_calculator_tool_runs_arithmetic_only_and_answers_every_reply():
+    import json
+
+    from bench.agent import calculate, tool_reply
+    assert [calculate(e) for e in ("16 - 3 - 4", "120000*1.5", "3 x (2+1)", "10/4", "1,000+1", "-2*3")] == \
+        ["9", "180000", "9", "2.5", "1001", "-6"]
+    for bad in ("__import__('os')", "2**8", "1/0", "3 +", "'a'*3"):
+        with pytest.raises(ValueError):
+            calculate(bad)
+    call = lambda name, **a: json.dumps({"name": name, "arguments": a})   # noqa: E731
+    assert json.loads(tool_reply("Sure: " + call("calculator", expression="6*7"))) == {"tool": "calculator", "result": "42"}
+    assert "error" in json.loads(tool_reply(call("calculator", expression="1/0")))
+    assert "error" in json.loads(tool_reply("I think it is 42."))           # no call: the agent says so
+    assert "error" in json.loads(tool_reply(call("search", query="x")))
+    assert tool_reply(call("final_answer", answer=42)) is None             # the session ends
+
+
+def test_agent_workload_alternates_tool_loops_and_code_edits(tmp_path):
+    """bench/agent_workload.py: tools sessions from worked problems, edit sessions from exchanges
+    whose reply defines a Python function (others skipped), alternating; a tools session answers
+    each reply with the tool's result until final_answer or its reply cap, an edit session sends
+    its edits in turn."""
+    import json
+
+    from bench.agent_workload import MAX_TOOL_REPLIES, ToolSession, agent_item, agent_specs
+    from bench.serve_load import Conversation, LoadConfig
+    gsm8k, codegen = tmp_path / "gsm8k.jsonl", tmp_path / "codegen.jsonl"
+    gsm8k.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_conversations(4)))
+    code = [("Write add.", "def add(a, b):\n    return a + b\n"), ("Explain recursion.", "It calls itself."),
+            ("Write sq.", "```python\ndef sq(x):\n    return x * x\n```")]
+    codegen.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": u},
+                                                             {"role": "assistant", "content": a}]}) + "\n"
+                               for u, a in code))
+    specs = agent_specs(4, gsm8k=gsm8k, codegen=codegen)
+    assert [s.kind for s in specs] == ["tools", "edit", "tools", "edit"]
+    edit = specs[1]
+    assert [m["role"] for m in edit.messages] == ["user", "assistant", "user"]
+    assert "`add` to `add_v2`" in edit.messages[-1]["content"] and "`add_v2`" in edit.edits[0]
+    assert "`sq` to `sq_v2`" in specs[3].messages[-1]["content"]
+    with pytest.raises(ValueError, match="fewer than 6"):
+        agent_specs(6, gsm8k=gsm8k, codegen=codegen)
+    cfg = LoadConfig(url="http://127.0.0.1:1", max_tokens=8)
+    tools, edits = agent_item(cfg, "m", specs[0]), agent_item(cfg, "m", edit)
+    assert isinstance(tools, ToolSession) and isinstance(edits, Conversation)
+    assert tools.first["messages"] == list(specs[0].messages) and "ignore_eos" not in tools.first
+    call = json.dumps({"name": "calculator", "arguments": {"expression": "2+2"}})
+    assert json.loads(tools.next_user(0, call))["result"] == "4"
+    assert tools.next_user(MAX_TOOL_REPLIES - 1, call) is None
+    assert edits.next_user(0, "...") == edit.edits[0] and edits.next_user(1, "...") is None
+
+
 def test_until_eos_runs_count_replies_at_the_cap_and_time_the_ended_ones_apart(tiny_llama_dir):
     from bench.speculative import _summarise, run_set
     llm = LLM(model=str(tiny_llama_dir), drafter="ngram", max_num_seqs=1)

@@ -206,3 +206,19 @@ def test_serve_pair_levels_take_unseen_prompts_and_ignore_eos(server):
         == [(1, 3, 0, 18), (2, 4, 0, 24)]
     rounds = [{"default": out, "none": {c: {**r, "throughput_tok_s": 2 * r["throughput_tok_s"]} for c, r in out.items()}}]
     assert "| 1 |" in table(rounds, [1, 2], ["default"]) and "0.50x (0.50-0.50)" in table(rounds, [1, 2], ["default"])
+
+
+def test_serve_pair_agent_sessions_run_their_turns_in_order(server):
+    """`--workload agent`: a tools session replies to every turn (the random model calls no tool:
+    each reply gets the tool's error) until its reply cap, an edit session sends each edit after
+    the last reply; replies end at EOS or max_tokens, none is forced past EOS."""
+    from bench.agent_workload import MAX_TOOL_REPLIES, AgentSpec
+    from bench.serve_pair import run_server, work_items
+    tools = AgentSpec("tools", ({"role": "system", "content": "Call tools."}, {"role": "user", "content": "2+2?"}))
+    edit = AgentSpec("edit", ({"role": "user", "content": "Write f."}, {"role": "assistant", "content": "def f(): pass"},
+                              {"role": "user", "content": "Rename f."}), ("Add a docstring.",))
+    cfg = LoadConfig(url=server.url, max_tokens=4)
+    assert all("ignore_eos" not in getattr(i, "first", i) for i in work_items(cfg, "tiny", [tools, edit]))
+    assert work_items(cfg, "tiny", [[{"role": "user", "content": "Hi."}]])[0]["ignore_eos"] is True
+    out = asyncio.run(run_server(server.url, edit, {1: [tools, edit]}, max_tokens=4))
+    assert (out[1]["requests"], out[1]["errors"]) == (MAX_TOOL_REPLIES + 2, 0)
