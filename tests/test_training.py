@@ -105,6 +105,43 @@ def _args(tiny_llama_dir, data, out, *extra):
             "--batch-tokens", "1024", "--checkpoint-every", "2", "--max-len", "200", *extra]
 
 
+def _dp_run(tmp_path, name: str, accum: int, batch_tokens: int, world: int = 1) -> list[dict]:
+    """tests/dp_worker.py in `world` processes, each with a launcher's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT) when there are several; every process's results."""
+    import os
+    import subprocess
+    import sys
+
+    from server_util import free_port
+    port, procs, outs = free_port(), [], []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        if world > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        outs.append(tmp_path / f"{name}-{rank}.pt")
+        worker = os.path.join(os.path.dirname(__file__), "dp_worker.py")
+        procs.append(subprocess.Popen([sys.executable, worker, str(outs[-1]), str(accum), str(batch_tokens)], env=env))
+    assert [p.wait(timeout=300) for p in procs] == [0] * world
+    return [torch.load(o) for o in outs]
+
+
+def test_accumulated_and_data_parallel_steps_take_the_whole_batchs_gradient(tmp_path):
+    """On accelerate: one optimiser step over 8 examples taken as one batch, as two accumulated
+    micro-batches, and as two processes' shards (averaged over the processes) steps on the same
+    gradient, the mean over all 8, and ends at the same weights in every process. Unscaled
+    accumulation (twice the gradient) or unaveraged shards (each its own) would differ."""
+    (whole,) = _dp_run(tmp_path, "whole", accum=1, batch_tokens=32)
+    (accumulated,) = _dp_run(tmp_path, "accum", accum=2, batch_tokens=16)
+    shards = _dp_run(tmp_path, "dp", accum=1, batch_tokens=16, world=2)
+    assert whole["steps"] == 1 and len(whole["grads"]) == 1 and whole["tokens"] == 32
+    for run in (accumulated, *shards):
+        assert run["steps"] == 1 and len(run["grads"]) == 1 and run["tokens"] == 32
+        assert torch.allclose(run["grads"][0], whole["grads"][0], atol=1e-6)
+        assert torch.allclose(run["w"], whole["w"], atol=1e-6)
+    assert [r["world"] for r in shards] == [2, 2] and torch.equal(shards[0]["w"], shards[1]["w"])
+
+
 def test_eagle3_end_to_end_then_resume(tiny_llama_dir, tiny_data, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="tercel.training")
     out = tmp_path / "head"

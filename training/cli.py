@@ -3,6 +3,11 @@
 
     train-drafter --kind eagle3 --data ../shared/data/train --output heads/mine \\
         --limit-per-source 300 --regenerate --eval-data ../shared/data/heldout
+    accelerate launch --multi_gpu --num_processes 8 $(which train-drafter) --kind eagle3 ...   # data parallel
+    torchrun --nproc_per_node 2 $(which train-drafter) ...                    # the same on CPUs
+
+The loop runs on accelerate (training/loop.py); under its launcher every process trains on its
+shard of the examples, the main process regenerates replies, evaluates and writes the result.
 """
 from __future__ import annotations
 
@@ -45,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-layers", type=int, default=4, help="small: decoder layers")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many trained tokens")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimiser step, per process (accelerate's gradient accumulation)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=float, default=0.03, help="share of steps warming up")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -78,13 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"train-drafter: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2))
+    if summary.get("main_process", True):
+        print(json.dumps(summary, indent=2))
     return 0
 
 
 def train(cfg: TrainConfig, command: str | None = None) -> dict:
-    """Run one training job; `command` (the command line) goes into the model card."""
+    """Run one training job; `command` (the command line) goes into the model card. Under
+    accelerate's launcher this is one process of several (see the module docstring)."""
     import torch
+    from accelerate import PartialState
 
     from drafters.conversations import load_conversations
     from training.data import tokenize_conversation
@@ -97,9 +107,11 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
     log.info("data: %s", report.summary())
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
+    # the small student trains on the CPU; an EAGLE-3 head where the launcher puts its process
+    procs = PartialState(cpu=cfg.kind == "small" or not torch.cuda.is_available())
     if cfg.regenerate:
-        convs = _regenerate(cfg, convs, out)
-    target = TargetModel(cfg.target)
+        convs = _regenerate(cfg, convs, out, procs)
+    target = TargetModel(cfg.target, device=str(procs.device) if procs.device.type == "cuda" else None)
     examples = [ex for c in convs if (ex := tokenize_conversation(target.tokenizer, c, cfg.max_len))]
     if not examples:
         raise ValueError("no conversation has trainable assistant tokens after templating")
@@ -107,12 +119,14 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
              sum(sum(e.loss_mask) for e in examples))
     if cfg.kind == "eagle3":
         from training.eagle3 import train_eagle3
-        summary = train_eagle3(cfg, target, examples)
+        summary = train_eagle3(cfg, target, examples, procs.process_index, procs.num_processes)
         drafter = f"eagle3:{out}"
     else:
         from training.small import train_small
-        summary = train_small(cfg, target, examples)
+        summary = train_small(cfg, target, examples, procs.process_index, procs.num_processes)
         drafter = f"small:{out}"
+    if not procs.is_main_process:
+        return {**summary, "main_process": False}
     summary["data"] = {"files": report.files, "conversations": report.conversations,
                        "skipped_lines": len(report.skipped), "regenerated": cfg.regenerate}
     summary["wall_seconds"] = round(time.perf_counter() - start, 1)
@@ -124,13 +138,16 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
     return summary
 
 
-def _regenerate(cfg: TrainConfig, convs, out: Path):
+def _regenerate(cfg: TrainConfig, convs, out: Path, procs):
+    """The main process writes the replies (resumably); the others wait for them."""
     from drafters.conversations import load_conversations
     from training.regenerate import regenerate
     path = out / "regenerated.jsonl"
-    regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
-               temperature=cfg.regen_temperature, batch_size=cfg.regen_batch, seed=cfg.seed,
-               quantization=cfg.quantization)
+    if procs.is_main_process:
+        regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
+                   temperature=cfg.regen_temperature, batch_size=cfg.regen_batch, seed=cfg.seed,
+                   quantization=cfg.quantization)
+    procs.wait_for_everyone()
     regen, _ = load_conversations([str(path)])
     wanted = {c.id for c in convs}
     return [c for c in regen if c.id in wanted]

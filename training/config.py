@@ -33,7 +33,8 @@ class TrainConfig:
     # optimisation
     epochs: int = 1
     max_tokens: int | None = None      # stop after this many trained tokens (all epochs together)
-    batch_tokens: int = 4096           # padded tokens per optimiser step
+    batch_tokens: int = 4096           # padded tokens per micro-batch
+    grad_accum: int = 1                # micro-batches per optimiser step (per process)
     lr: float = 5e-4
     warmup: float = 0.03               # share of steps with a linear warm-up
     weight_decay: float = 0.0
@@ -59,7 +60,8 @@ class TrainConfig:
                              f"got {self.quantization!r}")
         if self.dtype not in ("fp32", "bf16", "auto"):
             raise ValueError(f"--dtype must be fp32, bf16 or auto, got {self.dtype!r}")
-        positive_ints(self, ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens", "checkpoint_every",
+        positive_ints(self, ("max_len", "draft_vocab", "ttt_steps", "epochs", "batch_tokens", "grad_accum",
+                             "checkpoint_every",
                              "eval_prompts", "eval_tokens", "small_layers", "regen_max_tokens", "regen_batch"),
                       flag=True)
         if not 0 <= self.warmup < 1:

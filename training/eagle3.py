@@ -21,14 +21,16 @@ from training import precision
 from training.config import TrainConfig
 from training.data import TokenizedExample
 from training.features import Features, capture, fingerprint, load_cache, save_cache
-from training.loop import StepResult, Trainer
+from training.loop import StepResult, Trainer, make_accelerator, shard
 from training.ttt import Batch, ttt_forward
 from training.vocab import select_draft_vocab
 
 log = logging.getLogger("tercel.training")
 
 
-def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> dict:
+def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample], rank: int = 0, world: int = 1) -> dict:
+    """Every process sees every example (the draft vocabulary is theirs), captures the
+    features of its shard and trains on them (`rank` of `world`, training/loop.py)."""
     tc = target.config
     eos = tuple(tc.eos_token_ids) + ((target.tokenizer.eos_token_id,)
                                      if getattr(target.tokenizer, "eos_token_id", None) is not None else ())
@@ -36,21 +38,23 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
     log.info("draft vocabulary: %d tokens cover %.1f%% of assistant tokens", cfg.draft_vocab, 100 * coverage)
     head_cfg = dataclasses.replace(Eagle3Config.for_target(tc, cfg.draft_vocab),
                                    lm_head_from_target=cfg.lm_head_from_target)
-    feats = _features(cfg, target, examples, head_cfg.aux_layer_ids)
+    feats = _features(cfg, target, shard(examples, rank, world), head_cfg.aux_layer_ids)
     head = _new_head(head_cfg, target, draft_ids, cfg.init_from_target, cfg.seed)
     lm_draft = target.net.lm_head.weight.detach()[draft_ids.to(target.device)].float()         # [Vd, Ht]
     params = [p for p in head.parameters() if p.requires_grad]
 
-    def forward(batch_idx: list[int], dtype: torch.dtype):
+    def forward(batch_idx: list[int], autocast):
         batch = collate([feats[i] for i in batch_idx]).to(target.device)   # features wait on the CPU
-        with precision.autocast(batch.aux.device, dtype):
+        with autocast:
             return batch, ttt_forward(head, batch, lm_draft, steps=cfg.ttt_steps, decay=cfg.step_decay)
 
     probe = precision.probe_example([len(f) for f in feats])
-    dtype = precision.choose(cfg.dtype, target.device, lambda d: forward(probe, d)[1].loss, params)
+    dtype = precision.choose(cfg.dtype, target.device,
+                             lambda d: forward(probe, precision.autocast(target.device, d))[1].loss, params)
+    accelerator = make_accelerator(dtype, cfg.grad_accum)
 
     def step(batch_idx: list[int]) -> StepResult:
-        batch, stats = forward(batch_idx, dtype)
+        batch, stats = forward(batch_idx, accelerator.autocast())
         metrics = {f"acc{s}": a for s, a in enumerate(stats.step_acc[:4]) if a == a}
         return StepResult(stats.loss, int(batch.valid.sum()), metrics)
 
@@ -58,20 +62,22 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> 
         saved = load_head(path, tc, target_head=lambda: target.net.lm_head.weight.detach())
         head.load_state_dict(saved.state_dict())
 
-    trainer = Trainer(cfg, params, step, [len(f) for f in feats],
+    lengths = [[len(ex.input_ids) for ex in shard(examples, r, world)] for r in range(world)]
+    trainer = Trainer(cfg, accelerator, params, step, lengths,
                       save_model=lambda p: save_head(head, p, verifier=cfg.target), load_model=load_model)
     if cfg.resume:
         trainer.resume()
     state = trainer.run()
     out = Path(cfg.output)
-    save_head(head, out, dtype=torch.float16, verifier=cfg.target)
+    if accelerator.is_main_process:
+        save_head(head, out, dtype=torch.float16, verifier=cfg.target)
     summary = {"kind": "eagle3", "target": cfg.target, "examples": len(examples),
                "feature_tokens": sum(map(len, feats)), "draft_vocab": cfg.draft_vocab,
                "draft_vocab_coverage": round(coverage, 4), "steps": state.step,
                "tokens_seen": state.tokens, "train_seconds": round(state.seconds, 1),
                "ttt_steps": cfg.ttt_steps, "lm_head_from_target": cfg.lm_head_from_target,
-               "dtype": precision.label(dtype), "lr": cfg.lr, "batch_tokens": cfg.batch_tokens}
-    (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+               "dtype": precision.label(dtype), "lr": cfg.lr, "batch_tokens": cfg.batch_tokens,
+               "grad_accum": cfg.grad_accum, "processes": world}
     return summary
 
 

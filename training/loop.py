@@ -1,8 +1,16 @@
-"""The optimisation loop shared by both drafter kinds.
+"""The optimisation loop shared by both drafter kinds, on accelerate.
 
-AdamW with linear warm-up and cosine decay, gradient clipping, a token budget,
-checkpoints every N steps (model, optimiser, schedule, position in the data) and resume
-from the newest one, a progress bar with the loss and per-step accuracies.
+AdamW with linear warm-up and cosine decay, gradient clipping, a token budget, gradient
+accumulation (`--grad-accum` micro-batches of `--batch-tokens` per optimiser step),
+checkpoints every N steps (the model, accelerate's state: optimiser and random generators,
+the schedule's position in the data) and resume from the newest one, a progress bar with the
+loss and per-step accuracies.
+
+Data parallel under a launcher (`accelerate launch --multi_gpu --num_processes N $(which
+train-drafter) ...`, or torchrun on CPUs): each process trains on its shard of the examples (example i goes to
+process i mod N, `shard`), every optimiser step averages the gradients over the processes, and
+all run the same number of steps (the smallest shard's). The model is not wrapped for
+DistributedDataParallel: the EAGLE-3 loop calls the head's parts, not its forward.
 """
 from __future__ import annotations
 
@@ -67,16 +75,22 @@ def lr_at(step: int, total: int, warmup_steps: int, base: float) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter],
-                 step_fn: Callable[[list[int]], StepResult], lengths: Sequence[int],
+    def __init__(self, cfg: TrainConfig, accelerator, params: list[torch.nn.Parameter],
+                 step_fn: Callable[[list[int]], StepResult], shard_lengths: Sequence[Sequence[int]],
                  save_model: Callable[[Path], None], load_model: Callable[[Path], None]):
-        self.cfg, self.params, self.step_fn = cfg, params, step_fn
-        self.lengths, self.save_model, self.load_model = list(lengths), save_model, load_model
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-        per_epoch = len(plan_batches(self.lengths, cfg.batch_tokens, cfg.seed, 0))
-        total = per_epoch * cfg.epochs
+        """`shard_lengths`: every process's examples' lengths (this process's at its index);
+        `step_fn` takes indices into this process's shard."""
+        self.cfg, self.acc, self.params, self.step_fn = cfg, accelerator, params, step_fn
+        self.lengths = list(shard_lengths[accelerator.process_index])
+        self.save_model, self.load_model = save_model, load_model
+        self.opt = accelerator.prepare(torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                                         weight_decay=cfg.weight_decay))
+        # optimiser steps per epoch: every process runs as many as the smallest shard allows
+        self.per_epoch = max(1, min(len(plan_batches(lengths, cfg.batch_tokens, cfg.seed, 0))
+                                    for lengths in shard_lengths) // cfg.grad_accum)
+        total = self.per_epoch * cfg.epochs
         if cfg.max_tokens:
-            avg = max(1, sum(self.lengths) // max(1, per_epoch))
+            avg = max(1, sum(map(sum, shard_lengths)) // max(1, self.per_epoch))
             total = min(total, max(1, math.ceil(cfg.max_tokens / avg)))
         self.total_steps = total
         self.warmup_steps = max(1, int(cfg.warmup * total))
@@ -85,17 +99,23 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        path = self.ckpt_dir / f"step-{self.state.step:07d}"
+        """Every process writes its part (accelerate's state: the optimiser, each process's
+        random generators); the main process the model and the loop state, then renames."""
+        acc, path = self.acc, self.ckpt_dir / f"step-{self.state.step:07d}"
         tmp = path.with_suffix(".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.save_model(tmp)
-        torch.save({"optimizer": self.opt.state_dict(), "state": self.state.__dict__,
-                    "total_steps": self.total_steps}, tmp / "trainer_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)           # a checkpoint is either complete or absent
-        for old in sorted(self.ckpt_dir.glob("step-*"))[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / "accelerate"))
+        if acc.is_main_process:
+            self.save_model(tmp)
+            torch.save({"state": self.state.__dict__, "total_steps": self.total_steps}, tmp / "trainer_state.pt")
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)           # a checkpoint is either complete or absent
+            for old in sorted(self.ckpt_dir.glob("step-*"))[:-KEEP_CHECKPOINTS]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
         return path
 
     def latest_checkpoint(self) -> Path | None:
@@ -110,21 +130,24 @@ class Trainer:
             return False
         self.load_model(path)
         saved = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.opt.load_state_dict(saved["optimizer"])
+        if (path / "accelerate").is_dir():
+            self.acc.load_state(str(path / "accelerate"))
+        else:                          # a checkpoint from before the loop ran on accelerate
+            self.opt.load_state_dict(saved["optimizer"])
         self.state = LoopState(**saved["state"])
         log.info("resumed from %s (step %d, %d tokens)", path, self.state.step, self.state.tokens)
         return True
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> LoopState:
-        cfg, st = self.cfg, self.state
+        cfg, st, accum = self.cfg, self.state, self.cfg.grad_accum
         bar = tqdm(total=self.total_steps, initial=st.step, desc=f"train {cfg.kind}", unit="step",
-                   dynamic_ncols=True, mininterval=2.0)
+                   dynamic_ncols=True, mininterval=2.0, disable=not self.acc.is_main_process)
         start = time.perf_counter() - st.seconds
         while st.step < self.total_steps and st.epoch < cfg.epochs:
-            batches = plan_batches(self.lengths, cfg.batch_tokens, cfg.seed, st.epoch)
+            batches = plan_batches(self.lengths, cfg.batch_tokens, cfg.seed, st.epoch)[:self.per_epoch * accum]
             while st.batch_in_epoch < len(batches) and st.step < self.total_steps:
-                self._one_step(batches[st.batch_in_epoch], bar)
+                self._one_step(batches[st.batch_in_epoch:st.batch_in_epoch + accum], bar)
                 st.seconds = time.perf_counter() - start
                 if st.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
@@ -139,24 +162,57 @@ class Trainer:
         self.save_checkpoint()
         return st
 
-    def _one_step(self, batch: list[int], bar) -> None:
-        st = self.state
+    def _one_step(self, micro_batches: list[list[int]], bar) -> None:
+        """One optimiser step over this process's micro-batches (accelerate scales each loss by
+        the accumulation and steps the optimiser on the last), the gradients averaged over the
+        processes; tokens count every process's."""
+        acc, st = self.acc, self.state
         lr = lr_at(st.step, self.total_steps, self.warmup_steps, self.cfg.lr)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        result = self.step_fn(batch)
-        self.opt.zero_grad(set_to_none=True)
-        result.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.opt.step()
+        tokens, losses = 0, []
+        for micro in micro_batches:
+            with acc.accumulate():
+                result = self.step_fn(micro)
+                acc.backward(result.loss)
+                if acc.sync_gradients:
+                    self._average_gradients()
+                    acc.clip_grad_norm_(self.params, self.cfg.grad_clip)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            tokens += result.tokens
+            losses.append(float(result.loss.detach()))
         st.step += 1
-        st.batch_in_epoch += 1
-        st.tokens += result.tokens
-        loss = float(result.loss.detach())
+        st.batch_in_epoch += len(micro_batches)
+        st.tokens += int(acc.reduce(torch.tensor(tokens, device=acc.device), "sum"))
+        loss = sum(losses) / len(losses)
         rate = f" {st.tokens / st.seconds:.0f} tok/s" if st.seconds > 0 else ""     # tqdm adds the time left
         bar.set_postfix_str(f"loss={loss:.3f} " + " ".join(
             f"{k}={v:.2f}" for k, v in result.metrics.items()) + f" lr={lr:.1e}" + rate, refresh=False)
         bar.update(1)
-        if st.step % 10 == 0 or st.step == 1:
+        if acc.is_main_process and (st.step % 10 == 0 or st.step == 1):
             log.info("step %d/%d loss %.4f %s tokens %d", st.step, self.total_steps, loss,
                      json.dumps({k: round(v, 3) for k, v in result.metrics.items()}), st.tokens)
+
+    def _average_gradients(self) -> None:
+        if self.acc.num_processes == 1:
+            return
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.copy_(self.acc.reduce(p.grad, "mean"))
+
+
+def shard(items: Sequence, rank: int, world: int) -> list:
+    """Process `rank`'s share of `items` (every world-th from its index)."""
+    return list(items[rank::world])
+
+
+def make_accelerator(dtype: torch.dtype, grad_accum: int, cpu: bool | None = None):
+    """The run's Accelerator: bf16 autocast or none, `grad_accum` micro-batches per step, on the
+    device the launcher gives this process (`cpu`, or no GPU: the CPU)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    # accelerate keeps its precision per process: a process that trains twice (tests, the API) resets it
+    AcceleratorState._reset_state()
+    return Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu, gradient_accumulation_steps=grad_accum,
+                       mixed_precision="bf16" if dtype == torch.bfloat16 else "no")

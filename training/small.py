@@ -4,7 +4,7 @@ The student is the target's architecture with `--small-layers` decoder layers, s
 from evenly spaced target layers plus the target's embeddings, final norm and LM head,
 and trained by KL(target || student) on the target's logits at assistant tokens. The
 target's logits come online from Tercel's own forward (a vocabulary-sized row per token
-is too large to cache). The result is an HF directory (config.json, safetensors, the
+is too large to cache). The student trains on the CPU (its autocast is the CPU's). The result is an HF directory (config.json, safetensors, the
 target's tokenizer files) that `small:PATH` loads.
 """
 from __future__ import annotations
@@ -20,21 +20,23 @@ import torch.nn.functional as F
 from training import precision
 from training.config import TrainConfig
 from training.data import TokenizedExample
-from training.loop import StepResult, Trainer
+from training.loop import StepResult, Trainer, make_accelerator, shard
 from verifier.batch import ForwardBatch, SeqInput
 
 log = logging.getLogger("tercel.training")
 
 
-def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> dict:
+def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample], rank: int = 0, world: int = 1) -> dict:
+    """Trains on this process's shard of the examples (`rank` of `world`, training/loop.py)."""
     student, picked = build_student(target, cfg.small_layers)
     log.info("student: %d layers from target layers %s", cfg.small_layers, picked)
+    mine = shard(examples, rank, world)
 
-    def loss(batch_idx: list[int], dtype: torch.dtype) -> StepResult:
-        exs = [examples[i] for i in batch_idx]
+    def loss(batch_idx: list[int], autocast) -> StepResult:
+        exs = [mine[i] for i in batch_idx]
         teacher = _teacher_logprobs(target, exs)                     # [sum T, V]
         ids, attn, mask = _pad(exs)
-        with precision.autocast("cpu", dtype):
+        with autocast:
             logits = student(input_ids=ids, attention_mask=attn).logits.float()   # [B, T, V]
         flat = logits[attn.bool()]                                     # rows in teacher order
         keep = mask[attn.bool()]
@@ -46,11 +48,12 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> d
         return StepResult(kl, int(attn.sum()), {"acc": acc})
 
     params = [p for p in student.parameters() if p.requires_grad]
-    probe = precision.probe_example([len(e.input_ids) for e in examples])
-    dtype = precision.choose(cfg.dtype, "cpu", lambda d: loss(probe, d).loss, params)
+    probe = precision.probe_example([len(e.input_ids) for e in mine])
+    dtype = precision.choose(cfg.dtype, "cpu", lambda d: loss(probe, precision.autocast("cpu", d)).loss, params)
+    accelerator = make_accelerator(dtype, cfg.grad_accum, cpu=True)
 
     def step(batch_idx: list[int]) -> StepResult:
-        return loss(batch_idx, dtype)
+        return loss(batch_idx, accelerator.autocast())
 
     def save(path: Path) -> None:
         save_student(student, target, path)
@@ -60,16 +63,17 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample]) -> d
         student.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
 
     student.train()
-    trainer = Trainer(cfg, params, step,
-                      [len(e.input_ids) for e in examples], save, load)
+    lengths = [[len(e.input_ids) for e in shard(examples, r, world)] for r in range(world)]
+    trainer = Trainer(cfg, accelerator, params, step, lengths, save, load)
     if cfg.resume:
         trainer.resume()
     state = trainer.run()
-    save_student(student, target, Path(cfg.output))
+    if accelerator.is_main_process:
+        save_student(student, target, Path(cfg.output))
     return {"kind": "small", "target": cfg.target, "examples": len(examples), "layers": cfg.small_layers,
             "init_layers": picked, "steps": state.step, "tokens_seen": state.tokens,
             "train_seconds": round(state.seconds, 1), "dtype": precision.label(dtype), "lr": cfg.lr,
-            "batch_tokens": cfg.batch_tokens}
+            "batch_tokens": cfg.batch_tokens, "grad_accum": cfg.grad_accum, "processes": world}
 
 
 def build_student(target, num_layers: int):
