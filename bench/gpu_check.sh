@@ -11,7 +11,8 @@
 # first added to $GPU_CHECK_STASH (default /tmp/tercel-gpu-stash), which outlives the call on a
 # machine that stays up.
 #
-# The wheels (Python 3.12 there; bench/gpu_wheels.txt lists what the H200 image lacked on 2026-12-04):
+# The wheels (Python 3.12 there; bench/gpu_wheels.txt lists what the H200 image lacked on 2026-12-04,
+# plus accelerate and psutil since train-drafter's loop runs on accelerate, 2026-12-07):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu2/wheels -r bench/gpu_wheels.txt
