@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.agent_workload import agent_item, agent_specs
-from bench.serve_load import LoadConfig
+from bench.agent_workload import agent_specs
 
 
 @dataclass
@@ -75,7 +74,7 @@ def run(llm, specs, clients: int, max_tokens: int) -> tuple[int, float]:
     from spec import SamplingParams
     from spec.llm import chat_token_ids
     engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=max_tokens)
-    items = [agent_item(LoadConfig(url="http://offline"), "offline", s) for s in specs]
+    items = [s.follow_up({"messages": s.messages()}) for s in specs]
     queue, active, tokens, ids = list(items), {}, 0, iter(range(10 ** 9))
 
     def send(item, messages, turn):

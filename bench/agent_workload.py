@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.agent import agent_sessions, tool_reply
 from bench.data import DATA
-from bench.serve_load import Conversation, LoadConfig, request_body
+from bench.serve_load import Conversation
 
 MAX_TOOL_REPLIES = 6
 CODEGEN = DATA / "train" / "gpteacher_codegen.jsonl"
@@ -38,8 +38,20 @@ class AgentSpec:
     """One session: its opening messages and, for a code edit, the user turns after each reply
     (a tools session has none: each reply runs as a tool call)."""
     kind: str                          # "tools" | "edit"
-    messages: tuple[dict, ...]
+    opening: tuple[dict, ...]
     edits: tuple[str, ...] = ()
+    id: str = ""
+
+    @property
+    def task(self) -> str:
+        return f"agent-{self.kind}"
+
+    def messages(self) -> list[dict]:
+        return list(self.opening)
+
+    def follow_up(self, first: dict) -> "Conversation | ToolSession":
+        """The unit a bench worker runs (bench/serve_load.py:run_item), `first` the opening's body."""
+        return ToolSession(first) if self.kind == "tools" else Conversation(first, self.edits)
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ def edit_specs(limit: int, path: Path | None = None, max_lines: int = 30) -> lis
                      f"Now add a one-line docstring to `{name}_v2` and reply with the whole code again, in one code block.")
             messages = ({"role": "user", "content": user["content"]}, {"role": "assistant", "content": reply["content"]},
                         {"role": "user", "content": edits[0]})
-            out.append(AgentSpec("edit", messages, edits[1:]))
+            out.append(AgentSpec("edit", messages, edits[1:], id=f"edit-{len(out)}"))
             if len(out) == limit:
                 break
     return out
@@ -76,15 +88,10 @@ def edit_specs(limit: int, path: Path | None = None, max_lines: int = 30) -> lis
 
 def agent_specs(limit: int, gsm8k: Path | None = None, codegen: Path | None = None) -> list[AgentSpec]:
     """`limit` sessions, tools and edit alternating (tools first)."""
-    tools = [AgentSpec("tools", tuple(m)) for m in agent_sessions((limit + 1) // 2, path=gsm8k)]
+    tools = [AgentSpec("tools", tuple(m), id=f"tools-{i}")
+             for i, m in enumerate(agent_sessions((limit + 1) // 2, path=gsm8k))]
     edits = edit_specs(limit // 2, path=codegen)
     if len(tools) + len(edits) < limit:
         raise ValueError(f"the data holds {len(tools)} tools and {len(edits)} edit sessions, fewer than {limit}")
     mixed = [s for pair in zip(tools, edits) for s in pair] + tools[len(edits):]
     return mixed[:limit]
-
-
-def agent_item(cfg: LoadConfig, model: str, spec: AgentSpec) -> Conversation | ToolSession:
-    """The unit a bench worker runs for `spec` (bench/serve_load.py:run_item)."""
-    first = request_body(cfg, model, list(spec.messages), "on")
-    return ToolSession(first) if spec.kind == "tools" else Conversation(first, spec.edits)

@@ -30,7 +30,8 @@ def add_bench_args(sub) -> None:
     p.add_argument("--model", default=None, help="alias, .gguf or HF directory (default: smollm2-135m-instruct)")
     p.add_argument("--dataset", action="append", default=None,
                    help="specbench, mtbench or a JSONL file; repeatable (default: specbench); serve also takes "
-                        "multiturn (two-turn conversations under shared system prompts)")
+                        "multiturn (two-turn conversations under shared system prompts) and agent (tool-call loops "
+                        "and code edits, --limit sessions)")
     p.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     p.add_argument("--limit", type=int, default=10, help="prompts per task (default 10)")
     p.add_argument("--both-turns", action="store_true", help="MT-bench style: also the second turn")

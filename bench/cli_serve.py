@@ -19,6 +19,9 @@ def run_serve_bench_cli(args) -> int:
     if args.dataset == ["multiturn"]:       # conversations under shared system prompts (bench/workloads.py)
         from bench.workloads import multiturn
         data = Dataset(multiturn(args.limit))
+    elif args.dataset == ["agent"]:         # agent loops and code edits (bench/agent_workload.py)
+        from bench.agent_workload import agent_specs
+        data = Dataset(agent_specs(args.limit))
     else:
         data = load_datasets(args.dataset or ["mtbench"], split_names(args.tasks), args.limit)
     for line in data.skipped:
@@ -28,7 +31,7 @@ def run_serve_bench_cli(args) -> int:
     journal = Journal(args.json, "serve", {"url": cfg.url, "max_tokens": cfg.max_tokens,
                                            "temperature": cfg.temperature, "model": cfg.model,
                                            "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}, args.resume)
-    prompts = [p if len(p.turns) > 1 else p.messages() for p in data.prompts]
+    prompts = [p if not hasattr(p, "turns") or len(p.turns) > 1 else p.messages() for p in data.prompts]
     run_serve_bench(cfg, prompts, done=journal.done, on_result=journal.add)
     print(markdown_table(journal.results))
     journal.save({"levels": journal.results})

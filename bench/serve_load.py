@@ -229,11 +229,14 @@ def next_body(body: dict, answer: str, user: str) -> dict:
                                  {"role": "user", "content": user}]}
 
 
-def request_item(cfg: LoadConfig, model: str, prompt, mode: str) -> dict | Conversation:
-    """One unit of work: a body for a list of messages, a Conversation for a multi-turn BenchPrompt."""
+def request_item(cfg: LoadConfig, model: str, prompt, mode: str):
+    """One unit of work: a body for a list of messages, a Conversation for a multi-turn BenchPrompt,
+    a session for an agent session (bench/agent_workload.py: it says what follows each reply)."""
     if isinstance(prompt, list):
         return request_body(cfg, model, prompt, mode)
     first = request_body(cfg, model, prompt.messages(), mode)
+    if hasattr(prompt, "follow_up"):
+        return prompt.follow_up(first)
     return Conversation(first, prompt.turns[1:]) if len(prompt.turns) > 1 else first
 
 

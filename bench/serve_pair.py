@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 
-from bench.agent_workload import agent_item, agent_specs
+from bench.agent_workload import agent_specs
 from bench.data import load_datasets
 from bench.serve_load import LoadConfig, check_server, launch_server, level_result, request_item, run_level
 from verifier.cpu.machine import machine_key
@@ -75,7 +75,7 @@ def units(workload: str, n: int) -> list:
 def work_items(cfg: LoadConfig, model: str, units: list) -> list:
     """What the workers send: a chat prompt runs to max_tokens (EOS ignored); a session as it ends."""
     return [{**request_item(cfg, model, u, "on"), "ignore_eos": True} if isinstance(u, list)
-            else agent_item(cfg, model, u) for u in units]
+            else request_item(cfg, model, u, "on") for u in units]
 
 
 async def run_server(url: str, warm, by_level: dict[int, list], max_tokens: int) -> dict[int, dict]:

@@ -291,8 +291,8 @@ def test_agent_workload_alternates_tool_loops_and_code_edits(tmp_path):
     its edits in turn."""
     import json
 
-    from bench.agent_workload import MAX_TOOL_REPLIES, ToolSession, agent_item, agent_specs
-    from bench.serve_load import Conversation, LoadConfig
+    from bench.agent_workload import MAX_TOOL_REPLIES, ToolSession, agent_specs
+    from bench.serve_load import Conversation, LoadConfig, request_item
     gsm8k, codegen = tmp_path / "gsm8k.jsonl", tmp_path / "codegen.jsonl"
     gsm8k.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_conversations(4)))
     code = [("Write add.", "def add(a, b):\n    return a + b\n"), ("Explain recursion.", "It calls itself."),
@@ -303,15 +303,17 @@ def test_agent_workload_alternates_tool_loops_and_code_edits(tmp_path):
     specs = agent_specs(4, gsm8k=gsm8k, codegen=codegen)
     assert [s.kind for s in specs] == ["tools", "edit", "tools", "edit"]
     edit = specs[1]
-    assert [m["role"] for m in edit.messages] == ["user", "assistant", "user"]
-    assert "`add` to `add_v2`" in edit.messages[-1]["content"] and "`add_v2`" in edit.edits[0]
-    assert "`sq` to `sq_v2`" in specs[3].messages[-1]["content"]
+    assert [m["role"] for m in edit.messages()] == ["user", "assistant", "user"]
+    assert "`add` to `add_v2`" in edit.opening[-1]["content"] and "`add_v2`" in edit.edits[0]
+    assert "`sq` to `sq_v2`" in specs[3].opening[-1]["content"]
+    assert [s.task for s in specs[:2]] == ["agent-tools", "agent-edit"] and len({s.id for s in specs}) == 4
     with pytest.raises(ValueError, match="fewer than 6"):
         agent_specs(6, gsm8k=gsm8k, codegen=codegen)
     cfg = LoadConfig(url="http://127.0.0.1:1", max_tokens=8)
-    tools, edits = agent_item(cfg, "m", specs[0]), agent_item(cfg, "m", edit)
+    tools, edits = request_item(cfg, "m", specs[0], "on"), request_item(cfg, "m", edit, "off")
     assert isinstance(tools, ToolSession) and isinstance(edits, Conversation)
-    assert tools.first["messages"] == list(specs[0].messages) and "ignore_eos" not in tools.first
+    assert tools.first["messages"] == specs[0].messages() and "ignore_eos" not in tools.first
+    assert edits.first["speculation"] != tools.first["speculation"]          # the level's mode
     call = json.dumps({"name": "calculator", "arguments": {"expression": "2+2"}})
     assert json.loads(tools.next_user(0, call))["result"] == "4"
     assert tools.next_user(MAX_TOOL_REPLIES - 1, call) is None

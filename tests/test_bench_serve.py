@@ -222,3 +222,21 @@ def test_serve_pair_agent_sessions_run_their_turns_in_order(server):
     assert work_items(cfg, "tiny", [[{"role": "user", "content": "Hi."}]])[0]["ignore_eos"] is True
     out = asyncio.run(run_server(server.url, edit, {1: [tools, edit]}, max_tokens=4))
     assert (out[1]["requests"], out[1]["errors"]) == (MAX_TOOL_REPLIES + 2, 0)
+
+
+def test_bench_serve_sends_agent_sessions(server, tmp_path, capsys):
+    """`tercel bench serve --dataset agent`: the agent sessions against any server, each level's
+    sessions turn by turn (a tools session runs to its reply cap: the random model calls no tool)."""
+    import json
+
+    from conftest import shared_data
+    from serving.cli import main as tercel
+    shared_data("heldout/gsm8k_test.jsonl"), shared_data("train/gpteacher_codegen.jsonl")
+    from bench.agent_workload import MAX_TOOL_REPLIES
+    out = tmp_path / "agent.json"
+    assert tercel(["bench", "serve", "--url", server.url, "--dataset", "agent", "--limit", "2", "--concurrency", "1",
+                   "--max-tokens", "4", "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert [(r["key"], r["requests"], r["errors"]) for r in levels] == \
+        [("serve/on/c1", MAX_TOOL_REPLIES + 2, 0), ("serve/off/c1", MAX_TOOL_REPLIES + 2, 0)]
+    assert "agent-tools/tools-0" in out.read_text() and "| 1 |" in capsys.readouterr().out

@@ -262,7 +262,7 @@ def test_drafter_error_falls_back_to_plain_decoding(server, client, monkeypatch)
         raise RuntimeError("drafter exploded")
 
     before = server.metric("tercel_drafter_errors_total")
-    monkeypatch.setattr(server.engine.adaptive, "drafts", lambda *a: True)   # ask the drafter every step,
+    monkeypatch.setattr(server.engine.adaptive, "drafts", lambda *a, **kw: True)   # ask the drafter every step,
     monkeypatch.setattr(server.engine.guard, "speculates", lambda decoding: True)   # at every batch size
     monkeypatch.setattr(server.engine.drafter, "propose", boom)
     r = chat(client, "fallback please", max_tokens=12, temperature=0)
