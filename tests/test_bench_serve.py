@@ -224,9 +224,10 @@ def test_serve_pair_agent_sessions_run_their_turns_in_order(server):
     assert (out[1]["requests"], out[1]["errors"]) == (MAX_TOOL_REPLIES + 2, 0)
 
 
-def test_bench_serve_sends_agent_sessions(server, tmp_path, capsys):
+def test_bench_serve_sends_agent_sessions(tiny_llama_dir, tmp_path, capsys):
     """`tercel bench serve --dataset agent`: the agent sessions against any server, each level's
-    sessions turn by turn (a tools session runs to its reply cap: the random model calls no tool)."""
+    sessions turn by turn (a tools session runs to its reply cap: the random model calls no tool).
+    The sessions' prompts (250-550 tokens) want a longer context than the shared server's."""
     import json
 
     from conftest import shared_data
@@ -234,9 +235,13 @@ def test_bench_serve_sends_agent_sessions(server, tmp_path, capsys):
     shared_data("heldout/gsm8k_test.jsonl"), shared_data("train/gpteacher_codegen.jsonl")
     from bench.agent_workload import MAX_TOOL_REPLIES
     out = tmp_path / "agent.json"
-    assert tercel(["bench", "serve", "--url", server.url, "--dataset", "agent", "--limit", "2", "--concurrency", "1",
-                   "--max-tokens", "4", "--json", str(out)]) == 0
-    levels = json.loads(out.read_text())["levels"]
+    server = LiveServer(EngineConfig(model=str(tiny_llama_dir), **{**ENGINE, "max_model_len": 1024}), model_name="tiny")
+    try:
+        assert tercel(["bench", "serve", "--url", server.url, "--dataset", "agent", "--limit", "2",
+                       "--concurrency", "1", "--max-tokens", "4", "--json", str(out)]) == 0
+    finally:
+        server.close()
+    levels = json.loads(out.read_text())["results"]
     assert [(r["key"], r["requests"], r["errors"]) for r in levels] == \
         [("serve/on/c1", MAX_TOOL_REPLIES + 2, 0), ("serve/off/c1", MAX_TOOL_REPLIES + 2, 0)]
     assert "agent-tools/tools-0" in out.read_text() and "| 1 |" in capsys.readouterr().out
