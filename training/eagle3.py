@@ -84,7 +84,7 @@ def train_eagle3(cfg: TrainConfig, target, examples: list[TokenizedExample], ran
 def _features(cfg: TrainConfig, target, examples, aux_layers) -> list[Features]:
     """The tapped hidden states of the target as it serves (`--quantization`): the head drafts
     from those, so it trains on them; `target` (dense) gives the head its initial weights."""
-    served = target if cfg.quantization == "none" else _served(cfg)
+    served = target if cfg.quantization == "none" else _served(cfg, target.device)
     key = fingerprint(str(served.model_dir), tuple(aux_layers), examples, served.quantization)
     if cfg.feature_cache:
         cached = load_cache(cfg.feature_cache, key)
@@ -102,9 +102,10 @@ def _features(cfg: TrainConfig, target, examples, aux_layers) -> list[Features]:
     return feats
 
 
-def _served(cfg: TrainConfig):
+def _served(cfg: TrainConfig, device: torch.device):
+    """On the dense target's device: under a launcher each process's own GPU."""
     from verifier.target import TargetModel
-    return TargetModel(cfg.target, quantization=cfg.quantization)
+    return TargetModel(cfg.target, quantization=cfg.quantization, device=str(device) if device.type == "cuda" else None)
 
 
 def collate(feats: list[Features]) -> Batch:
