@@ -121,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="none,suffix")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--skip", type=int, default=0, help="sessions passed over first (another sample)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    specs = agent_specs(1 + args.sessions)
+    specs = agent_specs(1 + args.skip + args.sessions)
+    specs = specs[:1] + specs[1 + args.skip:]
     base = None
     for name in args.engines.split(","):
         llm = engine_for(name)
