@@ -111,8 +111,9 @@ def report(name: str, tokens: int, wall: float, log: StepLog, base: float | None
             by_rows.setdefault(min(rows // 8 * 8, 64), []).append((fwd, total))
     for r in sorted(by_rows):
         xs = by_rows[r]
-        lines.append(f"  decode rows {r}-{r + 7}: {len(xs)} steps, forward {1e3 * statistics.median(x[0] for x in xs):.1f} ms, "
-                     f"step {1e3 * statistics.median(x[1] for x in xs):.1f} ms (median), {sum(x[1] for x in xs):.2f} s")
+        fwd, step = (1e3 * statistics.median(x[i] for x in xs) for i in (0, 1))
+        lines.append(f"  decode rows {r}-{r + 7}: {len(xs)} steps, forward {fwd:.1f} ms, step {step:.1f} ms (median), "
+                     f"{sum(x[1] for x in xs):.2f} s")
     return "\n".join(lines)
 
 

@@ -77,9 +77,10 @@ def edit_specs(limit: int, path: Path | None = None, max_lines: int = 30) -> lis
             name = found.group(1)
             edits = (f"Rename `{name}` to `{name}_v2` everywhere and reply with the whole code again, changed, "
                      "in one code block.",
-                     f"Now add a one-line docstring to `{name}_v2` and reply with the whole code again, in one code block.")
-            messages = ({"role": "user", "content": user["content"]}, {"role": "assistant", "content": reply["content"]},
-                        {"role": "user", "content": edits[0]})
+                     f"Now add a one-line docstring to `{name}_v2` and reply with the whole code again, "
+                     "in one code block.")
+            messages = ({"role": "user", "content": user["content"]},
+                        {"role": "assistant", "content": reply["content"]}, {"role": "user", "content": edits[0]})
             out.append(AgentSpec("edit", messages, edits[1:], id=f"edit-{len(out)}"))
             if len(out) == limit:
                 break

@@ -5,10 +5,11 @@ The choice maximises the step's expected tokens per millisecond. Tokens: each de
 request emits one, plus its draft nodes' chances of being accepted. Milliseconds:
 `spec.step_cost.StepCost`, the forward's cost curve measured at load at every row count and
 scaled to what steps cost now, plus the drafter's time per drafting request and the
-acceptance work per node. A step that also runs a prompt chunk is charged without the chunk's
-time (the chunk runs either way), its nodes at what they add on top of it. Nodes join in order of their chance, across the batch, each
-request's in its proposal's order (a proposal cut to its first k nodes is a proposal in its
-own right: nodes are topological), and the count with the best ratio wins: the cost curve
+acceptance work per node. A step that also runs a prompt chunk is charged without the
+chunk's time (the chunk runs either way), its nodes at what they add on top of it. Nodes
+join in order of their chance, across the batch, each request's in its proposal's order (a
+proposal cut to its first k nodes is a proposal in its own right: nodes are topological),
+and the count with the best ratio wins: the cost curve
 has steps (torch's int4 kernel works in blocks of 4 rows), so the best count is not always
 where one more node stops paying.
 

@@ -277,7 +277,8 @@ def test_the_calculator_tool_runs_arithmetic_only_and_answers_every_reply():
         with pytest.raises(ValueError):
             calculate(bad)
     call = lambda name, **a: json.dumps({"name": name, "arguments": a})   # noqa: E731
-    assert json.loads(tool_reply("Sure: " + call("calculator", expression="6*7"))) == {"tool": "calculator", "result": "42"}
+    assert json.loads(tool_reply("Sure: " + call("calculator", expression="6*7"))) == \
+        {"tool": "calculator", "result": "42"}
     assert "error" in json.loads(tool_reply(call("calculator", expression="1/0")))
     assert "error" in json.loads(tool_reply("I think it is 42."))           # no call: the agent says so
     assert "error" in json.loads(tool_reply(call("search", query="x")))
@@ -327,7 +328,8 @@ def test_agent_steps_runs_sessions_offline_and_times_prompt_and_decode_steps(tin
     from bench.agent_steps import report, run, timed
     from bench.agent_workload import MAX_TOOL_REPLIES, AgentSpec
     tools = AgentSpec("tools", ({"role": "system", "content": "Call tools."}, {"role": "user", "content": "2+2?"}))
-    edit = AgentSpec("edit", ({"role": "user", "content": "Write f."}, {"role": "assistant", "content": "def f(): pass"},
+    edit = AgentSpec("edit", ({"role": "user", "content": "Write f."},
+                              {"role": "assistant", "content": "def f(): pass"},
                               {"role": "user", "content": "Rename f."}), ("Add a docstring.",))
     llm = LLM(model=str(tiny_llama_dir), drafter="ngram", max_model_len=512, num_kv_blocks=128)
     log = timed(llm.engine)

@@ -215,7 +215,8 @@ def test_serve_pair_agent_sessions_run_their_turns_in_order(server):
     from bench.agent_workload import MAX_TOOL_REPLIES, AgentSpec
     from bench.serve_pair import run_server, work_items
     tools = AgentSpec("tools", ({"role": "system", "content": "Call tools."}, {"role": "user", "content": "2+2?"}))
-    edit = AgentSpec("edit", ({"role": "user", "content": "Write f."}, {"role": "assistant", "content": "def f(): pass"},
+    edit = AgentSpec("edit", ({"role": "user", "content": "Write f."},
+                              {"role": "assistant", "content": "def f(): pass"},
                               {"role": "user", "content": "Rename f."}), ("Add a docstring.",))
     cfg = LoadConfig(url=server.url, max_tokens=4)
     assert all("ignore_eos" not in getattr(i, "first", i) for i in work_items(cfg, "tiny", [tools, edit]))

@@ -7,7 +7,6 @@ saved in the EAGLE layout.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path

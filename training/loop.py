@@ -7,9 +7,9 @@ the schedule's position in the data) and resume from the newest one, a progress 
 loss and per-step accuracies.
 
 Data parallel under a launcher (`accelerate launch --multi_gpu --num_processes N $(which
-train-drafter) ...`, or torchrun on CPUs): each process trains on its shard of the examples (example i goes to
-process i mod N, `shard`), every optimiser step averages the gradients over the processes, and
-all run the same number of steps (the smallest shard's). The model is not wrapped for
+train-drafter) ...`, or torchrun on CPUs): each process trains on its shard of the examples
+(example i goes to process i mod N, `shard`), every optimiser step averages the gradients over
+the processes, and all run the same number of steps (the smallest shard's). The model is not wrapped for
 DistributedDataParallel: the EAGLE-3 loop calls the head's parts, not its forward.
 """
 from __future__ import annotations
@@ -214,5 +214,6 @@ def make_accelerator(dtype: torch.dtype, grad_accum: int, cpu: bool | None = Non
     from accelerate.state import AcceleratorState
     # accelerate keeps its precision per process: a process that trains twice (tests, the API) resets it
     AcceleratorState._reset_state()
-    return Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu, gradient_accumulation_steps=grad_accum,
+    return Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu,
+                       gradient_accumulation_steps=grad_accum,
                        mixed_precision="bf16" if dtype == torch.bfloat16 else "no")

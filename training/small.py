@@ -4,8 +4,9 @@ The student is the target's architecture with `--small-layers` decoder layers, s
 from evenly spaced target layers plus the target's embeddings, final norm and LM head,
 and trained by KL(target || student) on the target's logits at assistant tokens. The
 target's logits come online from Tercel's own forward (a vocabulary-sized row per token
-is too large to cache). The student trains on the CPU (its autocast is the CPU's). The result is an HF directory (config.json, safetensors, the
-target's tokenizer files) that `small:PATH` loads.
+is too large to cache). The student trains on the CPU (its autocast is the CPU's). The
+result is an HF directory (config.json, safetensors, the target's tokenizer files) that
+`small:PATH` loads.
 """
 from __future__ import annotations
 
