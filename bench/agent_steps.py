@@ -19,16 +19,18 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.agent_workload import agent_specs
+from bench.step_times import StepTime, timed
 
 
 @dataclass
 class StepLog:
-    """Every step's rows, whether it ran a prompt chunk, its forward and its whole time."""
-    steps: list[tuple[int, bool, float, float]] = field(default_factory=list)
+    """Every step of a run (bench/step_times.py:timed)."""
+    steps: list[StepTime] = field(default_factory=list)
 
     def part(self, prompt: bool) -> tuple[int, float, float]:
-        sel = [s for s in self.steps if s[1] == prompt]
-        return len(sel), sum(s[3] for s in sel), sum(s[2] for s in sel)
+        """Steps that ran a prompt chunk (or not): how many, their seconds, their forwards' seconds."""
+        sel = [s for s in self.steps if s.prompt == prompt]
+        return len(sel), sum(s.step_s for s in sel), sum(s.forward_s for s in sel)
 
 
 def engine_for(name: str):
@@ -45,28 +47,6 @@ def engine_for(name: str):
         else:
             raise SystemExit(f"unknown engine option {o!r} in {name!r}: :gN or :fixed")
     return LLM(drafter=None if drafter == "none" else drafter, **kw)
-
-
-def timed(engine) -> StepLog:
-    """Wraps the engine's step and forward with timers."""
-    log, step, verify, last = StepLog(), engine._step, engine._verify, {}
-
-    def timed_verify(plans):
-        start = time.perf_counter()
-        out = verify(plans)
-        last.update(rows=sum(p.num_rows for p in plans), forward=time.perf_counter() - start,
-                    prompt=any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans))
-        return out
-
-    def timed_step():
-        last.clear()
-        start = time.perf_counter()
-        out = step()
-        if last:
-            log.steps.append((last["rows"], last["prompt"], last["forward"], time.perf_counter() - start))
-        return out
-    engine._verify, engine._step = timed_verify, timed_step
-    return log
 
 
 def run(llm, specs, clients: int, max_tokens: int) -> tuple[int, float]:
@@ -106,9 +86,9 @@ def report(name: str, tokens: int, wall: float, log: StepLog, base: float | None
              f"steps with a prompt chunk {n_p} ({t_p:.2f} s, forwards {f_p:.2f}), decode steps {n_d} "
              f"({t_d:.2f} s, forwards {f_d:.2f})"]
     by_rows: dict[int, list] = {}
-    for rows, prompt, fwd, total in log.steps:
-        if not prompt:
-            by_rows.setdefault(min(rows // 8 * 8, 64), []).append((fwd, total))
+    for s in log.steps:
+        if not s.prompt:
+            by_rows.setdefault(min(s.rows // 8 * 8, 64), []).append((s.forward_s, s.step_s))
     for r in sorted(by_rows):
         xs = by_rows[r]
         fwd, step = (1e3 * statistics.median(x[i] for x in xs) for i in (0, 1))
@@ -133,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.engines.split(","):
         llm = engine_for(name)
         run(llm, specs[:1], 1, args.max_tokens)          # warm-up on a session the run does not send
-        log = timed(llm.engine)
+        log = StepLog(timed(llm.engine))
         tokens, wall = run(llm, specs[1:], args.clients, args.max_tokens)
         base = base or (tokens / wall if name == "none" else None)
         print(report(name, tokens, wall, log, base), flush=True)

@@ -31,8 +31,7 @@ def run_serve_bench_cli(args) -> int:
     journal = Journal(args.json, "serve", {"url": cfg.url, "max_tokens": cfg.max_tokens,
                                            "temperature": cfg.temperature, "model": cfg.model,
                                            "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}, args.resume)
-    prompts = [p if not hasattr(p, "turns") or len(p.turns) > 1 else p.messages() for p in data.prompts]
-    run_serve_bench(cfg, prompts, done=journal.done, on_result=journal.add)
+    run_serve_bench(cfg, list(data.prompts), done=journal.done, on_result=journal.add)
     print(markdown_table(journal.results))
     journal.save({"levels": journal.results})
     write_plots(plot_latency, journal.results, args.plot)

@@ -325,12 +325,12 @@ def _short(s: str, n: int = 160) -> str:
 
 
 # ---- levels -------------------------------------------------------------------------------
-def run_serve_bench(cfg: LoadConfig, prompts: list[list[dict]], done: Container[str] = (),
+def run_serve_bench(cfg: LoadConfig, prompts: list, done: Container[str] = (),
                     on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """Measure every (concurrency, mode) level not in `done`, in order c1/on, c1/off, c4/on, ...
-    `prompts` (each a list of {"role", "content"} messages, or a multi-turn BenchPrompt) are
-    cycled in order. on_result
-    gets each level's result as it completes; the measured results are returned."""
+    `prompts` (each a list of {"role", "content"} messages, a BenchPrompt or an agent session:
+    whatever `request_item` takes) are cycled in order. on_result gets each level's result as it
+    completes; the measured results are returned."""
     if not prompts:
         raise ValueError("run_serve_bench needs at least one prompt")
     levels = [(c, m) for c in cfg.concurrency for m in cfg.modes if level_key(m, c) not in done]

@@ -61,7 +61,7 @@ def slices(prompts: list, levels: list[int], per_level: int) -> tuple[list, dict
     return prompts[0], out
 
 
-# per workload: the units sent (from a prompt) and the requests' default max_tokens
+# per workload: the requests' default max_tokens
 WORKLOADS = {"chat": 128, "agent": 256}
 
 
@@ -74,8 +74,8 @@ def units(workload: str, n: int) -> list:
 
 def work_items(cfg: LoadConfig, model: str, units: list) -> list:
     """What the workers send: a chat prompt runs to max_tokens (EOS ignored); a session as it ends."""
-    return [{**request_item(cfg, model, u, "on"), "ignore_eos": True} if isinstance(u, list)
-            else request_item(cfg, model, u, "on") for u in units]
+    items = [request_item(cfg, model, u, "on") for u in units]
+    return [{**i, "ignore_eos": True} if isinstance(i, dict) else i for i in items]
 
 
 async def run_server(url: str, warm, by_level: dict[int, list], max_tokens: int) -> dict[int, dict]:

@@ -16,6 +16,7 @@ import collections
 import resource
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,25 +24,36 @@ from bench.data import mtbench_first_turns
 from spec import LLM, SamplingParams
 
 
-def timed(llm: LLM) -> list[tuple[int, float, float]]:
-    """(rows, step s, forward s) for each step `llm` runs from now on."""
-    engine, target, steps, forward = llm.engine, llm.engine.target, [], {}
-    step, run = engine.step, target.forward
+@dataclass(frozen=True)
+class StepTime:
+    """One engine step timed from outside: its forward's rows, whether a prompt chunk ran in it,
+    the forward's seconds (its inputs built and run) and the whole step's."""
+    rows: int
+    prompt: bool
+    forward_s: float
+    step_s: float
 
-    def timed_forward(batch, *args, **kwargs):
+
+def timed(engine) -> list[StepTime]:
+    """A StepTime for each step `engine` runs from now on that ran a forward."""
+    steps, last, step, forward = [], {}, engine.step, engine._forward
+
+    def timed_forward(plans):
         t = time.perf_counter()
-        out = run(batch, *args, **kwargs)
-        forward["s"], forward["rows"] = time.perf_counter() - t, sum(len(s.token_ids) for s in batch.seqs)
+        out = forward(plans)
+        if plans:
+            last.update(rows=sum(p.num_rows for p in plans), prompt=any(p.is_prompt for p in plans),
+                        s=time.perf_counter() - t)
         return out
 
     def timed_step():
-        forward.clear()
+        last.clear()
         t = time.perf_counter()
         out = step()
-        if forward:
-            steps.append((forward["rows"], time.perf_counter() - t, forward["s"]))
+        if last:
+            steps.append(StepTime(last["rows"], last["prompt"], last["s"], time.perf_counter() - t))
         return out
-    engine.step, target.forward = timed_step, timed_forward
+    engine.step, engine._forward = timed_step, timed_forward
     return steps
 
 
@@ -57,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     names = args.engines.split(",")
     engines = {n: LLM(drafter=None if n.split("@")[0] == "plain" else n.split("@")[0]) for n in names}
-    steps = {n: timed(llm) for n, llm in engines.items()}
+    steps = {n: timed(llm.engine) for n, llm in engines.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     prompts = mtbench_first_turns(args.limit)
     for _ in range(args.repeats):
@@ -66,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
                 llm.chat([{"role": "user", "content": p}], params)
     for name, rec in steps.items():
         by = collections.defaultdict(list)
-        for rows, step_s, fwd_s in rec:
-            if rows <= args.max_rows:
-                by[rows].append((step_s, fwd_s))
+        for s in rec:
+            if s.rows <= args.max_rows:
+                by[s.rows].append((s.step_s, s.forward_s))
         print(f"{name}: {sum(len(v) for v in by.values())} steps")
         for rows in sorted(by):
             print(f"  rows {rows:2d}: {len(by[rows]):5d} steps, step {statistics.median(s for s, _ in by[rows]) * 1e3:6.2f} ms, "

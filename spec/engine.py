@@ -128,6 +128,11 @@ class SeqPlan:
         return [u for u in range(rows) if self.sole is None or self.sole[u] < 0]
 
     @property
+    def is_prompt(self) -> bool:
+        """A prompt chunk: no tree, more than one new token."""
+        return self.proposal is None and self.seq.num_new_tokens > 1
+
+    @property
     def num_rows(self) -> int:
         """New tokens in the forward: every tree node, else the scheduled tokens."""
         return self.proposal.tree.num_nodes if self.proposal is not None else self.seq.num_new_tokens
@@ -442,7 +447,7 @@ class LLMEngine:
         speculated = any(p.drafted is not None for p in plans)
         if speculated:
             self.timing = self.timing.plus(drafted - start, verified - drafted, end - verified)
-        prefill = any(p.proposal is None and p.seq.num_new_tokens > 1 for p in plans)   # a prompt chunk ran
+        prefill = any(p.is_prompt for p in plans)
         self._observe(plans, prefill, verified - drafted, end - start)
         self._observe_guard(plans, prefill, end - start)
         self._last_step_tokens = sum(p.num_rows for p in plans)
@@ -602,8 +607,7 @@ class LLMEngine:
             + sum(drafted[i].forced + props[i].num_draft_nodes for i in others)
         decoding = sum(1 for p in plans if not p.mid_prefill)
         # a prompt chunk's rows, less the row a finishing prompt samples its first token from
-        prompt_rows = sum(p.num_rows - (not p.mid_prefill) for p in plans
-                          if p not in drafted and p.proposal is None and p.seq.num_new_tokens > 1)
+        prompt_rows = sum(p.num_rows - (not p.mid_prefill) for p in plans if p not in drafted and p.is_prompt)
         keep = self.adaptive.trim([self._candidate(drafted[i].request, props[i]) for i in cut], decoding, base_rows,
                                   prompt_rows=prompt_rows)
         out = list(props)
@@ -757,8 +761,7 @@ class LLMEngine:
         from drafters.base import PrefillChunk
         chunks = [PrefillChunk(p.request.seq_id, p.request.token_ids, p.ctx_len,
                                p.ctx_len + p.seq.num_new_tokens)
-                  for p in plans if p.proposal is None and p.request.speculate and p.seq.num_new_tokens > 1
-                  and p.fault is None]
+                  for p in plans if p.is_prompt and p.request.speculate and p.fault is None]
         if chunks:
             try:
                 self.drafter.prefill(chunks)

@@ -289,10 +289,12 @@ def test_engine_verifies_what_the_controller_keeps_and_outputs_stay_the_targets(
 def test_the_engine_tells_the_controller_a_steps_prompt_rows(tiny_llama_dir):
     """A prompt arriving while another request drafts: the step that runs its chunk passes the
     chunk's rows (less the row its first token is sampled from) as prompt rows, on top of them
-    the decoding rows; steps without a chunk pass none."""
+    the decoding rows; steps without a chunk pass none. Whole trees: which steps draft does not
+    follow this machine's timings."""
+    from pinned import WHOLE_TREES
     from spec import LLM
     llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
-              speculation=SpecConfig(num_speculative_tokens=4))
+              speculation=SpecConfig(num_speculative_tokens=4), adaptive=WHOLE_TREES)
     engine, seen = llm.engine, []
     trim = engine.adaptive.trim
     engine.adaptive.trim = lambda cands, decoding, base_rows, prompt_rows=0: \

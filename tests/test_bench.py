@@ -325,20 +325,21 @@ def test_agent_steps_runs_sessions_offline_and_times_prompt_and_decode_steps(tin
     """bench/agent_steps.py: the sessions' turns go through one engine as clients would send
     them (a tools session answers each reply: the random model's replies get the tool's error,
     until its reply cap), every step is logged as a prompt-chunk step or a decode step."""
-    from bench.agent_steps import report, run, timed
+    from bench.agent_steps import StepLog, report, run
+    from bench.step_times import timed
     from bench.agent_workload import MAX_TOOL_REPLIES, AgentSpec
     tools = AgentSpec("tools", ({"role": "system", "content": "Call tools."}, {"role": "user", "content": "2+2?"}))
     edit = AgentSpec("edit", ({"role": "user", "content": "Write f."},
                               {"role": "assistant", "content": "def f(): pass"},
                               {"role": "user", "content": "Rename f."}), ("Add a docstring.",))
     llm = LLM(model=str(tiny_llama_dir), drafter="ngram", max_model_len=512, num_kv_blocks=128)
-    log = timed(llm.engine)
+    log = StepLog(timed(llm.engine))
     sent = []
     add = llm.engine.add_request
     llm.engine.add_request = lambda rid, prompt, params, **kw: sent.append(rid) or add(rid, prompt, params, **kw)
     tokens, wall = run(llm, [tools, edit], 2, 4)
     assert len(sent) == MAX_TOOL_REPLIES + 2 and 0 < tokens <= 4 * len(sent) and wall > 0
-    assert any(p for _, p, _, _ in log.steps) and any(not p for _, p, _, _ in log.steps)
+    assert any(s.prompt for s in log.steps) and any(not s.prompt for s in log.steps)
     assert log.part(True)[0] + log.part(False)[0] == len(log.steps)
     assert "decode steps" in report("ngram", tokens, wall, log, None)
     assert llm.engine.blocks.num_used_blocks == 0
