@@ -169,6 +169,21 @@ def test_timing_and_invariance_probe_on_real_kernels():
     assert all(measured.invariant[p] for p in owns)
 
 
+def test_the_probe_fails_a_kernel_whose_rows_change_with_the_calls_size(monkeypatch):
+    """A kernel that sums in another order for small calls (here: one bf16 step on rows of calls
+    under 8 rows) fails the row-invariance probe; the same kernel untouched passes."""
+    from verifier.quantized.matmul_paths import row_invariant
+    lin, _ = _linear("int4")
+    assert row_invariant([lin], "int4")
+    run = lin.run
+
+    def small_calls_differ(path, x):
+        y = run(path, x)
+        return y if x.shape[0] >= 8 else y.nextafter(torch.full_like(y, float("inf")))
+    monkeypatch.setattr(lin, "run", small_calls_differ)
+    assert not row_invariant([lin], "int4")
+
+
 def test_cliff_is_the_last_count_before_a_jump():
     t = KernelTimings((1, 2, 3, 4, 5, 6), {"int4": {1: 5.8, 2: 6.9, 3: 8.4, 4: 9.6, 5: 15.3, 6: 15.2}}, {"int4": True})
     assert t.rows_before_cliff("int4") == 4
