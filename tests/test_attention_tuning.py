@@ -52,3 +52,20 @@ def test_timings_taken_beside_a_busy_neighbour_give_way_to_the_default_threshold
     neighbours(0.0)
     assert tune(hd, tmp_path, threads=2).parallel_from == hd.parallel_from == NEVER
     assert len(list(tmp_path.glob("attention-*.json"))) == 1
+
+
+def test_cold_calls_flush_where_the_build_can_and_read_the_evictor_elsewhere(monkeypatch):
+    """On x86-64 the KV set is flushed line by line (its values kept); a build without a flush
+    instruction times the same cells with the KV pushed out by reading a cache-sized buffer."""
+    import platform
+    t = torch.randn(4096)
+    kept = t.clone()
+    cpu_ops.flush(t)
+    assert torch.equal(t, kept) and cpu_ops.can_flush() == (platform.machine() == "x86_64")
+    assert (attention_tuning._evictor() is None) == cpu_ops.can_flush()
+    monkeypatch.setattr(cpu_ops, "can_flush", lambda: False)
+    assert attention_tuning._evictor().numel() * 4 >= 32 << 20
+    hd = cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE)
+    timed = attention_tuning.measure(hd, rounds=1, calls=1)
+    assert set(timed.serial) == {(r, k) for r in attention_tuning.ROWS for k in attention_tuning.KEYS}
+    assert all(v > 0 for v in [*timed.serial.values(), *timed.parallel.values()])

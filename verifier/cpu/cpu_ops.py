@@ -69,6 +69,7 @@ _SIGNATURES = {
     "attention_tiles": [],
     "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
     "prefetch_kv": [_P, _P, _P, _P],
+    "flush_lines": [_P, _I],
     "argmax_f32": [_P, _I],
     "apply_bitmask": [_P, _P, _I, _I],
     "q4_matmul": [_P, _I, _I, _P, _I, _P],
@@ -81,7 +82,7 @@ _SIGNATURES = {
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
     "draft_layer": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
-_RETURNS = {"q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I,
+_RETURNS = {"flush_lines": _I, "q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I,
             "q4_matmul": _I, "q4_matmul_ref": _I, "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I,
             "mixed_matmul": _I, "mixed_matmul_ref": _I, "draft_layer": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
@@ -177,6 +178,16 @@ def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed
                softcap)
     hd.keep = (cos, sin_signed)
     return hd
+
+
+def can_flush() -> bool:
+    """Whether this build pushes lines out of the caches (`flush`): x86-64."""
+    return bool(_library().flush_lines(None, 0))
+
+
+def flush(t: torch.Tensor) -> None:
+    """Push a contiguous tensor's bytes out of every cache level (where `can_flush`)."""
+    _library().flush_lines(t.data_ptr(), t.numel() * t.element_size())
 
 
 def prefetch_kv(hd: Heads, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from verifier.cpu import cpu_ops
 from verifier.cpu.machine import cache_bytes, cached_measurement
 from verifier.quantized.cpu_forward import row_plan
 
-FORMAT = 4                   # 4: the evictor capped (3: KV prefetched during a stand-in qkv matmul)
+FORMAT = 5                   # 5: KV flushed line by line (4: the evictor capped; 3: KV prefetched during a stand-in qkv matmul)
 KEYS = (32, 64, 128, 256, 512, 1024, 2048)
 ROWS = (1, 4)
 NEVER = 1 << 62              # parallel_from when one thread always won
@@ -86,30 +86,44 @@ def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator):
 EVICT_MAX = 128 << 20       # a server CPU's shared L3 outgrows what a small model's step streams
 
 
-def _evictor() -> torch.Tensor:
-    """A buffer twice the last-level cache, at least 32 MiB and at most EVICT_MAX: reading it
-    pushes the caches' lines out, as a step's weights do. Capped because a VM on a server CPU sees
-    its whole shared L3, which made the buffer a gigabyte read a thousand times per load
-    (docs/performance.md, "Models of real sizes"), where a small model's weights leave its KV in
-    that L3 between steps anyway."""
+def _evictor() -> torch.Tensor | None:
+    """None where this build flushes cache lines itself (x86-64). Elsewhere a buffer twice the
+    last-level cache, at least 32 MiB and at most EVICT_MAX: reading it pushes the caches' lines
+    out, as a step's weights do. Capped because a VM on a server CPU sees its whole shared L3,
+    which made the buffer a gigabyte read a thousand times per load (docs/performance.md,
+    "Models of real sizes"), where a small model's weights leave its KV in that L3 between
+    steps anyway."""
+    if cpu_ops.can_flush():
+        return None
     return torch.ones(min(max(2 * cache_bytes(3), 32 << 20), EVICT_MAX) // 4)
 
 
-def _cold_call(hd: cpu_ops.Heads, case, evict: torch.Tensor) -> float:
-    """Microseconds of one attend call as a decode step makes it: the caches are flushed, a
-    call over the second KV set brings back the code, the plan, q and the output (hot in a
-    step: the layer before used them), then prefetch_kv requests the first KV set and the
-    layer's qkv matmul runs (its int4 weights' bytes streamed by all threads: the KV lines
-    arrive meanwhile and the threads are awake, as in a step), and the timed call reads that
-    KV set."""
+def _cold_call(hd: cpu_ops.Heads, case, stand_in: torch.Tensor, evict: torch.Tensor | None) -> float:
+    """Microseconds of one attend call as a decode step makes it: the KV set and `stand_in`
+    pushed out of the caches (flushed line by line, or by reading `evict`), a call over the
+    second KV set brings back the code, the plan, q and the output (hot in a step: the layer
+    before used them), then prefetch_kv requests the first KV set and `stand_in` is read, as
+    the layer's qkv matmul streams its int4 weights (all threads reading: the KV lines arrive
+    meanwhile and the threads are awake, as in a step), and the timed call reads that KV set."""
     plan, q, (k, v), warm, out = case
-    evict.sum()
+    if evict is None:
+        for t in (k, v, stand_in):
+            cpu_ops.flush(t)
+    else:
+        evict.sum()
     cpu_ops.attend(hd, plan, q, *warm, out)
     cpu_ops.prefetch_kv(hd, plan, k, v)
-    evict[:_qkv_words(hd)].sum()
+    stand_in.sum()
     start = time.perf_counter()
     cpu_ops.attend(hd, plan, q, k, v, out)
     return (time.perf_counter() - start) * 1e6
+
+
+def _warm_call(hd: cpu_ops.Heads, case) -> None:
+    """One call to bring the code in and wake the threads after a change of mode: its KV need
+    not be cold."""
+    plan, q, (k, v), _, out = case
+    cpu_ops.attend(hd, plan, q, k, v, out)
 
 
 def _qkv_words(hd: cpu_ops.Heads) -> int:
@@ -121,6 +135,7 @@ def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimi
     """Time attend on one thread and on all, alternated per round, each call cold; medians.
     Leaves hd.parallel_from as it found it."""
     gen, saved, evict = torch.Generator().manual_seed(0), hd.parallel_from, _evictor()
+    stand_in = torch.ones(_qkv_words(hd))
     samples: dict[str, dict[tuple[int, int], list[float]]] = {"serial": {}, "parallel": {}}
     try:
         for rows in ROWS:
@@ -129,9 +144,9 @@ def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimi
                 for _ in range(rounds):
                     for mode, threshold in (("serial", NEVER), ("parallel", 0)):
                         hd.parallel_from = threshold
-                        _cold_call(hd, case, evict)                     # warm: code, threads
+                        _warm_call(hd, case)
                         samples[mode].setdefault((rows, keys), []).extend(
-                            _cold_call(hd, case, evict) for _ in range(calls))
+                            _cold_call(hd, case, stand_in, evict) for _ in range(calls))
     finally:
         hd.parallel_from = saved
     med = {m: {c: round(statistics.median(s), 2) for c, s in cells.items()} for m, cells in samples.items()}

@@ -23,7 +23,8 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -843,6 +844,39 @@ void prefetch_kv(const Heads *hd, const Rows *rw, const bf16 *k_cache, const bf1
             }
         }
     }
+}
+
+#if defined(__x86_64__)
+/* clflushopt where the CPU has it (CPUID leaf 7, EBX bit 23), whatever -march the build took:
+ * clflush, the fallback, waits for each line and took seconds per load. */
+__attribute__((target("clflushopt"))) static void flush_opt(const char *p, int64_t bytes) {
+    for (int64_t e = 0; e < bytes; e += 64) _mm_clflushopt(p + e);
+}
+
+static int has_clflushopt(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b >> 23 & 1);
+}
+#endif
+
+/* Push [p, p + bytes) out of every cache level, line by line: the attention timing's cold start
+ * (verifier/quantized/attention_tuning.py) at the cost of those bytes, not of reading a buffer
+ * the size of the caches. 1 where done; 0 where this build has no flush instruction. */
+int64_t flush_lines(const void *p, int64_t bytes) {
+#if defined(__x86_64__)
+    static int opt = -1;
+    if (opt < 0) opt = has_clflushopt();
+    if (opt) {
+        flush_opt((const char *)p, bytes);
+    } else {
+        for (int64_t e = 0; e < bytes; e += 64) _mm_clflush((const char *)p + e);
+    }
+    _mm_mfence();
+    return 1;
+#else
+    (void)p; (void)bytes;
+    return 0;
+#endif
 }
 
 /* One layer's attention from its qkv projection: q = rope(q heads) into the workspace
