@@ -3,6 +3,8 @@ model that will not fit refused at start with the numbers. A tiny model in a rea
 (`bench.model_shapes`: Llama layout, random weights, the default tokenizer)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +61,27 @@ def test_the_load_writes_metadata_only(served, cache):
     (folder,) = (cache / "models").iterdir()
     assert {p.name for p in folder.iterdir()} <= METADATA
     assert not [p for p in cache.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".npy")]
+
+
+def test_files_sharing_a_tokenizer_convert_it_once(tiny_gguf, tmp_path, monkeypatch):
+    """A GGUF's tokenizer is converted once per tokenizer, not per file: a file of the same
+    family (other shapes and quantization, the same tokenizer fields) takes the converted files
+    without transformers; a file whose tokenizer differs (more tokens) is converted anew."""
+    from verifier.model import gguf_convert
+    from verifier.model.loader import resolve_model_dir
+    monkeypatch.setenv("TERCEL_CACHE", str(tmp_path / "cache"))
+    first = resolve_model_dir(str(tiny_gguf))
+    sibling, other = tmp_path / "sibling-Q8_0.gguf", tmp_path / "other-Q4_0.gguf"
+    write(sibling, replace(TINY, layers=1), "Q8_0", ALIASES[DEFAULT_MODEL]())
+    write(other, replace(TINY, vocab=TINY.vocab + 64), "Q4_0", ALIASES[DEFAULT_MODEL]())
+    converted, convert = [], gguf_convert._convert_tokenizer
+    monkeypatch.setattr(gguf_convert, "_convert_tokenizer", lambda r, path, out: (converted.append(path),
+                                                                                  convert(r, path, out)))
+    second = resolve_model_dir(str(sibling))
+    assert converted == [] and second != first
+    assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    resolve_model_dir(str(other))
+    assert converted == [other]
 
 
 def test_no_dense_copy_of_a_projection_is_made(served, tiny_gguf):

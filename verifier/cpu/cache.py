@@ -3,8 +3,25 @@ converted checkpoints, datastores ($TERCEL_CACHE, else ~/.cache/tercel)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("TERCEL_CACHE", Path.home() / ".cache" / "tercel"))
+
+
+def build_once(out: Path, build: Callable[[Path], None]) -> Path:
+    """`out`, built by `build(tmp)` into a temporary sibling folder and renamed into place: a
+    half-built folder is never picked up, and a failed build leaves nothing behind."""
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -7,11 +7,15 @@ each layer's experts in 3-D tensors (`ffn_*_exps`: [experts, rows, cols]), read 
 per expert."""
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
+from verifier.cpu.cache import build_once, cache_root
 from verifier.model.config import GEMMA_TYPES
 from verifier.model.gemma_config import gguf_fields
 from verifier.model.gguf_header import GGUFHeader
@@ -23,6 +27,7 @@ from verifier.model.gguf_weights import GGUFTensors, tensor_index
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+TOKENIZER_FORMAT = 1      # a new form of the converted tokenizer files is converted anew
 _MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}   # GGUF architecture -> model_type
 def eos_ids(reader) -> int | list[int] | None:
     """The end-of-sequence id, with the end-of-turn one where the file names it (Gemma's
@@ -109,17 +114,35 @@ def gguf_tensors(reader, cfg: dict) -> dict[str, torch.Tensor]:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, the tensors' index and tokenizer files into out_dir: the weights stay
     in the GGUF, read from it at each load (`verifier.model.gguf_weights`)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     reader = GGUFHeader(str(gguf_path))
     cfg = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     (out_dir / INDEX_FILE).write_text(json.dumps({**block_index(reader, gguf_path), "all": tensor_index(reader)}))
-    # transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata. A
-    # BPE ("gpt2") vocabulary gets the generic class whichever way: asked for it directly, it skips
-    # AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (most of its
-    # time: docs/performance.md, "Load and import times").
+    tokenizer = tokenizer_folder(reader)
+    if not (tokenizer / "tokenizer.json").is_file():
+        build_once(tokenizer, lambda tmp: _convert_tokenizer(reader, gguf_path, tmp))
+    for f in tokenizer.iterdir():
+        shutil.copyfile(f, out_dir / f.name)
+
+
+def tokenizer_folder(reader) -> Path:
+    """Where the file's converted tokenizer is cached: keyed by the bytes of its tokenizer.*
+    fields, its architecture and transformers' version, so the files of one family (its sizes
+    and quantizations) share one conversion."""
+    digest = hashlib.sha256(f"{TOKENIZER_FORMAT}:{version('transformers')}".encode())
+    for key, (start, end) in reader.spans.items():
+        if key.startswith("tokenizer.") or key == "general.architecture":
+            digest.update(reader.data[start:end])
+    return cache_root() / "tokenizers" / digest.hexdigest()[:16]
+
+
+def _convert_tokenizer(reader, gguf_path: Path, out_dir: Path) -> None:
+    """transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata. A
+    BPE ("gpt2") vocabulary gets the generic class whichever way: asked for it directly, it skips
+    AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (most of its
+    time: docs/performance.md, "Load and import times")."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     bpe = _field(reader, "tokenizer.ggml.model") == "gpt2"
     tok = (PreTrainedTokenizerFast if bpe else AutoTokenizer).from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)

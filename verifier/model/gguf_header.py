@@ -50,7 +50,8 @@ class TensorInfo:
 
 
 class GGUFHeader:
-    """`fields` (key -> Field) and `tensors` (TensorInfo, in file order) of a GGUF file."""
+    """`fields` (key -> Field), `spans` (key -> where the field's bytes lie in the file) and
+    `tensors` (TensorInfo, in file order) of a GGUF file."""
 
     def __init__(self, path: str):
         self.path = str(path)
@@ -61,10 +62,11 @@ class GGUFHeader:
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not read here (2 and 3 are)")
         self._pos = 24
-        self.fields = {}
+        self.fields, self.spans = {}, {}
         for _ in range(n_fields):
-            key = self._string()
+            start, key = self._pos, self._string()
             self.fields[key] = Field(self._value(self._u32()))
+            self.spans[key] = (start, self._pos)
         infos = [self._tensor_info() for _ in range(n_tensors)]
         align = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
         start = -(-self._pos // align) * align

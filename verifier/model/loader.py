@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
-import shutil
 from pathlib import Path
 
-from verifier.cpu.cache import cache_root
+from verifier.cpu.cache import build_once, cache_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 CONVERSION_FORMAT = 5      # 5: no fp32 weights, an index of every tensor instead
@@ -63,13 +61,7 @@ def _cached_conversion(gguf_path: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     from verifier.model.gguf_convert import convert_gguf
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        convert_gguf(gguf_path, tmp)
+        return build_once(out, lambda tmp: convert_gguf(gguf_path, tmp))
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"could not convert GGUF {gguf_path}: {e}") from e
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)   # atomic: a half-written cache is never picked up
-    return out
