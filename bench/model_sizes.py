@@ -28,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 FIELDS = ("load_s", "peak_gb", "disk_gb", "prefill_tok_s", "decode_tok_s", "decode_only_tok_s")
 
@@ -105,14 +107,26 @@ def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def compare(files: list[str], args) -> list[tuple[str, str, dict]]:
+@contextmanager
+def fresh_cache() -> Iterator[Path]:
+    """TERCEL_CACHE pointed at an empty folder holding this machine's compiled kernels (a first
+    load that compiled them would time the compiler), set back afterwards."""
     from verifier.cpu.cache import cache_root
-    rows, built = [], cache_root() / "cpu_kernels"          # this machine's compiled kernels, read before
-    for path in files:                                       # TERCEL_CACHE points elsewhere
-        with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
-            os.environ["TERCEL_CACHE"] = cache
-            if built.is_dir():
-                shutil.copytree(built, Path(cache) / "cpu_kernels")
+    built, saved = cache_root() / "cpu_kernels", os.environ.get("TERCEL_CACHE")
+    with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
+        if built.is_dir():
+            shutil.copytree(built, Path(cache) / "cpu_kernels")
+        os.environ["TERCEL_CACHE"] = cache
+        try:
+            yield Path(cache)
+        finally:
+            os.environ.pop("TERCEL_CACHE") if saved is None else os.environ.update(TERCEL_CACHE=saved)
+
+
+def compare(files: list[str], args) -> list[tuple[str, str, dict]]:
+    rows = []
+    for path in files:
+        with fresh_cache():
             runs: dict[str, list[dict]] = {}
             for r in range(args.rounds):
                 for engine in args.engines.split(","):

@@ -147,6 +147,21 @@ def test_the_sizes_bench_runs_a_file(tiny_gguf, capsys):
     assert load > 0 and 0 < peak < 8 and disk < 0.1 and prefill > 0 and decode > 0 and stream > 0
 
 
+def test_the_first_loads_bench_loads_in_each_cache_state(tiny_gguf):
+    """`python -m bench.first_loads`: a first load, a later one, another file of the family and
+    one with its tokenizer converted anew, each timed in its own process under one fresh cache
+    (which holds the model's and the tokenizer's folders after the loads that write them)."""
+    import os
+
+    from bench.first_loads import STATES, one_round, table
+    before = os.environ.get("TERCEL_CACHE")
+    seconds = one_round(str(tiny_gguf), threads=2)
+    assert list(seconds) == list(STATES) and all(s > 0 for s in seconds.values())
+    assert os.environ.get("TERCEL_CACHE") == before
+    row = table({"tiny": [seconds]}).splitlines()[-1]
+    assert row.startswith("| tiny |") and row.count("(") == len(STATES)
+
+
 def test_a_small_model_drafts_for_it_and_the_tokens_are_its_own(tiny_gguf, cache, monkeypatch):
     """The speculative pair people run (a small model of the family drafting for a larger one):
     the default model drafts for this GGUF target (their vocabularies are one), at T=0 the tokens
