@@ -62,6 +62,14 @@ ROOT_DIGEST = bytes(DIGEST_SIZE)  # the parent of block 0
 _KEYED_BLAKE2B = hashlib.blake2b(key=secrets.token_bytes(32), digest_size=DIGEST_SIZE)
 
 
+def namespace_root(tag: bytes) -> bytes:
+    """The parent of block 0 for prompts that run under `tag` (a LoRA adapter's identity): their
+    blocks' keys chain from it, so no other namespace's prompt, however alike, ever hits them."""
+    digest = _KEYED_BLAKE2B.copy()
+    digest.update(b"namespace:" + tag)
+    return digest.digest()
+
+
 class NoFreeBlocksError(RuntimeError):
     """An allocation needs more blocks than the pool can hand out now. Nothing was changed."""
 
@@ -128,6 +136,7 @@ class _Seq:
     # Prefix-cache keys of the leading blocks that are full of computed KV (cache hits and
     # published blocks). These blocks are frozen: truncate() may not cut into them.
     block_hashes: list[bytes] = field(default_factory=list)
+    root: bytes = ROOT_DIGEST  # the parent of its block 0 (namespace_root: its adapter's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +165,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cache: dict[bytes, int] = {}  # prefix-cache key -> block id
         self._seqs: dict[int, _Seq] = {}
+        self._roots = {ROOT_DIGEST}  # every block-0 parent seen (namespace_root), for _worthless
         # Metrics, cumulative, in tokens. Counted on successful allocate() only, so an
         # admission retried every step while the pool is full is not counted each time.
         self.prefix_queries = 0
@@ -199,18 +209,18 @@ class BlockManager:
         held = 0 if seq_id is None else len(self._seq(seq_id).block_table)
         return max(0, _cdiv(num_tokens, self.block_size) - held)
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
+    def can_allocate(self, token_ids: list[int], root: bytes = ROOT_DIGEST) -> bool:
         """True when allocate(token_ids) would succeed now.
 
         Hits on used blocks cost nothing; hits on evictable blocks cost one free block
         each, because num_free_blocks already counts them.
         """
-        plan = self._lookup(token_ids)
+        plan = self._lookup(token_ids, root)
         return plan.num_fresh + plan.num_evictable_hits <= self.num_free_blocks
 
     # ----- mutations ---------------------------------------------------------------
 
-    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: list[int], root: bytes = ROOT_DIGEST) -> int:
         """Admit a sequence with its prompt; return num_cached_tokens (< len(token_ids)).
 
         Reuses the longest chain of cached full blocks, then allocates fresh blocks for
@@ -224,11 +234,12 @@ class BlockManager:
             raise ValueError(f"seq_id {seq_id} is already allocated")
         if not token_ids:
             raise ValueError("token_ids must hold at least one token")
-        plan = self._lookup(token_ids)
+        plan = self._lookup(token_ids, root)
         self._require_free(plan.num_fresh + plan.num_evictable_hits, f"admit seq {seq_id}")
         # Claim hits before taking fresh blocks, so an eviction cannot take a block this
         # prompt is about to reuse.
-        seq = _Seq([self._acquire(b) for b in plan.hit_blocks], list(plan.hit_hashes))
+        seq = _Seq([self._acquire(b) for b in plan.hit_blocks], list(plan.hit_hashes), root)
+        self._roots.add(root)
         for _ in range(plan.num_fresh):
             self._grow(seq)
         self._seqs[seq_id] = seq
@@ -285,7 +296,7 @@ class BlockManager:
                 f"capacity={capacity})], got {num_computed_tokens}"
             )
         bs = self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_DIGEST
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
         for i in range(len(seq.block_hashes), num_computed_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = self._register(seq.block_table[i], parent, tokens)
@@ -411,14 +422,14 @@ class BlockManager:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(f"{what}: need {num_blocks} blocks, {self.num_free_blocks} free")
 
-    def _lookup(self, token_ids: list[int]) -> _AdmissionPlan:
-        """Read-only: walk the prefix cache over the full blocks of token_ids."""
+    def _lookup(self, token_ids: list[int], root: bytes = ROOT_DIGEST) -> _AdmissionPlan:
+        """Read-only: walk the prefix cache over the full blocks of token_ids, chained from `root`."""
         bs = self.block_size
         hits: list[int] = []
         hashes: list[bytes] = []
         num_full = len(token_ids) // bs
         if self.config.enable_prefix_cache:
-            parent = ROOT_DIGEST
+            parent = root
             for i in range(num_full):
                 tokens = tuple(token_ids[i * bs : (i + 1) * bs])
                 h = _chain_hash(parent, tokens)
@@ -490,7 +501,7 @@ class BlockManager:
         block free, a continuation of `after_hash`; see _take_fresh_block."""
         parent = block.parent_hash
         # A block-0 entry (root parent) is never an orphan, nor a continuation of a seq's blocks.
-        if parent is None or parent == ROOT_DIGEST:
+        if parent is None or parent in self._roots:
             return False
         return parent not in self._cache or (not self._free and parent == after_hash)
 
