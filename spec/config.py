@@ -8,6 +8,7 @@ from spec.adaptive import AdaptiveConfig
 from spec.threads import ThreadConfig
 from verifier.checks import positive_int
 from verifier.model.loader import DEFAULT_MODEL
+from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
 from verifier.model.shard import check_tp_quantization
 from verifier.quantized import MODES
 from verifier.sampling.grammar_limits import GrammarLimits
@@ -52,10 +53,18 @@ class EngineConfig:
     # What a request's logprobs are: "raw" (the forward's logits, as vLLM's default) or
     # "processed" (the distribution sampled from); verifier/sampling/logprobs.py
     logprobs_mode: str = "raw"
+    # LoRA adapters served beside the base (PEFT folders): ((name, path), ...), or a dict of them;
+    # a request names one to run under it (verifier/model/lora.py). At most max_loras at once,
+    # each of rank at most max_lora_rank.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_RANK
 
     def __post_init__(self):
+        if isinstance(self.lora_modules, dict):
+            object.__setattr__(self, "lora_modules", tuple((str(k), str(v)) for k, v in self.lora_modules.items()))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_loras", "max_lora_rank"):
             positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:

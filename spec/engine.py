@@ -42,10 +42,11 @@ from spec.step_cost import CostCurve, StatedCost, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.attention.kv_cache import slot_of
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
-from verifier.block_manager import BlockManager, BlockManagerConfig
+from verifier.block_manager import BlockManager, BlockManagerConfig, namespace_root
 from verifier.cpu.cpus import IdleMeter, cpu_budget, free_cpus
 from verifier.cpu.machine import default_threads, on_threads
 from verifier.memory import available_bytes
+from verifier.model.lora import LoraSet
 from verifier.model.tokenizer import prompt_ids
 from verifier.parallel import open_target
 from verifier.sampling.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
@@ -194,6 +195,7 @@ class LLMEngine:
                                                       config.enable_prefix_cache))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks)
+        self.lora = self._load_adapters(config)
         self.eos_ids = frozenset(mc.eos_token_ids) | set(generation_eos_ids(self.target.model_dir)) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
@@ -227,6 +229,16 @@ class LLMEngine:
         self.guard = BatchGuard(replace(config.adaptive.guard, enabled=config.adaptive.guard.enabled and measured))
         self._guarded: tuple[int, bool] | None = None     # this step's (decoding requests, may draft)
         self.threads = self._thread_governor(config, free)
+
+    def _load_adapters(self, config: EngineConfig) -> LoraSet | None:
+        """The LoRA adapters of `config.lora_modules`, loaded (None without any)."""
+        if not config.lora_modules:
+            return None
+        lora = self.target.enable_lora(config.max_loras, config.max_lora_rank)
+        for name, path in config.lora_modules:
+            lora.load(name, path)
+            log.info("LoRA adapter %r (rank %d) from %s", name, lora.adapter(name).rank, path)
+        return lora
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.
@@ -341,14 +353,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, speculate: bool = True,
                     speculation: SpecConfig | None = None, grammar=None,
-                    prediction: Prediction | None = None) -> Request:
+                    prediction: Prediction | None = None, lora: str | None = None) -> Request:
         """Validate and queue; ValueError (naming the problem) leaves no state behind.
         `speculate=False` decodes this request plainly; `speculation` caps its tree (depth,
         top-k, budget) below the engine's own SpecConfig; `grammar`: params.structured already
         compiled (the server compiles before queueing; the cache may have dropped it since);
-        `prediction`: the reply the client expects, drafted (ignored when not speculating)."""
+        `prediction`: the reply the client expects, drafted (ignored when not speculating);
+        `lora`: the name of the LoRA adapter it runs under (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self._adapter_slot(lora)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(ids, params)
         if prediction is not None:
@@ -360,6 +374,8 @@ class LLMEngine:
                       prompt=prompt if isinstance(prompt, str) else None,
                       generator=make_generator(seed, self.target.device))
         req.speculate = speculate
+        if adapter:
+            req.adapter, req.cache_root = adapter, namespace_root(self.lora.tag(adapter))
         req.speculation = self._cap_speculation(speculation)
         req.prediction = prediction if speculate else None    # it only speeds a reply up: off means off
         if params.structured is not None:
@@ -368,6 +384,12 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _adapter_slot(self, name: str | None) -> int:
+        """The slot of LoRA adapter `name` (0: None, the base); ValueError naming it if not loaded."""
+        if name is not None and self.lora is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: this engine serves none (lora_modules)")
+        return 0 if name is None else self.lora.slot(name)
 
     def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:
         if spec is None:
@@ -400,7 +422,40 @@ class LLMEngine:
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),
             steps=self._steps, last_step_tokens=self._last_step_tokens,
-            timing=self.timing, memory=self._memory_parts)
+            timing=self.timing, memory=self._memory_parts, **self._lora_stats())
+
+    # ---- LoRA adapters ----------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` from the next step; ValueError (nothing loaded)
+        naming what does not fit."""
+        if self.lora is None:
+            self.lora = self.target.enable_lora(self.config.max_loras, self.config.max_lora_rank)
+        self.lora.load(name, path)
+        log.info("LoRA adapter %r (rank %d) loaded from %s", name, self.lora.adapter(name).rank, path)
+
+    def unload_lora(self, name: str) -> int:
+        """Stop serving adapter `name`: its requests, running or waiting, fail alone (finish_reason
+        "error", their blocks back to the pool); returns how many."""
+        slot = self._adapter_slot(name)
+        under = [r for r in self.requests.values() if r.adapter == slot and not r.finished]
+        for req in under:
+            self._pending.append(self._fail(req, RequestFault(f"LoRA adapter {name!r} was unloaded")))
+        self.lora.unload(name)
+        log.info("LoRA adapter %r unloaded (%d requests under it failed)", name, len(under))
+        return len(under)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Adapter name -> the folder it was loaded from."""
+        return {} if self.lora is None else {n: str(self.lora.adapter(n).path) for n in self.lora.slots}
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        names = {slot: name for name, slot in self.lora.slots.items()}
+        running = {names[r.adapter] for r in self.scheduler.running if r.adapter in names}
+        waiting = {names[r.adapter] for r in self.scheduler.waiting if r.adapter in names}
+        return {"max_loras": self.lora.max_loras, "lora_running": tuple(sorted(running)),
+                "lora_waiting": tuple(sorted(waiting))}
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached blocks no request holds; returns how many."""
@@ -741,14 +796,14 @@ class LLMEngine:
             tree = plan.proposal.tree       # root at slot `start`, node j at start + j
             return SeqInput(list(tree.tokens), start, table, positions=tree.positions(start),
                             mask=tree.ancestor_mask(), logits_indices=plan.logit_rows,
-                            logits_tokens=self._few_allowed(plan, plan.logit_rows))
+                            logits_tokens=self._few_allowed(plan, plan.logit_rows), adapter=req.adapter)
         # Logits of the last token only; none for a chunk with more of the prompt after it, or
         # where the grammar allows one token. The last token is a sampled row either way.
         n = plan.seq.num_new_tokens
         sampled = not plan.mid_prefill and plan.logit_rows
         return SeqInput(req.token_ids[start:start + n], start, table, logits_indices=None if sampled else [],
                         sampled_from=None if plan.mid_prefill else n - 1,
-                        logits_tokens=self._few_allowed(plan, [0]) if sampled else None)
+                        logits_tokens=self._few_allowed(plan, [0]) if sampled else None, adapter=req.adapter)
 
     def _few_allowed(self, plan: SeqPlan, rows: list[int]) -> tuple | None:
         """Per logits row of a constrained plan, the tokens its mask allows if they are few."""
@@ -944,7 +999,7 @@ class LLMEngine:
             return None
         if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
             req.prompt_logprobs = prompt_logprobs(self.target, self.blocks, -2 - req.seq_id, req.prompt_token_ids,
-                                                  req.params.prompt_logprobs)
+                                                  req.params.prompt_logprobs, req.adapter)
         added, reason = self._append_tokens(req, plan.tokens)
         if plan.logprobs is not None:
             req.logprobs += plan.logprobs[:len(added)]

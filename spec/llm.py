@@ -48,20 +48,25 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 predictions: Predicted | Sequence[Predicted] = None, *, speculate: bool = True) -> list[RequestOutput]:
+                 predictions: Predicted | Sequence[Predicted] = None, *, speculate: bool = True,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order.
-        `speculate=False`: these requests decode plainly though the engine has a drafter."""
+        `speculate=False`: these requests decode plainly though the engine has a drafter.
+        `lora`: the LoRA adapter (a name of `lora_modules`) they run under, or one per prompt
+        (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([(p, None) for p in prompts], params, predictions, speculate)
+        return self._run([(p, None) for p in prompts], params, predictions, speculate, lora)
 
     def chat(self, conversations: list[Message] | list[list[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             predictions: Predicted | Sequence[Predicted] = None) -> list[RequestOutput]:
+             predictions: Predicted | Sequence[Predicted] = None,
+             lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Conversations go through the model's chat template with the assistant turn opened."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run([(None, self.apply_chat_template(c)) for c in conversations], params, predictions)
+        return self._run([(None, self.apply_chat_template(c)) for c in conversations], params, predictions,
+                         lora=lora)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         if not messages:
@@ -73,18 +78,21 @@ class LLM:
         return chat_token_ids(self.tokenizer, messages)
 
     def _run(self, items: list[tuple[Prompt | None, list[int] | None]], params, predictions=None,
-             speculate: bool = True) -> list[RequestOutput]:
+             speculate: bool = True, lora=None) -> list[RequestOutput]:
         params = params or SamplingParams()
         plist = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(items):
             raise ValueError(f"{len(plist)} SamplingParams for {len(items)} prompts")
         predicted = self._predictions(predictions, len(items))
+        adapters = [lora] * len(items) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(items):
+            raise ValueError(f"{len(adapters)} LoRA adapter names for {len(items)} prompts")
         engine, ids = self.engine, []
         try:
-            for (prompt, tokens), p, pred in zip(items, plist, predicted):
+            for (prompt, tokens), p, pred, adapter in zip(items, plist, predicted, adapters):
                 rid = f"gen-{next(self._ids)}"
                 engine.add_request(rid, prompt if prompt is not None else tokens, p, prompt_token_ids=tokens,
-                                   speculate=speculate, prediction=pred)
+                                   speculate=speculate, prediction=pred, lora=adapter)
                 ids.append(rid)
         except Exception:
             for rid in ids:            # a bad prompt in the list: leave nothing queued

@@ -15,15 +15,17 @@ from verifier.sampling.logprobs import TokenLogprob, row_logprob
 CHUNK = 256     # prompt rows per forward: logits of CHUNK x vocabulary floats at a time
 
 
-def prompt_logprobs(target, blocks, seq_id: int, prompt: list[int], k: int) -> list[TokenLogprob | None]:
+def prompt_logprobs(target, blocks, seq_id: int, prompt: list[int], k: int,
+                    adapter: int = 0) -> list[TokenLogprob | None]:
     """Raw logprobs of prompt[1:] (and None for prompt[0]), from a forward over scratch blocks
-    lent under `seq_id` (NoFreeBlocksError, the pool unchanged, when they are not there)."""
+    lent under `seq_id` (NoFreeBlocksError, the pool unchanged, when they are not there), under
+    LoRA adapter slot `adapter` (0: the base)."""
     out: list[TokenLogprob | None] = [None]
     with blocks.scratch(seq_id, len(prompt)) as table:
         for start in range(0, len(prompt) - 1, CHUNK):
             chunk = prompt[start:start + CHUNK]
             fwd = target.forward(ForwardBatch([SeqInput(chunk, start, table, logits_indices=list(range(len(chunk))),
-                                                        sampled_from=0)]))
+                                                        sampled_from=0, adapter=adapter)]))
             logits = fwd.seq_logits(0)
             for r in range(len(chunk)):
                 if start + r + 1 < len(prompt):

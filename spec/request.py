@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import RequestError
+from verifier.block_manager import ROOT_DIGEST
 from verifier.sampling.sampling_params import SamplingParams
 
 
@@ -71,6 +72,8 @@ class Request:
         self.error: RequestError | None = None   # why it failed alone (finish_reason "error")
         self.logprobs: list = []                 # verifier.sampling.logprobs.TokenLogprob per output token, if asked
         self.prompt_logprobs: list | None = None  # per prompt token (the first None), once computed, if asked
+        self.adapter = 0                         # the LoRA adapter's slot it runs under (0: the base)
+        self.cache_root = ROOT_DIGEST            # where its prompt's prefix-cache keys chain from (its adapter's)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -96,9 +96,9 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self.blocks.can_allocate(req.token_ids):
+            if not self.blocks.can_allocate(req.token_ids, req.cache_root):
                 break                         # FCFS: do not let later requests jump the queue
-            cached = self.blocks.allocate(req.seq_id, req.token_ids)
+            cached = self.blocks.allocate(req.seq_id, req.token_ids, req.cache_root)
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = cached
                 req.admit_time = time.perf_counter()

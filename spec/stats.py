@@ -121,6 +121,10 @@ class EngineStats:
     last_step_tokens: int = 0       # tokens the last of them ran (prompt chunks, decode tokens, tree nodes)
     timing: PhaseTimes = PhaseTimes()
     memory: tuple[tuple[str, int], ...] = ()   # bytes by part at load (verifier/memory.py:MemoryReport.parts)
+    # LoRA adapters: the most served at once, and the names of those running and waiting requests run under
+    max_loras: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
     @property
     def kv_blocks_used(self) -> int:

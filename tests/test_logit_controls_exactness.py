@@ -40,10 +40,11 @@ def held() -> SamplingParams:
     return SamplingParams(min_tokens=2, logit_bias={EOS: 3.0}, **BASE)
 
 
-def exact_joint(model_dir, prompt, params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2, t3) flattened to V**3: each row's transform sees the output before it."""
+def exact_joint(model_dir, prompt, params: SamplingParams, hf=None) -> torch.Tensor:
+    """P(t1, t2, t3) flattened to V**3: each row's transform sees the output before it (`hf`: the
+    model whose law it is, default model_dir's)."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = hf or AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
     ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
     with torch.no_grad():

@@ -57,10 +57,14 @@ def int4_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompt(tiny_vocab_dir) -> list[int]:
+    return make_prompt(tiny_vocab_dir)
+
+
+def make_prompt(model_dir) -> list[int]:
     """A prompt [y, x, t, z, y, x] whose likeliest next token is t: the n-gram drafter then
     proposes (t, z) after the repeated (y, x), and the model often accepts it."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_vocab_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     y, x, t, z = torch.randint(0, V, (4, 4096), generator=g)
     cand = torch.stack([y, x, t, z, y, x], 1)

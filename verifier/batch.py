@@ -33,6 +33,7 @@ class SeqInput:
     # are needed (a grammar mask that allows few; the rest come back -inf), or None for all.
     # A quantized target computes just those, exactly; others compute every logit.
     logits_tokens: tuple | None = None
+    adapter: int = 0                  # the LoRA adapter's slot its rows run under (0: the base)
 
     def __post_init__(self):
         q = len(self.token_ids)

@@ -27,6 +27,7 @@ from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput
 from verifier.memory import tensor_bytes
 from verifier.model.gemma import planned_window
+from verifier.model.lora import LoraSet, adapter_rows, hook_dense
 from verifier.model.linear_tuning import LinearTimings
 from verifier.model.linear_tuning import tune as tune_linear
 
@@ -78,6 +79,7 @@ class DenseRunner:
         self.net, self.device = net, settings.device
         self.backend = get_backend(settings.backend or ("triton" if self.device.type == "cuda" else "torch"))
         self.linear_timings: LinearTimings | None = None
+        self.lora: LoraSet | None = None
         if self.device.type == "cpu":
             self.linear_timings = tune_linear(net, settings.cache_dir, settings.retime, settings.tune_threads)
 
@@ -94,10 +96,16 @@ class DenseRunner:
         ids, positions, rows, offsets = flatten(batch)
         dev = self.device
         meta = self.backend.plan(batch, kv.block_size, dev, planned_window(self.net.cfg))
-        logits, taps = self.net(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                torch.tensor(rows, dtype=torch.long, device=dev), kv, self.backend, meta,
-                                batch.capture_layers)
+        with adapter_rows(self.lora, batch, dev):
+            logits, taps = self.net(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                    torch.tensor(rows, dtype=torch.long, device=dev), kv, self.backend, meta,
+                                    batch.capture_layers)
         return ForwardOutput(logits, offsets, taps)
+
+    def attach_lora(self, lora: LoraSet) -> None:
+        """Serve `lora`'s adapters: the projections add their rows' products (forward hooks)."""
+        hook_dense(self.net, lora)
+        self.lora = lora
 
 
 def flatten(batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -17,6 +17,8 @@ from verifier.model.gguf_quant import INDEX_FILE
 from verifier.model.gemma import GemmaForCausalLM
 from verifier.model.llama import LlamaForCausalLM, uninitialized
 from verifier.model.loader import resolve_model_dir
+from verifier.model.lora import LoraSet
+from verifier.model.lora_adapter import check_lora_base
 from verifier.model.shard import TensorShard, check_tp_quantization
 from verifier.model.tokenizer import NullTokenizer, Tokenizer
 from verifier.model.weights import load_checkpoint, load_tensor, materialize
@@ -162,6 +164,16 @@ class TargetModel:
         except KeyError:
             table = load_tensor(self.model_dir, "model.embed_tokens.weight")
         return table.float()
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSet:
+        """Serve LoRA adapters on this target (`verifier.model.lora`): load them into the set this
+        returns; a forward's rows take theirs from `SeqInput.adapter`."""
+        if self.shard.size > 1:
+            raise ValueError("LoRA adapters are not served on a tensor-parallel target")
+        check_lora_base(self.config)
+        lora = LoraSet(self.config, max_loras, max_rank)
+        self.runner.attach_lora(lora)
+        return lora
 
     def close(self) -> None:
         """Release what outlives the object (nothing on one rank; the worker ranks under TP)."""

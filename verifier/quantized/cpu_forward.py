@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -106,22 +107,25 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
                  kv: KVCache,
                  logits_rows: torch.Tensor, capture_layers: tuple[int, ...] = (),
                  own: bool = True, native: NativeLayers | None = None,
-                 logits_tokens: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 logits_tokens: list[torch.Tensor | None] | None = None,
+                 mm: Callable | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them. With `native` (`verifier.quantized.cpu_loop`), sampled
     rows (`own`) run the layers, and where it holds the head the final norm and the head, in one
     C++ call: the same kernels in the same order. `logits_tokens` (per logits row, int64 ids or
-    None): rows whose logits are needed at those tokens only (exact, the rest -inf)."""
+    None): rows whose logits are needed at those tokens only (exact, the rest -inf). `mm`
+    (lin, x, bias) -> bf16: the projections' matmul in place of `own_matmul` (LoRA adapters add
+    their rows' products to it; the layers then run here, not in the native loop)."""
     c = net.cfg
     if c.gemma is not None:
         return gemma_forward_rows(net, heads, layers, ids, plan, kv, logits_rows, capture_layers, own, native,
                                   logits_tokens)
     x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
     logits = None
-    if own and native is not None:
+    if own and native is not None and mm is None:
         logits, taps = native.run(plan, x, kv, capture_layers, logits_rows, logits_tokens)
     else:
-        taps = _layers(c, layers, heads, plan, kv, x, capture_layers, _own)
+        taps = _layers(c, layers, heads, plan, kv, x, capture_layers, mm or own_matmul)
     if c.num_layers in capture_layers:
         taps[c.num_layers] = x
     if logits is not None:                # the native loop ran the final norm and the head too
@@ -174,7 +178,7 @@ def _qk_normed(c, layer: CpuLayer, qkv: torch.Tensor) -> torch.Tensor:
     return norm_qk(heads, layer.q_norm, layer.k_norm, c.num_heads, c.num_kv_heads).view(qkv.shape)
 
 
-def _own(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+def own_matmul(lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """The weight's own row-invariant kernel -> bf16 (qkv's bias is added in rope_store)."""
     y = lin.run_own(x)
     return y if lin.bias is None or not bias else (y + lin.bias).to(torch.bfloat16)

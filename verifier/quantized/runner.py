@@ -23,10 +23,11 @@ from torch import nn
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.memory import tensor_bytes
+from verifier.model.lora import LoraSet, adapter_rows
 from verifier.model.moe import SparseMoeBlock
 from verifier.quantized.attention_tuning import AttentionTimings
 from verifier.quantized.attention_tuning import tune as tune_attention
-from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, row_plan
+from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, own_matmul, row_plan
 from verifier.quantized.cpu_loop import native_layers
 from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimings
 from verifier.quantized.qlinear import QuantEmbedding, QuantLinear
@@ -73,6 +74,19 @@ class QuantizedRunner:
         self.heads = cpu_heads(net)
         self.attention_timings: AttentionTimings = tune_attention(self.heads, s.cache_dir, s.retime, s.tune_threads)
         self.native = native_layers(net.cfg, self.heads, self.layers, net.model.norm, net.lm_head)
+        self.lora: LoraSet | None = None
+        self._sites: dict[int, tuple[int, str]] = {}      # id(QuantLinear) -> (layer, projection)
+
+    def attach_lora(self, lora: LoraSet) -> None:
+        """Serve `lora`'s adapters: a forward with adapted rows runs the layers in Python (not the
+        native loop), each projection's own kernel, then its rows' products added."""
+        self._sites = {id(lin): (i, name) for i, layer in enumerate(self.layers)
+                       for name, lin in (("qkv_proj", layer.qkv), ("o_proj", layer.o),
+                                         ("gate_up_proj", layer.gate_up), ("down_proj", layer.down))}
+        self.lora = lora
+
+    def _adapted(self, lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        return self.lora.add(*self._sites[id(lin)], x, own_matmul(lin, x, bias))
 
     def memory_parts(self) -> tuple[int, int, int]:
         """Bytes held: (the decoder's packed projections, the embedding and head tables with the
@@ -109,9 +123,11 @@ class QuantizedRunner:
         cfg = self.net.cfg
         plan = row_plan(batch.seqs, kv.block_size, cfg.num_heads // cfg.num_kv_heads, prompt=not own)
         tokens = [t for s in batch.seqs for t in (s.logits_tokens or [None] * len(s.sample_indices))]
-        logits, taps = forward_rows(self.net, self.heads, self.layers, torch.tensor(ids), plan,
-                                    kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own,
-                                    self.native, tokens if any(t is not None for t in tokens) else None)
+        with adapter_rows(self.lora, batch, torch.device("cpu")):
+            mm = self._adapted if self.lora is not None and self.lora.active else None
+            logits, taps = forward_rows(self.net, self.heads, self.layers, torch.tensor(ids), plan,
+                                        kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own,
+                                        self.native, tokens if any(t is not None for t in tokens) else None, mm)
         return ForwardOutput(logits, offsets, taps)
 
 
@@ -124,9 +140,11 @@ def split_at_first_sample(seq: SeqInput) -> tuple[SeqInput | None, SeqInput | No
     if first == seq.num_new:
         return seq, None
     pos = seq.positions
-    head = SeqInput(seq.token_ids[:first], seq.ctx_len, seq.block_table, pos and pos[:first], logits_indices=[])
+    head = SeqInput(seq.token_ids[:first], seq.ctx_len, seq.block_table, pos and pos[:first], logits_indices=[],
+                    adapter=seq.adapter)
     tail = SeqInput(seq.token_ids[first:], seq.ctx_len + first, seq.block_table, pos and pos[first:],
-                    logits_indices=[i - first for i in seq.sample_indices], logits_tokens=seq.logits_tokens)
+                    logits_indices=[i - first for i in seq.sample_indices], logits_tokens=seq.logits_tokens,
+                    adapter=seq.adapter)
     return head, tail
 
 

@@ -1,0 +1,226 @@
+"""LoRA adapters in PEFT's format served beside the base (verifier/model/lora.py): the adapted
+model's tokens, whichever rows share a step and whichever drafter drafts; prefix caches kept
+apart per adapter; adapters that do not fit refused with the file and the field named.
+
+Adapters are made in the test with PEFT (`init_lora_weights=False`: A and B both random, so the
+adapter changes the model) over tiny random models built with transformers' own classes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec import LLM
+from tests.conftest import make_tiny_model
+from drafters.config import SpecConfig
+from tests.pinned import WHOLE_TREES
+from verifier.sampling.sampling_params import SamplingParams
+
+
+def _peft():
+    """PEFT, imported when a test runs: at collection it would import triton before the Triton
+    tests set TRITON_INTERPRET (tests/test_triton_kernels.py)."""
+    return pytest.importorskip("peft")
+
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+CHAIN = SpecConfig(num_speculative_tokens=2)
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7, 7, 7, 100, 200], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [250, 13]]
+
+
+def make_adapter(base: Path, out: Path, targets: list[str], r: int = 8, seed: int = 1, **config) -> Path:
+    """A PEFT LoRA adapter of `base` with random A and B, saved to `out`."""
+    import transformers
+    peft = _peft()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
+                                                      init_lora_weights=False, **config))
+    lora.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("lora_base"), None)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": str(make_adapter(tiny, root / "a", ATTN_MLP, seed=1)),
+            "b": str(make_adapter(tiny, root / "b", ["q_proj", "v_proj", "down_proj"], r=4, seed=2,
+                                  use_rslora=True))}
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.token_ids for o in outs]
+
+
+def _hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF's greedy tokens, EOS not stopping them (as ignore_eos; min_new_tokens would mask it)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3"])
+def test_adapted_greedy_tokens_are_hf_peft_models(tmp_path, model_type):
+    """Dense base: greedy tokens under an adapter equal PEFT's PeftModel.generate, the base's
+    equal the base's; the adapter changes them (Phi-3's fused qkv and gate_up adapted whole)."""
+    import transformers
+    base = make_tiny_model(tmp_path / "base", None, model_type, **({"pad_token_id": 0} if model_type == "phi3" else {}))
+    path = make_adapter(base, tmp_path / "adapter", FUSED.get(model_type, ATTN_MLP))
+    llm = LLM(model=str(base), quantization="none", lora_modules={"x": str(path)}, num_kv_blocks=64)
+    ours = _tokens(llm.generate(PROMPTS, GREEDY, lora="x"))
+    plain = _tokens(llm.generate(PROMPTS, GREEDY))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    assert plain == _hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
+    adapted = _peft().PeftModel.from_pretrained(hf, str(path)).eval()
+    assert ours == _hf_greedy(adapted, PROMPTS, GREEDY.max_tokens)
+    assert ours != plain
+
+
+def test_mixed_batches_equal_each_request_alone_on_the_int4_base(tiny, adapters):
+    """Rows of two adapters and of the base in one step give each request the tokens it gets
+    alone; each adapter changes its requests' tokens."""
+    llm = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    names = ["a", None, "b", "a"]
+    mixed = _tokens(llm.generate(PROMPTS, GREEDY, lora=names))
+    alone = [llm.generate([p], GREEDY, lora=n)[0].token_ids for p, n in zip(PROMPTS, names)]
+    assert mixed == alone
+    base = _tokens(llm.generate(PROMPTS, GREEDY))
+    assert mixed[1] == base[1] and mixed[0] != base[0] and mixed[2] != base[2]
+
+
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tiny, adapters):
+    """Bitwise: an adapter's delta on a row alone, among 5 and among 40 rows of random inputs."""
+    from verifier.model.lora import LoraSet
+    from verifier.target import load_config
+    lora = LoraSet(load_config(tiny))
+    slot = lora.load("a", adapters["a"])
+    x = torch.randn(40, 64).bfloat16()
+
+    def delta(rows: torch.Tensor) -> torch.Tensor:
+        with lora.rows([slot] * rows.shape[0], torch.device("cpu")):
+            return lora.add(0, "qkv_proj", rows, torch.zeros(rows.shape[0], 128, dtype=torch.bfloat16))
+    whole = delta(x)
+    assert torch.equal(delta(x[3:4]), whole[3:4]) and torch.equal(delta(x[1:6]), whole[1:6])
+    assert whole.abs().sum() > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_speculation_under_an_adapter_gives_the_adapted_tokens(tiny, adapters, drafter):
+    """T=0: a drafter's steps under adapters, in a mixed batch, give plain decoding's tokens
+    (the drafter drafts from the text, the adapted model verifies)."""
+    prompts = [p * 3 for p in PROMPTS]
+    names = ["a", "b", None, "a"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    spec = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128, drafter=drafter,
+               adaptive=WHOLE_TREES)
+    drafted = spec.generate(prompts, params, lora=names)
+    assert _tokens(drafted) == _tokens(plain.generate(prompts, params, lora=names))
+    assert sum(o.stats.accepted_tokens for o, n in zip(drafted, names) if n) > 0
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(tiny, adapters):
+    """A prompt cached under one adapter is never reused under another or the base (their
+    tokens are those of a fresh engine), and is reused under the same adapter."""
+    prompt = list(range(100, 100 + 40))        # two full blocks and a part
+    llm = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    first = llm.generate([prompt], GREEDY, lora="a")[0]
+    again, other, base = (llm.generate([prompt], GREEDY, lora=n)[0] for n in ("a", "b", None))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32 and again.token_ids == first.token_ids
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    fresh = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    assert other.token_ids == fresh.generate([prompt], GREEDY, lora="b")[0].token_ids
+    assert base.token_ids == fresh.generate([prompt], GREEDY)[0].token_ids
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_the_file_and_field(tiny, adapters, tmp_path):
+    from verifier.model.lora import LoraSet
+    from verifier.target import load_config
+    lora = LoraSet(load_config(tiny), max_loras=1, max_rank=4)
+    with pytest.raises(ValueError, match="rank 8, above max_lora_rank 4"):
+        lora.load("a", adapters["a"])
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        lora.load("x", tmp_path)
+    other = make_tiny_model(tmp_path / "other", None, hidden_size=32, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: layer 0 q_proj: lora_A \(8, 32\)"):
+        LoraSet(load_config(tiny)).load("y", make_adapter(other, tmp_path / "small", ["q_proj"]))
+    dora = Path(adapters["b"]).parent / "dora"
+    dora.mkdir()
+    cfg = json.loads((Path(adapters["b"]) / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(ValueError, match="adapter_config.json: use_dora is set"):
+        LoraSet(load_config(tiny)).load("d", dora)
+    assert lora.load("b", adapters["b"]) == 1
+    with pytest.raises(ValueError, match="all 1 slots"):
+        lora.load("c", adapters["b"])
+    llm = LLM(model=str(tiny), quantization="int4", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a': this engine serves none"):
+        llm.generate([PROMPTS[0]], GREEDY, lora="a")
+
+
+@pytest.fixture(scope="module")
+def law_case(tmp_path_factory):
+    """The 32-token model of the exactness tests, an adapter of it, the prompt, the adapted
+    model's exact law of three tokens, and the base's."""
+    import transformers
+    from test_logit_controls_exactness import exact_joint
+    from test_speculative_exactness import PARAMS, V, make_prompt
+    root = tmp_path_factory.mktemp("lora_law")
+    base = make_tiny_model(root / "v32", None, vocab_size=V, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, seed=3)
+    adapter = make_adapter(base, root / "adapter", ATTN_MLP, seed=7)
+    prompt = make_prompt(base)
+    params = SamplingParams(**PARAMS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    base_law = exact_joint(base, prompt, params, hf)
+    law = exact_joint(base, prompt, params, _peft().PeftModel.from_pretrained(hf, str(adapter)).eval())
+    return base, adapter, prompt, params, law, base_law
+
+
+def _adapted_counts(case) -> tuple[torch.Tensor, int]:
+    """Counts of the first three tokens of N_SAMPLES seeded requests under the adapter, the base
+    drafting for it (`small:`), and the drafts it accepted."""
+    from dataclasses import replace
+
+    from test_speculative_exactness import N_SAMPLES, V
+    base, adapter, prompt, params, _, _ = case
+    llm = LLM(str(base), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500,
+              drafter=f"small:{base}", speculation=CHAIN, lora_modules={"x": str(adapter)}, adaptive=WHOLE_TREES)
+    outs = llm.generate([prompt] * N_SAMPLES, [replace(params, seed=i) for i in range(N_SAMPLES)], lora="x")
+    toks = torch.tensor([o.token_ids for o in outs])
+    assert llm.engine.blocks.num_used_blocks == 0
+    return torch.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3), \
+        sum(o.stats.accepted_tokens for o in outs)
+
+
+def test_sampling_under_an_adapter_follows_the_adapted_models_law(law_case):
+    """T > 0: the base drafts, the adapted target verifies: the tokens follow the adapted model's
+    law (PEFT's logits), not the base's."""
+    from stats import chi_square_pvalue
+    counts, accepted = _adapted_counts(law_case)
+    law, base_law = law_case[4], law_case[5]
+    assert accepted >= 300 and chi_square_pvalue(counts, law) > 1e-3
+    assert chi_square_pvalue(counts, base_law) < 1e-3
+
+
+def test_verifying_trees_without_the_adapter_fails_the_same_test(law_case, monkeypatch):
+    """The control: tree nodes verified by the base (the adapter dropped from masked inputs),
+    plain steps under the adapter: the law is no longer the adapted model's."""
+    import spec.engine as engine_module
+    from stats import chi_square_pvalue
+    from verifier.batch import SeqInput
+
+    def base_trees(*args, adapter: int = 0, **kw):
+        return SeqInput(*args, adapter=0 if kw.get("mask") is not None else adapter, **kw)
+    monkeypatch.setattr(engine_module, "SeqInput", base_trees)
+    counts, _ = _adapted_counts(law_case)
+    assert chi_square_pvalue(counts, law_case[4]) < 1e-3

@@ -1,0 +1,134 @@
+"""The LoRA adapters a target serves, and their products added to its projections row by row.
+
+Each adapter holds a slot (1 .. max_loras; 0 is the base). A forward's rows each take a slot
+(`SeqInput.adapter`); the runner sets them for the forward (`rows`), and every projection's
+output then gets, on the rows of each adapter that adapts it, (x A^T) B^T added in fp32 (QLoRA's
+way on a quantized base: the delta beside the quantized kernel's output). Rows of the base, and
+projections an adapter leaves alone, keep their bits.
+
+A row's delta must not depend on the rows beside it (T=0 speculation against plain decoding, a
+prompt in any chunking): the products run on tiles of a fixed row count (`row_tiles`), so a row
+alone and the same row among others take the same kernel.
+"""
+from __future__ import annotations
+
+import secrets
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from verifier.batch import ForwardBatch
+from verifier.model.config import ModelConfig
+from verifier.model.lora_adapter import LoraAdapter, load_adapter
+from verifier.model.row_tiles import in_row_tiles
+
+LORA_TILE = 16          # rows per product: the rank is small, a decode row pays for 15 padded ones
+DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK = 4, 64
+
+
+class LoraSet:
+    """The adapters loaded for one target (by name, each in a slot) and the current forward's
+    rows: which slot each takes."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int = DEFAULT_MAX_LORAS, max_rank: int = DEFAULT_MAX_RANK):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
+        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.slots: dict[str, int] = {}
+        self._adapters: dict[int, LoraAdapter] = {}
+        self._tags: dict[int, bytes] = {}       # slot -> this load's own bytes (prefix-cache namespace)
+        self._groups: list[tuple[LoraAdapter, torch.Tensor]] = []       # this forward's rows per adapter
+
+    def load(self, name: str, path: str | Path) -> int:
+        """Load the adapter at `path` as `name`; its slot. ValueError (nothing loaded) where the
+        name is taken, every slot is, or the adapter does not fit (`load_adapter`)."""
+        if not name or name in self.slots:
+            raise ValueError(f"LoRA adapter name {name!r} is {'empty' if not name else 'already loaded'}")
+        free = next((s for s in range(1, self.max_loras + 1) if s not in self._adapters), None)
+        if free is None:
+            raise ValueError(f"cannot load LoRA adapter {name!r}: all {self.max_loras} slots (max_loras) are taken")
+        self._adapters[free] = load_adapter(name, path, self.cfg, self.max_rank)
+        self._tags[free] = secrets.token_bytes(16)
+        self.slots[name] = free
+        return free
+
+    def unload(self, name: str) -> None:
+        slot = self.slot(name)
+        del self._adapters[slot], self._tags[slot], self.slots[name]
+
+    def tag(self, slot: int) -> bytes:
+        """Bytes of this load of the adapter in `slot`: a prompt's KV under it is cached apart
+        from the base's and every other adapter's, and from an earlier load under its name."""
+        return self._tags[slot]
+
+    def slot(self, name: str | None) -> int:
+        """The slot of adapter `name` (None: the base, 0); ValueError for a name not loaded."""
+        if name is None:
+            return 0
+        if name not in self.slots:
+            known = ", ".join(sorted(self.slots)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {known})")
+        return self.slots[name]
+
+    def adapter(self, name: str) -> LoraAdapter:
+        return self._adapters[self.slot(name)]
+
+    @contextmanager
+    def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
+        """Within: the forward's row i takes slot slots[i]."""
+        by_slot: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            if s:
+                by_slot.setdefault(s, []).append(i)
+        self._groups = [(self._adapters[s], torch.tensor(rows, device=device)) for s, rows in by_slot.items()]
+        try:
+            yield
+        finally:
+            self._groups = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the current forward has rows under an adapter."""
+        return bool(self._groups)
+
+    def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the projection's output over x [T, in]) with each adapted row's delta added, in place."""
+        for adapter, rows in self._groups:
+            pair = adapter.pairs.get((layer, projection))
+            if pair is None:
+                continue
+            a, b = pair.a.to(x.device), pair.b.to(x.device)
+            delta = in_row_tiles(lambda t: (t @ a.t()) @ b.t(), x.index_select(0, rows).float(), LORA_TILE)
+            y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+        return y
+
+
+def adapter_rows(lora: LoraSet | None, batch: ForwardBatch, device: torch.device) -> ContextManager:
+    """Within: `lora`'s rows are the batch's new tokens, each under its sequence's adapter (a
+    no-op where no sequence has one)."""
+    if lora is None or not any(s.adapter for s in batch.seqs):
+        return nullcontext()
+    return lora.rows([s.adapter for s in batch.seqs for _ in range(s.num_new)], device)
+
+
+def projections(layers) -> list[tuple[int, str, nn.Module]]:
+    """(layer, Tercel projection, module) of every decoder layer's four projections."""
+    return [(i, name, module) for i, layer in enumerate(layers)
+            for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                                 ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj))]
+
+
+def hook_dense(net: nn.Module, lora: LoraSet) -> None:
+    """The dense model's projections add `lora`'s deltas to their outputs (forward hooks that
+    return at once while no row of the forward is under an adapter)."""
+    for layer, name, module in projections(net.model.layers):
+        module.register_forward_hook(_delta_hook(lora, layer, name))
+
+
+def _delta_hook(lora: LoraSet, layer: int, name: str):
+    def hook(module, inputs, out):
+        return lora.add(layer, name, inputs[0], out) if lora.active else None
+    return hook
