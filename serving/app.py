@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
@@ -28,6 +28,8 @@ from serving.errors import engine_stopped, engine_unavailable, install_error_han
 from serving.fields import check_fields, check_min_tokens, check_sampling
 from serving.limits import BodyLimit, ServerLimits
 from serving.logprobs import TokenPieces
+from serving.flags import LoraServing
+from serving.lora_routes import LoraRoutes
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
@@ -35,7 +37,7 @@ from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, C
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse, VersionResponse
 from serving.streaming import Reply, full_reply, sse_events
 from serving.tools.formats import HERMES, ToolFormat
-from serving.utility_routes import UtilityRoutes, model_card
+from serving.utility_routes import ServedModels, UtilityRoutes
 from verifier.model.tokenizer import prompt_ids
 from verifier.sampling.sampling_params import SamplingParams
 
@@ -53,6 +55,7 @@ class ServerConfig:
     chat_template: str | None = None          # replaces the model's chat template (--chat-template)
     # what requests that leave sampling fields out get (the model's generation_config.json)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    lora: LoraServing = LoraServing()         # LoRA adapters under their own names (serving/lora_routes.py)
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -65,13 +68,17 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     app.get("/metrics")(routes.metrics)
     app.post("/reset_prefix_cache")(routes.reset_prefix_cache)
     app.get("/v1/models", response_model=ModelList)(routes.models)
-    more = UtilityRoutes(config.model_names, bridge.limits, bridge.tokenizer, routes.chat_prompt)
+    more = UtilityRoutes(routes.served, bridge.limits, bridge.tokenizer, routes.chat_prompt)
     app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404))(more.model)
     app.get("/version", response_model=VersionResponse)(more.version)
     app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404))(more.tokenize)
     app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))(more.detokenize)
     app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion))(routes.chat)
     app.post("/v1/completions", response_model=None, responses=_responses(Completion))(routes.completions)
+    if config.lora.allow_runtime:
+        lora = LoraRoutes(bridge, routes.served, config.lora)
+        app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400))(lora.load)
+        app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(404))(lora.unload)
     app.add_middleware(BodyLimit, limit=config.limits.max_body_bytes)
     if config.allowed_origins:      # outside BodyLimit: a 413 still carries the CORS headers
         from fastapi.middleware.cors import CORSMiddleware
@@ -89,7 +96,7 @@ class Routes:
 
     def __init__(self, bridge: EngineBridge, config: ServerConfig):
         self.bridge, self.config = bridge, config
-        self.served = config.model_names[0]
+        self.served = ServedModels(config.model_names, config.lora.modules)
         self._expected = f"Bearer {config.api_key}".encode() if config.api_key else None
         self._token_chars = longest_token(bridge.tokenizer)
         self._pieces = TokenPieces(bridge.tokenizer)     # token texts for logprobs, cached across requests
@@ -121,7 +128,7 @@ class Routes:
         return {"dropped_blocks": await self.bridge.reset_prefix_cache()}
 
     async def models(self):
-        return {"object": "list", "data": [model_card(name) for name in self.config.model_names]}
+        return {"object": "list", "data": self.served.cards()}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         check_fields(body, chat=True)
@@ -153,8 +160,8 @@ class Routes:
     def _check(self, req: ParsedRequest, texts: list[str], param: str) -> None:
         """What can be refused before tokenizing: the model, the stop strings, and a prompt so
         long that even at the vocabulary's longest token it would not fit the context."""
-        if req.model not in self.config.model_names:
-            raise unknown_model(req.model, self.served)
+        if req.model not in self.served:
+            raise unknown_model(req.model, self.served.first)
         self.config.limits.check_stop(req.sampling["stop"])
         check_sampling(req, self.bridge.limits)
         if self._token_chars:
@@ -171,14 +178,15 @@ class Routes:
         grammar = await self._compile(req) if req.structured is not None else None
         prediction = await tokenized(req.prediction, self.bridge.tokenizer) if req.prediction is not None else None
         jobs = [(ids, i * req.n + c) for i, ids in enumerate(prompt_ids) for c in range(req.n)]
-        subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree, grammar, prediction)
-                for ids, choice in jobs]
+        lora = self.served.adapter(req.model)
+        subs = [Submission(ids, self._params(req, ids, choice, chat), spec.speculate, spec.tree, grammar, prediction,
+                           lora) for ids, choice in jobs]
         if prediction is not None:
             check_predictions(limits, subs)
         streams = self._submit(subs)
         calls = self.config.tool_format if req.tool_choice.mode != "none" else None
         pieces = self._pieces if req.logprobs is not None or req.echo else None
-        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, req.n, req.include_usage, calls,
+        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), lora or self.served.first, chat, req.n, req.include_usage, calls,
                       pieces, req.echo, predicted=prediction is not None)
         if req.stream:
             return EventSourceResponse(sse_events(reply, streams), ping=15,

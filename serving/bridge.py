@@ -88,6 +88,7 @@ class Submission:
     speculation: SpecConfig | None = None
     grammar: object | None = None     # params.structured compiled (verifier.sampling.grammar), or None
     prediction: Prediction | None = None    # the reply the client expects (Predicted Outputs), or None
+    lora: str | None = None                  # the LoRA adapter it runs under (None: the base)
 
 
 # ---- the inbox: one message per operation, handled on the engine thread between two steps ----
@@ -415,7 +416,7 @@ class EngineBridge:
         try:
             self.engine.add_request(rid, None, sub.params, prompt_token_ids=sub.prompt_token_ids,
                                     speculate=sub.speculate, speculation=sub.speculation, grammar=sub.grammar,
-                                    prediction=sub.prediction)
+                                    prediction=sub.prediction, lora=sub.lora)
         except Exception as e:   # noqa: BLE001 - this request's alone; a ValueError is its own fault
             self._add_in_flight(-1)
             invalid = isinstance(e, ValueError)

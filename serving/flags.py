@@ -1,6 +1,9 @@
 """Command-line flags that `tercel serve` and `tercel chat` share: the drafter and its tree,
-the CPU weights, tensor parallelism. Kept free of torch so that `--help` stays quick."""
+the CPU weights, tensor parallelism, LoRA adapters. Kept free of torch so that `--help` stays quick."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 
 def add_speculation_args(p, default_drafter: str | None, drafter_help: str) -> None:
@@ -42,3 +45,40 @@ def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | No
     if budget is not None or given:
         given["budget"] = budget      # a budget tuned for the default shape does not carry over
     return replace(base, **given)
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """The adapters served from the start, and whether (and from where) more may be loaded."""
+    modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime: bool = False
+    root: Path | None = None          # runtime adapters only from under it (resolved)
+
+
+def add_lora_args(p) -> None:
+    from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under their own model names")
+    p.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS, help="adapters loaded at once at most")
+    p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, help="the largest rank an adapter may have")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-root)")
+    p.add_argument("--lora-root", default=None, metavar="DIR", help="runtime adapters load from under it only")
+
+
+def lora_serving(args) -> LoraServing:
+    """The flags checked: a bad one stops the server before the model loads."""
+    modules = []
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
+        modules.append((name, path))
+    if len({n for n, _ in modules}) != len(modules):
+        raise ValueError("--lora-modules names an adapter twice")
+    if args.allow_runtime_lora and not args.lora_root:
+        raise ValueError("--allow-runtime-lora needs --lora-root: the folder runtime adapters load from")
+    root = Path(args.lora_root) if args.lora_root else None
+    if root is not None and not root.is_dir():
+        raise ValueError(f"--lora-root {root} is not a folder")
+    return LoraServing(tuple(modules), args.allow_runtime_lora, root)

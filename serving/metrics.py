@@ -70,6 +70,11 @@ class Metrics:
         self.memory = Gauge("tercel_memory_bytes", "bytes the engine holds by part, measured at load (weights, "
                             "tables: embedding and head, other, kv_pool: reserved, resident: the process)",
                             ["part"], registry=r)
+        self.lora_info = Gauge("tercel_lora_requests_info", "1 for the LoRA adapters running and waiting requests "
+                               "run under now (vLLM's lora_requests_info)",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_changes = Counter("tercel_lora_adapter_changes", "LoRA adapters loaded and unloaded at runtime",
+                                    ["change"], registry=r)
         self.errors = Counter("tercel_request_errors", "failed requests", ["reason"], registry=r)
         self.drafter_errors = Counter("tercel_drafter_errors", "drafter exceptions (the requests decoded plainly)",
                                       registry=r)
@@ -105,6 +110,10 @@ class Metrics:
         self.spec_draft_budget.set(s.draft_budget)
         for size, leads in s.batch_guard:
             self.spec_batch_guard.labels(batch_size=str(size)).set(1 if leads else 0)
+        if s.max_loras:
+            self.lora_info.clear()
+            self.lora_info.labels(max_lora=str(s.max_loras), running_lora_adapters=",".join(s.lora_running),
+                                  waiting_lora_adapters=",".join(s.lora_waiting)).set(1)
 
     def _thread_steps(self, s: EngineStats) -> None:
         seen = {t.threads: t for t in self._seen.thread_steps}

@@ -365,6 +365,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    parent: str | None = Field(None, description="a LoRA adapter's base model")
+    root: str | None = Field(None, description="a LoRA adapter's folder")
 
 
 class ModelList(BaseModel):

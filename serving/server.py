@@ -6,8 +6,8 @@ import math
 import os
 from pathlib import Path
 
-from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
-                           speculation_from_args)
+from serving.flags import (add_lora_args, add_quantization_arg, add_speculation_args, add_tensor_parallel_arg,
+                           drafter_name, lora_serving, speculation_from_args)
 from serving.tools.formats import FORMATS
 from verifier.model.loader import DEFAULT_MODEL
 
@@ -45,6 +45,7 @@ def add_serve_args(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("TERCEL_API_KEY"), help="require Bearer auth")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     add_limit_args(p)
+    add_lora_args(p)
     p.add_argument("--profile", default=None, help="a tuned profile from `tercel bench grid` (JSON)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to finish requests on SIGTERM (30: what Kubernetes waits before it kills)")
@@ -144,7 +145,8 @@ def engine_config(args):
                         tensor_parallel_size=args.tensor_parallel_size,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive,
                                                 guard=GuardConfig(enabled=not args.no_batch_guard)),
-                        logprobs_mode=args.logprobs_mode, **kv)
+                        logprobs_mode=args.logprobs_mode, lora_modules=lora_serving(args).modules,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, **kv)
 
 
 def _device_memory() -> int:
@@ -185,7 +187,7 @@ def server_config(args, limits):
     return ServerConfig(model_names=names, api_key=args.api_key, limits=limits, allowed_origins=origins,
                         special_tokens_in_content=args.allow_special_tokens_in_content,
                         tool_format=FORMATS[args.tool_call_parser], chat_template=chat_template(args.chat_template),
-                        sampling_defaults=defaults)
+                        sampling_defaults=defaults, lora=lora_serving(args))
 
 
 def chat_template(path: str | None) -> str | None:

@@ -1,5 +1,6 @@
 """The routes beside generation, in vLLM's and OpenAI's shapes: /tokenize and /detokenize
-(the served tokenizer and chat template, nothing queued), /version, and /v1/models/{id}."""
+(the served tokenizer and chat template, nothing queued), /version, and /v1/models/{id} (the
+names served: the base's and its LoRA adapters')."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -23,17 +24,18 @@ def package_version() -> str:
 
 
 class UtilityRoutes:
-    def __init__(self, names: tuple[str, ...], limits: EngineLimits, tokenizer, chat: ChatPrompt):
-        self.names, self.limits, self.tokenizer, self.chat = names, limits, tokenizer, chat
+    def __init__(self, served: ServedModels, limits: EngineLimits, tokenizer, chat: ChatPrompt):
+        self.served, self.limits, self.tokenizer, self.chat = served, limits, tokenizer, chat
         self._version = {"version": package_version()}
 
     async def version(self):
         return self._version
 
     async def model(self, model_id: str):
-        if model_id not in self.names:
-            raise unknown_model(model_id, self.names[0])
-        return model_card(model_id)
+        card = next((c for c in self.served.cards() if c["id"] == model_id), None)
+        if card is None:
+            raise unknown_model(model_id, self.served.first)
+        return card
 
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
@@ -69,9 +71,33 @@ class UtilityRoutes:
         return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
-            raise unknown_model(model, self.names[0])
+        if model is not None and model not in self.served:
+            raise unknown_model(model, self.served.first)
 
 
-def model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tercel"}
+class ServedModels:
+    """The names a request may send as "model": the base's (the first is reported), then each
+    adapter's, which change at runtime (on the event loop, after the engine has taken the change)."""
+
+    def __init__(self, base: tuple[str, ...], adapters: tuple[tuple[str, str], ...] = ()):
+        self.base, self.adapters = base, dict(adapters)
+
+    @property
+    def first(self) -> str:
+        return self.base[0]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base or name in self.adapters
+
+    def adapter(self, name: str | None) -> str | None:
+        """`name` where it is an adapter's, else None (the base)."""
+        return name if name in self.adapters and name not in self.base else None
+
+    def cards(self) -> list[dict]:
+        return [model_card(n) for n in self.base] + [model_card(n, self.first, p) for n, p in self.adapters.items()]
+
+
+def model_card(name: str, parent: str | None = None, root: str | None = None) -> dict:
+    """A model's entry in /v1/models; a LoRA adapter's names its base (`parent`) and its folder."""
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "tercel"}
+    return card if parent is None else {**card, "parent": parent, "root": root}
