@@ -113,6 +113,21 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tiny, adapters):
     assert whole.abs().sum() > 0
 
 
+def test_the_native_loop_adds_the_products_the_python_layers_add(tiny, adapters):
+    """Bitwise: rows under two adapters and the base, as sampled rows, through the C++ layer loop
+    (csrc/decode_loop.cpp) and through the Python layers."""
+    from verifier.batch import ForwardBatch, SeqInput
+    llm = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=64)
+    runner = llm.engine.target.runner
+    assert runner.native is not None
+    batch = ForwardBatch([SeqInput([5, 9, 11], 0, [0], logits_indices=[0, 1, 2], sampled_from=0, adapter=1),
+                          SeqInput([7], 0, [1], adapter=0), SeqInput([3, 4], 0, [2], logits_indices=[0, 1],
+                                                                     sampled_from=0, adapter=2)])
+    native = llm.engine.target.forward(batch).logits
+    runner.native = None
+    assert torch.equal(llm.engine.target.forward(batch).logits, native)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 def test_speculation_under_an_adapter_gives_the_adapted_tokens(tiny, adapters, drafter):
     """T=0: a drafter's steps under adapters, in a mixed batch, give plain decoding's tokens

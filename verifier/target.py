@@ -171,7 +171,7 @@ class TargetModel:
         if self.shard.size > 1:
             raise ValueError("LoRA adapters are not served on a tensor-parallel target")
         check_lora_base(self.config)
-        lora = LoraSet(self.config, max_loras, max_rank)
+        lora = LoraSet(self.config, max_loras, max_rank, self.runner.lora_dtype)
         self.runner.attach_lora(lora)
         return lora
 

@@ -29,9 +29,9 @@ from verifier.cpu.machine import cache_bytes, machine_key, march
 
 log = logging.getLogger("tercel.cpu_ops")
 CSRC = Path(__file__).parent / "csrc"      # the C/C++ sources, compiled on first use
-DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER, REPACK = SOURCES = [
+DECODE_OPS, Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL, DRAFT_LAYER, REPACK, LORA = SOURCES = [
     CSRC / "decode_ops.c", CSRC / "q4_matmul.c", CSRC / "q8_matmul.c", CSRC / "q4k_matmul.c", CSRC / "mixed_matmul.c",
-    CSRC / "draft_layer.c", CSRC / "repack.c"]
+    CSRC / "draft_layer.c", CSRC / "repack.c", CSRC / "lora.c"]
 INTEGER_MATMULS = [Q4_MATMUL, Q8_MATMUL, Q4K_MATMUL, MIXED_MATMUL]   # one runner (mixed_matmul.c) over the layouts' tiles
 # included by the sources: part of the library's cache key
 HEADERS = [CSRC / "bf16.h", CSRC / "act_quant.h", CSRC / "q4_nibbles.h", CSRC / "attention_tiles.h"]
@@ -70,6 +70,7 @@ _SIGNATURES = {
     "attention": [_P, _P, _P, _P, _P, _P, _P, _P],
     "prefetch_kv": [_P, _P, _P, _P],
     "flush_lines": [_P, _I],
+    "lora_add": [_P, _P, _P, _I, _I, _I, _P],
     "argmax_f32": [_P, _I],
     "apply_bitmask": [_P, _P, _I, _I],
     "q4_matmul": [_P, _I, _I, _P, _I, _P],
@@ -82,7 +83,7 @@ _SIGNATURES = {
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
     "draft_layer": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
-_RETURNS = {"flush_lines": _I, "q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I,
+_RETURNS = {"flush_lines": _I, "lora_add": _I, "q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I,
             "q4_matmul": _I, "q4_matmul_ref": _I, "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I,
             "mixed_matmul": _I, "mixed_matmul_ref": _I, "draft_layer": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)
@@ -178,6 +179,39 @@ def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed
                softcap)
     hd.keep = (cos, sin_signed)
     return hd
+
+
+class LoraSegment(ctypes.Structure):
+    """One part of a projection's LoRA pair (`LoraSegment` in csrc/lora.c): output columns
+    [off, off + n) get (x A^T) B^T; a bf16 [rank, K], bt bf16 [rank, n] (B^T, scaled)."""
+    _fields_ = [("rank", _I), ("off", _I), ("n", _I), ("a", _P), ("bt", _P)]
+
+
+class LoraTable(ctypes.Structure):
+    """One projection's adapters (`LoraTable` in csrc/lora.c): slot s's segments are
+    segs[first[s - 1] .. first[s]). It keeps the arrays and tensors it points into alive (`keep`)."""
+    _fields_ = [("segs", _P), ("first", _P), ("slots", _I)]
+
+
+def lora_table(per_slot: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> LoraTable:
+    """A table from, per slot 1.., its segments (off, a [rank, K], bt [rank, n]), held in bf16."""
+    flat = [(off, a.to(torch.bfloat16).contiguous(), bt.to(torch.bfloat16).contiguous())
+            for segs in per_slot for off, a, bt in segs]
+    segs = (LoraSegment * max(1, len(flat)))(*(LoraSegment(a.shape[0], off, bt.shape[1], a.data_ptr(), bt.data_ptr())
+                                               for off, a, bt in flat))
+    first = array("q", [0])
+    for s in per_slot:
+        first.append(first[-1] + len(s))
+    table = LoraTable(ctypes.addressof(segs), first.buffer_info()[0], len(per_slot))
+    table.keep = (segs, first, flat)
+    return table
+
+
+def lora_add(table: LoraTable, slots: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """y bf16 [T, N] += each row's adapter's product over x bf16 [T, K] (`slots` int64 [T]), in place."""
+    if _library().lora_add(ctypes.byref(table), slots.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], y.shape[1],
+                           y.data_ptr()):
+        raise MemoryError("lora_add: out of memory")
 
 
 def can_flush() -> bool:

@@ -21,10 +21,12 @@ import torch
 from torch import nn
 
 from verifier.batch import ForwardBatch
+from verifier.cpu import cpu_ops
 from verifier.model.config import ModelConfig
 from verifier.model.lora_adapter import LoraAdapter, load_adapter
 from verifier.model.row_tiles import in_row_tiles
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # a layer's, in forward order
 LORA_TILE = 16          # rows per product: the rank is small, a decode row pays for 15 padded ones
 DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK = 4, 64
 
@@ -33,14 +35,20 @@ class LoraSet:
     """The adapters loaded for one target (by name, each in a slot) and the current forward's
     rows: which slot each takes."""
 
-    def __init__(self, cfg: ModelConfig, max_loras: int = DEFAULT_MAX_LORAS, max_rank: int = DEFAULT_MAX_RANK):
+    def __init__(self, cfg: ModelConfig, max_loras: int = DEFAULT_MAX_LORAS, max_rank: int = DEFAULT_MAX_RANK,
+                 dtype: torch.dtype = torch.float32):
+        """`dtype`: the adapters' weights as held (a quantized target's C kernel reads bf16)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
-        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
         self.slots: dict[str, int] = {}
         self._adapters: dict[int, LoraAdapter] = {}
         self._tags: dict[int, bytes] = {}       # slot -> this load's own bytes (prefix-cache namespace)
         self._groups: list[tuple[LoraAdapter, torch.Tensor]] = []       # this forward's rows per adapter
+        self.row_slots = torch.zeros(0, dtype=torch.int64)              # this forward's slot per row
+        self.version = 0                # bumped by every load and unload (the C tables follow it)
+        self._tables: dict[tuple[int, str], cpu_ops.LoraTable] = {}
+        self._tables_version = -1
 
     def load(self, name: str, path: str | Path) -> int:
         """Load the adapter at `path` as `name`; its slot. ValueError (nothing loaded) where the
@@ -50,14 +58,16 @@ class LoraSet:
         free = next((s for s in range(1, self.max_loras + 1) if s not in self._adapters), None)
         if free is None:
             raise ValueError(f"cannot load LoRA adapter {name!r}: all {self.max_loras} slots (max_loras) are taken")
-        self._adapters[free] = load_adapter(name, path, self.cfg, self.max_rank)
+        self._adapters[free] = load_adapter(name, path, self.cfg, self.max_rank, self.dtype)
         self._tags[free] = secrets.token_bytes(16)
         self.slots[name] = free
+        self.version += 1
         return free
 
     def unload(self, name: str) -> None:
         slot = self.slot(name)
         del self._adapters[slot], self._tags[slot], self.slots[name]
+        self.version += 1
 
     def tag(self, slot: int) -> bytes:
         """Bytes of this load of the adapter in `slot`: a prompt's KV under it is cached apart
@@ -84,6 +94,7 @@ class LoraSet:
             if s:
                 by_slot.setdefault(s, []).append(i)
         self._groups = [(self._adapters[s], torch.tensor(rows, device=device)) for s, rows in by_slot.items()]
+        self.row_slots = torch.tensor(slots, dtype=torch.int64)
         try:
             yield
         finally:
@@ -94,14 +105,37 @@ class LoraSet:
         """Whether the current forward has rows under an adapter."""
         return bool(self._groups)
 
+    def table(self, layer: int, projection: str) -> cpu_ops.LoraTable | None:
+        """The C kernel's table of this projection's segments under every slot (csrc/lora.c),
+        or None where no loaded adapter adapts it."""
+        if self._tables_version != self.version:
+            self._tables, self._tables_version = self._build_tables(), self.version
+        return self._tables.get((layer, projection))
+
+    def _build_tables(self) -> dict[tuple[int, str], cpu_ops.LoraTable]:
+        keys = {k for adapter in self._adapters.values() for k in adapter.pairs}
+        slots = range(1, self.max_loras + 1)
+        return {k: cpu_ops.lora_table([[(s.off, s.a, s.bt) for s in (self._adapters[slot].pairs.get(k, ())
+                                                                        if slot in self._adapters else ())]
+                                       for slot in slots]) for k in keys}
+
+    def add_c(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """As `add`, on bf16 x and y, by the C kernel (csrc/lora.c): one call for every adapter's rows."""
+        table = self.table(layer, projection)
+        if table is not None:
+            cpu_ops.lora_add(table, self.row_slots, x, y)
+        return y
+
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the projection's output over x [T, in]) with each adapted row's delta added, in place."""
         for adapter, rows in self._groups:
-            pair = adapter.pairs.get((layer, projection))
-            if pair is None:
+            segments = adapter.pairs.get((layer, projection))
+            if segments is None:
                 continue
-            a, b = pair.a.to(x.device), pair.b.to(x.device)
-            delta = in_row_tiles(lambda t: (t @ a.t()) @ b.t(), x.index_select(0, rows).float(), LORA_TILE)
+            xs, delta = x.index_select(0, rows).float(), torch.zeros(len(rows), y.shape[1], device=y.device)
+            for s in segments:
+                a, bt = s.a.to(x.device), s.bt.to(x.device)
+                delta[:, s.off:s.off + bt.shape[1]] = in_row_tiles(lambda t: (t @ a.t()) @ bt, xs, LORA_TILE)
             y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
         return y
 
@@ -117,8 +151,8 @@ def adapter_rows(lora: LoraSet | None, batch: ForwardBatch, device: torch.device
 def projections(layers) -> list[tuple[int, str, nn.Module]]:
     """(layer, Tercel projection, module) of every decoder layer's four projections."""
     return [(i, name, module) for i, layer in enumerate(layers)
-            for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                                 ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj))]
+            for name, module in zip(PROJECTIONS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj))]
 
 
 def hook_dense(net: nn.Module, lora: LoraSet) -> None:

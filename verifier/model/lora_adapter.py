@@ -30,18 +30,19 @@ _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D we
 
 
 @dataclass(frozen=True)
-class LoraPair:
-    """One projection's stacked product: delta = (x @ a.T) @ b.T, fp32; a [R, in], b [out, R]."""
+class LoraSegment:
+    """Output columns [off, off + n) of a projection get (x @ a.T) @ bt: a fp32 [r, in], bt fp32 [r, n]."""
+    off: int
     a: torch.Tensor
-    b: torch.Tensor
+    bt: torch.Tensor
 
 
 @dataclass(frozen=True)
 class LoraAdapter:
     name: str
     path: Path
-    rank: int                                  # the largest rank of its pairs
-    pairs: dict[tuple[int, str], LoraPair]     # (layer, Tercel projection) -> its product
+    rank: int                                                 # the largest rank of its pairs
+    pairs: dict[tuple[int, str], tuple[LoraSegment, ...]]     # (layer, Tercel projection) -> its segments
 
 
 def part_sizes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, int], ...]]:
@@ -51,9 +52,11 @@ def part_sizes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, int], ...]]:
             "gate_up_proj": ((i, h), (i, h)), "down_proj": ((h, i),)}
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
-    """The adapter at `path` for a base of config `cfg`; ValueError naming the file and the field
-    where it is not a LoRA adapter, does not fit the base or exceeds `max_rank`."""
+def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """The adapter at `path` for a base of config `cfg`, its segments held in `dtype`; ValueError
+    naming the file and the field where it is not a LoRA adapter, does not fit the base or
+    exceeds `max_rank`."""
     path = Path(path)
     config = _read_config(path)
     check_lora_base(cfg)
@@ -65,9 +68,12 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     if not found:
         raise ValueError(f"{path / WEIGHTS_FILE} holds no lora_A / lora_B weights")
     alpha, rs = float(config.get("lora_alpha", config.get("r", 8))), bool(config.get("use_rslora", False))
-    scaled = {k: _scaled_pair(k, v, alpha, rs, cfg, max_rank, path / WEIGHTS_FILE) for k, v in found.items()}
-    pairs = _stack(scaled, cfg)
-    return LoraAdapter(name, path, max(p.a.shape[0] for p, _ in scaled.values()), pairs)
+    scaled = [_segment(k, v, alpha, rs, cfg, max_rank, path / WEIGHTS_FILE) for k, v in found.items()]
+    pairs: dict[tuple[int, str], list[LoraSegment]] = {}
+    for key, seg in scaled:
+        pairs.setdefault(key, []).append(LoraSegment(seg.off, seg.a.to(dtype), seg.bt.to(dtype)))
+    return LoraAdapter(name, path, max(seg.a.shape[0] for _, seg in scaled),
+                       {k: tuple(sorted(v, key=lambda s: s.off)) for k, v in pairs.items()})
 
 
 def check_lora_base(cfg: ModelConfig) -> None:
@@ -128,9 +134,10 @@ def _parse_key(key: str, file: Path, num_layers: int) -> tuple[int, str, str]:
     return layer, module, side[-1]
 
 
-def _scaled_pair(key: tuple[int, str], sides: dict[str, torch.Tensor], alpha: float, rs: bool, cfg: ModelConfig,
-                 max_rank: int, file: Path) -> tuple[LoraPair, int | None]:
-    """(A, s B) of one HF module, checked against its shape in the base, and its part index."""
+def _segment(key: tuple[int, str], sides: dict[str, torch.Tensor], alpha: float, rs: bool, cfg: ModelConfig,
+             max_rank: int, file: Path) -> tuple[tuple[int, str], LoraSegment]:
+    """((layer, Tercel projection), its segment) of one HF module's pair, checked against the
+    module's shape in the base."""
     layer, module = key
     if set(sides) != {"A", "B"}:
         raise ValueError(f"{file}: layer {layer} {module} has lora_{''.join(sides)} without its other half")
@@ -144,28 +151,6 @@ def _scaled_pair(key: tuple[int, str], sides: dict[str, torch.Tensor], alpha: fl
                          f"do not fit the base's {module} ({out} x {inp}, expected A [r, {inp}], B [{out}, r])")
     if r > max_rank:
         raise ValueError(f"{file}: layer {layer} {module} has rank {r}, above max_lora_rank {max_rank}")
-    return LoraPair(a, b * (alpha / (math.sqrt(r) if rs else r))), part
-
-
-def _stack(scaled: dict[tuple[int, str], tuple[LoraPair, int | None]], cfg: ModelConfig) -> dict:
-    """Per (layer, Tercel projection): its parts' pairs stacked (A rows in order, B block-diagonal)."""
-    groups: dict[tuple[int, str], list[tuple[int | None, LoraPair]]] = {}
-    for (layer, module), (pair, part) in scaled.items():
-        groups.setdefault((layer, PARTS[module][0]), []).append((part, pair))
-    out = {}
-    for (layer, projection), parts in groups.items():
-        sizes = part_sizes(cfg)[projection]
-        if any(part is None for part, _ in parts):       # a fused HF module: already whole
-            out[layer, projection] = parts[0][1]
-            continue
-        starts = [sum(o for o, _ in sizes[:i]) for i in range(len(sizes) + 1)]
-        rank = sum(p.a.shape[0] for _, p in parts)
-        a, b = torch.zeros(rank, sizes[0][1]), torch.zeros(starts[-1], rank)
-        col = 0
-        for part, pair in sorted(parts, key=lambda x: x[0]):
-            r = pair.a.shape[0]
-            a[col:col + r] = pair.a
-            b[starts[part]:starts[part + 1], col:col + r] = pair.b
-            col += r
-        out[layer, projection] = LoraPair(a, b)
-    return out
+    off = 0 if part is None else sum(o for o, _ in sizes[:part])
+    scale = alpha / (math.sqrt(r) if rs else r)
+    return (layer, projection), LoraSegment(off, a.contiguous(), (b * scale).t().contiguous())

@@ -108,22 +108,23 @@ def forward_rows(net, heads: cpu_ops.Heads, layers: list[CpuLayer], ids: torch.T
                  logits_rows: torch.Tensor, capture_layers: tuple[int, ...] = (),
                  own: bool = True, native: NativeLayers | None = None,
                  logits_tokens: list[torch.Tensor | None] | None = None,
-                 mm: Callable | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 mm: Callable | None = None,
+                 lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """ids [T] -> (logits [len(logits_rows), V] fp32, taps: layer -> [T, H] fp32), as
     `LlamaForCausalLM.forward` returns them. With `native` (`verifier.quantized.cpu_loop`), sampled
     rows (`own`) run the layers, and where it holds the head the final norm and the head, in one
     C++ call: the same kernels in the same order. `logits_tokens` (per logits row, int64 ids or
-    None): rows whose logits are needed at those tokens only (exact, the rest -inf). `mm`
-    (lin, x, bias) -> bf16: the projections' matmul in place of `own_matmul` (LoRA adapters add
-    their rows' products to it; the layers then run here, not in the native loop)."""
+    None): rows whose logits are needed at those tokens only (exact, the rest -inf). LoRA
+    adapters: the native loop adds their rows' products itself (`lora_slots`, its tables set);
+    the Python layers take `mm` (lin, x, bias) -> bf16 in place of `own_matmul`, which adds them."""
     c = net.cfg
     if c.gemma is not None:
         return gemma_forward_rows(net, heads, layers, ids, plan, kv, logits_rows, capture_layers, own, native,
                                   logits_tokens)
     x = net.model.embed_tokens(ids)                                     # fp32 [T, H] residual, in place
     logits = None
-    if own and native is not None and mm is None:
-        logits, taps = native.run(plan, x, kv, capture_layers, logits_rows, logits_tokens)
+    if own and native is not None:
+        logits, taps = native.run(plan, x, kv, capture_layers, logits_rows, logits_tokens, lora_slots)
     else:
         taps = _layers(c, layers, heads, plan, kv, x, capture_layers, mm or own_matmul)
     if c.num_layers in capture_layers:

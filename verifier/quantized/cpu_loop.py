@@ -44,7 +44,9 @@ _SIGNATURES = {
     "tercel_model_set_layer": ([_P, _I, _P, _F, _P, _F, _P, ctypes.POINTER(LinearSpec), ctypes.c_char_p, _I], _I),
     "tercel_model_set_head": ([_P, _P, _F, ctypes.POINTER(LinearSpec), _I, _I, _I, _I, _P, _P, _P, ctypes.c_char_p,
                                _I], _I),
-    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P, _P, ctypes.c_char_p, _I], _I),
+    "tercel_model_set_lora": ([_P, _P, _P, ctypes.c_char_p, _I], _I),
+    "tercel_forward": ([_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_char_p, _I],
+                       _I),
     "tercel_clock": ([_I, ctypes.POINTER(ctypes.c_double)], None),
 }
 _lib: ctypes.CDLL | None = None
@@ -128,6 +130,14 @@ class NativeLayers:
         self._kv_ptrs: tuple[ctypes.Array, ctypes.Array] | None = None
         self._err = ctypes.create_string_buffer(_ERR)    # one engine thread calls run: one buffer
 
+    def set_lora(self, tables: list) -> None:
+        """LoRA tables (`cpu_ops.LoraTable` or None) of every layer's qkv, o, gate_up and down, in
+        order: the projections of rows given a slot (`run`'s lora_slots) add their products. The
+        tables must live until the next call."""
+        ptrs = (_P * len(tables))(*(None if t is None else ctypes.addressof(t) for t in tables))
+        _check(self._lib.tercel_model_set_lora(self._model, *_kernels("lora_add"), ptrs, self._err, _ERR), self._err)
+        self._lora = tables
+
     def _caches(self, kv: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
         if kv is not self._kv:              # the pool is allocated once; its layer pointers with it
             n = len(self._layers)
@@ -137,12 +147,14 @@ class NativeLayers:
 
     def run(self, plan: cpu_ops.Rows, x: torch.Tensor, kv: KVCache, capture_layers: tuple[int, ...],
             logits_rows: torch.Tensor | None = None,
-            logits_tokens: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, dict]:
+            logits_tokens: list[torch.Tensor | None] | None = None,
+            lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict]:
         """Every layer over x fp32 [T, H] in place (up to the last residual add, before the final
         norm) -> (logits fp32 [len(logits_rows), V] of those rows through the final norm and the
         head, or None: no rows asked, or no head here; taps: layer -> x as that layer sees it,
         for the layers below the last). `logits_tokens`: per logits row, int64 ids whose logits
-        alone it needs (exact; -inf elsewhere), or None."""
+        alone it needs (exact; -inf elsewhere), or None. `lora_slots`: int64 [T], each row's LoRA
+        adapter slot (`set_lora`), or None."""
         k_ptrs, v_ptrs = self._caches(kv)
         tapped = sorted(i for i in set(capture_layers) if i < len(self._layers))
         taps = {i: torch.empty_like(x) for i in tapped}
@@ -155,7 +167,8 @@ class NativeLayers:
         _check(self._lib.tercel_forward(self._model, ctypes.byref(plan), x.shape[0], x._cdata, k_ptrs, v_ptrs,
                                         len(tapped), tap_layer, tap_impl, m, logits_rows.data_ptr() if m else None,
                                         logits._cdata if m else 0, top._cdata if m else 0,
-                                        *(sparse.args() if sparse else (0, None, None, None)), self._err, _ERR),
+                                        *(sparse.args() if sparse else (0, None, None, None)),
+                                        None if lora_slots is None else lora_slots.data_ptr(), self._err, _ERR),
                self._err)
         return logits, taps
 

@@ -23,7 +23,7 @@ from torch import nn
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
 from verifier.memory import tensor_bytes
-from verifier.model.lora import LoraSet, adapter_rows
+from verifier.model.lora import PROJECTIONS, LoraSet, adapter_rows
 from verifier.model.moe import SparseMoeBlock
 from verifier.quantized.attention_tuning import AttentionTimings
 from verifier.quantized.attention_tuning import tune as tune_attention
@@ -54,6 +54,8 @@ class QuantizedRunner:
         allocated dense."""
         return block_params(model_dir, model_type)
 
+    lora_dtype = torch.bfloat16     # LoRA adapters' weights as csrc/lora.c reads them
+
     def __init__(self, net: nn.Module, settings: RunnerSettings):
         s = settings
         if s.backend not in (None, "torch"):
@@ -76,17 +78,17 @@ class QuantizedRunner:
         self.native = native_layers(net.cfg, self.heads, self.layers, net.model.norm, net.lm_head)
         self.lora: LoraSet | None = None
         self._sites: dict[int, tuple[int, str]] = {}      # id(QuantLinear) -> (layer, projection)
+        self._native_lora = -1                            # the LoraSet version the native loop's tables are
 
     def attach_lora(self, lora: LoraSet) -> None:
         """Serve `lora`'s adapters: a forward with adapted rows runs the layers in Python (not the
         native loop), each projection's own kernel, then its rows' products added."""
         self._sites = {id(lin): (i, name) for i, layer in enumerate(self.layers)
-                       for name, lin in (("qkv_proj", layer.qkv), ("o_proj", layer.o),
-                                         ("gate_up_proj", layer.gate_up), ("down_proj", layer.down))}
+                       for name, lin in zip(PROJECTIONS, (layer.qkv, layer.o, layer.gate_up, layer.down))}
         self.lora = lora
 
     def _adapted(self, lin: QuantLinear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        return self.lora.add(*self._sites[id(lin)], x, own_matmul(lin, x, bias))
+        return self.lora.add_c(*self._sites[id(lin)], x, own_matmul(lin, x, bias))
 
     def memory_parts(self) -> tuple[int, int, int]:
         """Bytes held: (the decoder's packed projections, the embedding and head tables with the
@@ -124,10 +126,15 @@ class QuantizedRunner:
         plan = row_plan(batch.seqs, kv.block_size, cfg.num_heads // cfg.num_kv_heads, prompt=not own)
         tokens = [t for s in batch.seqs for t in (s.logits_tokens or [None] * len(s.sample_indices))]
         with adapter_rows(self.lora, batch, torch.device("cpu")):
-            mm = self._adapted if self.lora is not None and self.lora.active else None
+            adapted = self.lora is not None and self.lora.active
+            if adapted and self.native is not None and self._native_lora != self.lora.version:
+                self.native.set_lora([self.lora.table(i, p) for i in range(len(self.layers)) for p in PROJECTIONS])
+                self._native_lora = self.lora.version
             logits, taps = forward_rows(self.net, self.heads, self.layers, torch.tensor(ids), plan,
                                         kv, torch.tensor(rows, dtype=torch.long), batch.capture_layers, own,
-                                        self.native, tokens if any(t is not None for t in tokens) else None, mm)
+                                        self.native, tokens if any(t is not None for t in tokens) else None,
+                                        self._adapted if adapted else None,
+                                        self.lora.row_slots if adapted else None)
         return ForwardOutput(logits, offsets, taps)
 
 

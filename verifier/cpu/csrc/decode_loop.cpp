@@ -46,6 +46,8 @@ typedef int64_t (*Q8Matmul)(const void *w, int64_t bits, int64_t group, int64_t 
                             int64_t m, bf16 *out);
 typedef int64_t (*MixedMatmul)(const void *w, const int64_t *parts, int64_t nparts, int64_t n, int64_t k,
                                const bf16 *x, int64_t m, bf16 *out);
+typedef int64_t (*LoraAdd)(const void *table, const int64_t *slots, const bf16 *x, int64_t rows, int64_t k,
+                           int64_t ny, bf16 *y);
 typedef void (*RescoreInt8)(const float *x, const int64_t *top, const int8_t *q, const float *scale, int64_t rows,
                             int64_t k, int64_t h, int64_t g, float *out, int64_t v);
 
@@ -118,6 +120,7 @@ struct Layer {
     const float *in_norm = nullptr, *post_norm = nullptr, *qkv_bias = nullptr;
     float in_eps = 0, post_eps = 0;
     Linear qkv, o, gate_up, down;
+    const void *lora[4] = {nullptr, nullptr, nullptr, nullptr};  /* lora.c's tables of qkv, o, gate_up, down */
 };
 
 /* The final norm and the LM head as verifier.quantized.qlinear.RescoredHead computes them: a quantized
@@ -146,7 +149,16 @@ struct Model {
     MixedMatmul mixed_matmul;
     std::vector<Layer> layers;
     Head head;      /* head.rescore is null until tercel_model_set_head */
+    LoraAdd lora_add = nullptr;     /* set with the layers' LoRA tables (tercel_model_set_lora) */
 };
+
+/* y (the output of layer l's projection j over x) += its rows' LoRA products, where the forward
+ * has adapted rows (slots) and an adapter adapts that projection. */
+void adapt(const Model &m, const Layer &l, int j, const int64_t *slots, const at::Tensor &x, at::Tensor &y) {
+    if (!slots || !l.lora[j]) return;
+    if (m.lora_add(l.lora[j], slots, bits(x), x.size(0), x.size(1), y.size(1), bits_mut(y)))
+        throw std::runtime_error("lora_add failed (out of memory)");
+}
 
 int64_t fail(const std::exception &e, char *err, int64_t cap) {
     if (cap > 0) {
@@ -197,6 +209,20 @@ int64_t tercel_model_set_layer(void *model, int64_t i, const float *in_norm, flo
         l.in_norm = in_norm, l.in_eps = in_eps, l.post_norm = post_norm, l.post_eps = post_eps, l.qkv_bias = qkv_bias;
         Linear *lins[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
         for (int j = 0; j < 4; j++) *lins[j] = linear(m, specs[j]);
+        return 0;
+    } catch (const std::exception &e) {
+        return fail(e, err, cap);
+    }
+}
+
+/* LoRA: lora.c's lora_add, and per layer i the tables of its qkv, o, gate_up and down at
+ * tables[4 i .. 4 i + 4) (null: no adapter adapts it). Replaces the tables set before. */
+int64_t tercel_model_set_lora(void *model, void *lora_add, const void *const *tables, char *err, int64_t cap) {
+    try {
+        Model &m = *static_cast<Model *>(model);
+        m.lora_add = reinterpret_cast<LoraAdd>(lora_add);
+        for (size_t i = 0; i < m.layers.size(); i++)
+            for (int j = 0; j < 4; j++) m.layers[i].lora[j] = tables[4 * i + j];
         return 0;
     } catch (const std::exception &e) {
         return fail(e, err, cap);
@@ -259,12 +285,13 @@ static void sparse_head(const Head &hd, const at::Tensor &normed, int64_t hidden
  * it, for j < num_taps. With num_logits > 0 (and a head set), logits fp32 [num_logits, V]
  * and top int64 [num_logits, k] get the head's output for rows logit_rows; the num_sparse rows
  * sparse_rows[s] (indices into logit_rows) need logits only at tokens sparse_tokens[sparse_start[s]
- * .. sparse_start[s + 1]) (see sparse_head). */
+ * .. sparse_start[s + 1]) (see sparse_head). lora_slots (null: none): each row's LoRA adapter slot,
+ * whose products the projections add (`adapt`). */
 int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl, void *const *k_cache,
                        void *const *v_cache, int64_t num_taps, const int64_t *tap_layer, const int64_t *tap_impl,
                        int64_t num_logits, const int64_t *logit_rows, int64_t logits_impl, int64_t top_impl,
                        int64_t num_sparse, const int64_t *sparse_rows, const int64_t *sparse_start,
-                       const int64_t *sparse_tokens, char *err, int64_t cap) {
+                       const int64_t *sparse_tokens, const int64_t *lora_slots, char *err, int64_t cap) {
     Clock clock(CALL);
     try {
         c10::InferenceMode guard;
@@ -289,15 +316,21 @@ int64_t tercel_forward(void *model, const void *rows, int64_t t, int64_t x_impl,
                 m.prefetch_kv(m.head_table, rows, static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]));
             }
             at::Tensor qkv = l.qkv.run(h);
+            adapt(m, l, 0, lora_slots, h, qkv);
             {
                 RECORD_FUNCTION("tercel::attention", std::vector<c10::IValue>());   /* torch.profiler sees it */
                 Clock clock(ATTENTION);
                 m.attention(m.head_table, rows, bits(qkv), l.qkv_bias, q.data_ptr<float>(),
                             static_cast<bf16 *>(k_cache[i]), static_cast<bf16 *>(v_cache[i]), bits_mut(o));
             }
-            m.add_rms_norm(xp, bits(l.o.run(o)), l.post_norm, l.post_eps, t, m.hidden, bits_mut(h));
-            m.silu_mul(bits(l.gate_up.run(h)), t, m.inter, bits_mut(a));
+            at::Tensor oy = l.o.run(o);
+            adapt(m, l, 1, lora_slots, o, oy);
+            m.add_rms_norm(xp, bits(oy), l.post_norm, l.post_eps, t, m.hidden, bits_mut(h));
+            at::Tensor gu = l.gate_up.run(h);
+            adapt(m, l, 2, lora_slots, h, gu);
+            m.silu_mul(bits(gu), t, m.inter, bits_mut(a));
             y = l.down.run(a);
+            adapt(m, l, 3, lora_slots, a, y);
         }
         m.add_rms_norm(xp, y.defined() ? bits(y) : nullptr, nullptr, 0.0f, t, m.hidden, nullptr);
         if (num_logits > 0) {           /* RescoredHead.forward over the final norm of these rows */
