@@ -99,7 +99,8 @@ def measure(args, lora: dict[str, str], batches: list[list[list[int]]], drafter:
     from spec import LLM
     from spec.adaptive import AdaptiveConfig
     llm = LLM(model=args.model, lora_modules=lora, max_loras=max(1, len(lora)), drafter=drafter,
-              max_num_seqs=args.requests, adaptive=AdaptiveConfig(enabled=not args.whole_trees))
+              max_num_seqs=args.requests, adaptive=AdaptiveConfig(enabled=not args.whole_trees),
+              lora_dtype=args.lora_dtype)
     names = list(lora)
     spread = [names[i % len(names)] for i in range(args.requests)]
     rows: dict[str, list[tuple[float, float]]] = {"adapters": [], "base": []}
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--modules", default=",".join(TARGETS), help="the projections the adapters adapt")
+    ap.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--train-steps", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafters", default="none,suffix")
@@ -142,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer(resolve_model_dir(args.model))
     lora = adapters(args, tokenizer, data)
     batches = prompts(tokenizer, data, list(lora), args.requests, args.rounds, skip=4 * args.train_steps)
-    print(f"bench lora_batch: {machine_summary()}; {len(lora)} adapters of rank {args.rank} on {args.modules}",
-          file=sys.stderr)
+    print(f"bench lora_batch: {machine_summary()}; {len(lora)} adapters of rank {args.rank} on {args.modules}, "
+          f"held in {args.lora_dtype}", file=sys.stderr)
     print("| drafter | base tok/s | adapters tok/s | adapters / base (per round) | tau base | tau adapters |")
     print("|---|---|---|---|---|---|")
     for drafter in args.drafters.split(","):

@@ -64,21 +64,22 @@ def heldout_conversations(tokenizer, limit: int, max_len: int = 512, path: Path 
 
 
 @torch.inference_mode()
-def log_probs(model: TargetModel, conv: Scored) -> torch.Tensor:
+def log_probs(model: TargetModel, conv: Scored, adapter: int = 0) -> torch.Tensor:
     """[len(targets), vocab] log-probabilities at the scored positions, from one forward
     that samples every position: the rows decoding takes (on a quantized target, the
-    row-invariant exact path), not the prefill path."""
+    row-invariant exact path), not the prefill path; under LoRA adapter slot `adapter`."""
     blocks = -(-len(conv.ids) // BLOCK)
     if model.kv is None or model.kv.num_blocks < blocks:
         model.allocate_kv(blocks, BLOCK)
-    seq = SeqInput(conv.ids, 0, list(range(blocks)), logits_indices=list(range(len(conv.ids))))
+    seq = SeqInput(conv.ids, 0, list(range(blocks)), logits_indices=list(range(len(conv.ids))), adapter=adapter)
     return torch.log_softmax(model.forward(ForwardBatch([seq])).logits[conv.targets], dim=-1)
 
 
-def compare(reference: TargetModel, candidate: TargetModel, convs: list[Scored]) -> Quality:
+def compare(reference: TargetModel, candidate: TargetModel, convs: list[Scored], adapter: int = 0) -> Quality:
+    """`candidate` against `reference` on `convs`, both under LoRA adapter slot `adapter` (0: none)."""
     agree, nll, ref_nll, n = 0, 0.0, 0.0, 0
     for conv in convs:
-        ref, cand = log_probs(reference, conv), log_probs(candidate, conv)
+        ref, cand = log_probs(reference, conv, adapter), log_probs(candidate, conv, adapter)
         nxt = torch.tensor([conv.ids[t + 1] for t in conv.targets])
         agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         nll -= float(cand.gather(1, nxt[:, None]).sum())

@@ -61,6 +61,8 @@ def add_lora_args(p) -> None:
                    help="LoRA adapters (PEFT folders) served under their own model names")
     p.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS, help="adapters loaded at once at most")
     p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, help="the largest rank an adapter may have")
+    p.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="adapters' weights as held: bfloat16 halves what a step reads per adapter")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-root)")
     p.add_argument("--lora-root", default=None, metavar="DIR", help="runtime adapters load from under it only")

@@ -146,7 +146,7 @@ def engine_config(args):
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive,
                                                 guard=GuardConfig(enabled=not args.no_batch_guard)),
                         logprobs_mode=args.logprobs_mode, lora_modules=lora_serving(args).modules,
-                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, **kv)
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_dtype=args.lora_dtype, **kv)
 
 
 def _device_memory() -> int:

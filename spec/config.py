@@ -59,6 +59,7 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_RANK
+    lora_dtype: str = "float32"           # the adapters' weights as held: "float32" or "bfloat16"
 
     def __post_init__(self):
         if isinstance(self.lora_modules, dict):
@@ -69,6 +70,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
+        if self.lora_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"lora_dtype must be 'float32' or 'bfloat16', got {self.lora_dtype!r}")
         if self.logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.quantization not in QUANTIZATION_CHOICES:

@@ -234,11 +234,14 @@ class LLMEngine:
         """The LoRA adapters of `config.lora_modules`, loaded (None without any)."""
         if not config.lora_modules:
             return None
-        lora = self.target.enable_lora(config.max_loras, config.max_lora_rank)
+        lora = self._enable_lora(config)
         for name, path in config.lora_modules:
             lora.load(name, path)
             log.info("LoRA adapter %r (rank %d) from %s", name, lora.adapter(name).rank, path)
         return lora
+
+    def _enable_lora(self, config: EngineConfig) -> LoraSet:
+        return self.target.enable_lora(config.max_loras, config.max_lora_rank, getattr(torch, config.lora_dtype))
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.
@@ -429,7 +432,7 @@ class LLMEngine:
         """Serve the adapter at `path` as `name` from the next step; ValueError (nothing loaded)
         naming what does not fit."""
         if self.lora is None:
-            self.lora = self.target.enable_lora(self.config.max_loras, self.config.max_lora_rank)
+            self.lora = self._enable_lora(self.config)
         self.lora.load(name, path)
         log.info("LoRA adapter %r (rank %d) loaded from %s", name, self.lora.adapter(name).rank, path)
 

@@ -239,3 +239,34 @@ def test_verifying_trees_without_the_adapter_fails_the_same_test(law_case, monke
     monkeypatch.setattr(engine_module, "SeqInput", base_trees)
     counts, _ = _adapted_counts(law_case)
     assert chi_square_pvalue(counts, law_case[4]) < 1e-3
+
+
+def test_the_int4_base_with_an_adapter_passes_the_quality_gate(smollm2_dir, tmp_path):
+    """The default model in int4 under an adapter against its fp32 weights under the same adapter
+    (the dense path, PEFT's model on the tiny ones above), teacher-forced on 8 held-out replies:
+    top-1 agreement >= 99%, perplexity ratio <= 1.01, as the base's own gate. The adapter: PEFT's
+    random A and B (scaled to a fine-tune's size) on every projection."""
+    import transformers
+    from bench.quality import compare, heldout_conversations
+    from conftest import shared_data
+    from verifier.target import TargetModel
+    heldout = shared_data("heldout/gsm8k_test.jsonl")
+    cfg = transformers.AutoConfig.from_pretrained(str(smollm2_dir))
+    torch.manual_seed(0)
+    lora = _peft().get_peft_model(transformers.LlamaForCausalLM(cfg), _peft().LoraConfig(
+        r=16, lora_alpha=32, target_modules=ATTN_MLP, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.02)
+    lora.save_pretrained(str(tmp_path / "adapter"))
+    models = [TargetModel(str(smollm2_dir), quantization=q) for q in ("none", "int4")]
+    for m in models:
+        m.enable_lora(1, 16).load("x", tmp_path / "adapter")
+    convs = heldout_conversations(models[0].tokenizer, 8, path=heldout)
+    q = compare(*models, convs, adapter=1)
+    base = compare(*models, convs)
+    print(f"{q.positions} positions: agreement {q.agreement:.4f} (base {base.agreement:.4f}), "
+          f"perplexity ratio {q.ppl_ratio:.4f}; adapted {q.ref_ppl:.3f}, base {base.ref_ppl:.3f}")
+    assert q.positions > 500 and q.agreement >= 0.99 and q.ppl_ratio <= 1.01
+    assert abs(q.ref_ppl - base.ref_ppl) > 1e-3           # the adapter changes the model

@@ -75,8 +75,6 @@ class DenseRunner:
         """Parameters the target leaves unallocated for the runner to fill: none, all are dense."""
         return frozenset()
 
-    lora_dtype = torch.float32      # LoRA adapters' weights as held (verifier/model/lora.py)
-
     def __init__(self, net: nn.Module, settings: RunnerSettings):
         self.net, self.device = net, settings.device
         self.backend = get_backend(settings.backend or ("triton" if self.device.type == "cuda" else "torch"))

@@ -165,13 +165,14 @@ class TargetModel:
             table = load_tensor(self.model_dir, "model.embed_tokens.weight")
         return table.float()
 
-    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSet:
-        """Serve LoRA adapters on this target (`verifier.model.lora`): load them into the set this
-        returns; a forward's rows take theirs from `SeqInput.adapter`."""
+    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32) -> LoraSet:
+        """Serve LoRA adapters on this target (`verifier.model.lora`), their weights held in
+        `dtype`: load them into the set this returns; a forward's rows take theirs from
+        `SeqInput.adapter`."""
         if self.shard.size > 1:
             raise ValueError("LoRA adapters are not served on a tensor-parallel target")
         check_lora_base(self.config)
-        lora = LoraSet(self.config, max_loras, max_rank, self.runner.lora_dtype)
+        lora = LoraSet(self.config, max_loras, max_rank, dtype)
         self.runner.attach_lora(lora)
         return lora
 

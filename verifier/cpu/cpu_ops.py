@@ -183,26 +183,26 @@ def heads(nh: int, nkv: int, d: int, scale: float, cos: torch.Tensor, sin_signed
 
 class LoraSegment(ctypes.Structure):
     """One part of a projection's LoRA pair (`LoraSegment` in csrc/lora.c): output columns
-    [off, off + n) get (x A^T) B^T; a bf16 [rank, K], bt bf16 [rank, n] (B^T, scaled)."""
+    [off, off + n) get (x A^T) B^T; a [rank, K], bt [rank, n] (B^T, scaled), fp32 or bf16."""
     _fields_ = [("rank", _I), ("off", _I), ("n", _I), ("a", _P), ("bt", _P)]
 
 
 class LoraTable(ctypes.Structure):
     """One projection's adapters (`LoraTable` in csrc/lora.c): slot s's segments are
     segs[first[s - 1] .. first[s]). It keeps the arrays and tensors it points into alive (`keep`)."""
-    _fields_ = [("segs", _P), ("first", _P), ("slots", _I)]
+    _fields_ = [("segs", _P), ("first", _P), ("slots", _I), ("bf16", _I)]
 
 
-def lora_table(per_slot: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> LoraTable:
-    """A table from, per slot 1.., its segments (off, a [rank, K], bt [rank, n]), held in bf16."""
-    flat = [(off, a.to(torch.bfloat16).contiguous(), bt.to(torch.bfloat16).contiguous())
-            for segs in per_slot for off, a, bt in segs]
+def lora_table(per_slot: list[list[tuple[int, torch.Tensor, torch.Tensor]]], dtype: torch.dtype) -> LoraTable:
+    """A table from, per slot 1.., its segments (off, a [rank, K], bt [rank, n]), held in `dtype`
+    (torch.float32 or torch.bfloat16)."""
+    flat = [(off, a.to(dtype).contiguous(), bt.to(dtype).contiguous()) for segs in per_slot for off, a, bt in segs]
     segs = (LoraSegment * max(1, len(flat)))(*(LoraSegment(a.shape[0], off, bt.shape[1], a.data_ptr(), bt.data_ptr())
                                                for off, a, bt in flat))
     first = array("q", [0])
     for s in per_slot:
         first.append(first[-1] + len(s))
-    table = LoraTable(ctypes.addressof(segs), first.buffer_info()[0], len(per_slot))
+    table = LoraTable(ctypes.addressof(segs), first.buffer_info()[0], len(per_slot), int(dtype == torch.bfloat16))
     table.keep = (segs, first, flat)
     return table
 

@@ -37,7 +37,8 @@ class LoraSet:
 
     def __init__(self, cfg: ModelConfig, max_loras: int = DEFAULT_MAX_LORAS, max_rank: int = DEFAULT_MAX_RANK,
                  dtype: torch.dtype = torch.float32):
-        """`dtype`: the adapters' weights as held (a quantized target's C kernel reads bf16)."""
+        """`dtype`: the adapters' weights as held, torch.float32 or torch.bfloat16 (half the bytes
+        a step streams per adapter; products and sums stay fp32)."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
@@ -117,7 +118,7 @@ class LoraSet:
         slots = range(1, self.max_loras + 1)
         return {k: cpu_ops.lora_table([[(s.off, s.a, s.bt) for s in (self._adapters[slot].pairs.get(k, ())
                                                                         if slot in self._adapters else ())]
-                                       for slot in slots]) for k in keys}
+                                       for slot in slots], self.dtype) for k in keys}
 
     def add_c(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """As `add`, on bf16 x and y, by the C kernel (csrc/lora.c): one call for every adapter's rows."""
@@ -134,7 +135,7 @@ class LoraSet:
                 continue
             xs, delta = x.index_select(0, rows).float(), torch.zeros(len(rows), y.shape[1], device=y.device)
             for s in segments:
-                a, bt = s.a.to(x.device), s.bt.to(x.device)
+                a, bt = s.a.to(x.device, torch.float32), s.bt.to(x.device, torch.float32)
                 delta[:, s.off:s.off + bt.shape[1]] = in_row_tiles(lambda t: (t @ a.t()) @ bt, xs, LORA_TILE)
             y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
         return y

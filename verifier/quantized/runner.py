@@ -54,8 +54,6 @@ class QuantizedRunner:
         allocated dense."""
         return block_params(model_dir, model_type)
 
-    lora_dtype = torch.bfloat16     # LoRA adapters' weights as csrc/lora.c reads them
-
     def __init__(self, net: nn.Module, settings: RunnerSettings):
         s = settings
         if s.backend not in (None, "torch"):

@@ -4,10 +4,10 @@
  *
  * A projection's pair under one adapter is a list of segments, one per part of a fused
  * projection (q, k and v of qkv_proj; gate and up of gate_up_proj): output columns
- * [off, off + n) get (x A^T) B^T, A bf16 [rank, K], B^T bf16 [rank, n] (the scale folded in):
- * bf16 because serving many adapters streams their weights every step (a rank-16 adapter of
- * every projection of SmolLM2-135M is 10 MB so), products and sums in fp32, rounded to bf16
- * once per output.
+ * [off, off + n) get (x A^T) B^T, A [rank, K] and B^T [rank, n] (the scale folded in) in fp32, or
+ * in bf16 where the table says (half the bytes a step streams per adapter, at some precision:
+ * docs/performance.md, "LoRA adapters"); products and sums in fp32, rounded to bf16 once per
+ * output.
  *
  * Exactness: each row's outputs come from one fixed sequence of operations (16 lanes over K,
  * summed in a fixed tree, then K's tail; then the rank's terms in order), on one thread,
@@ -22,7 +22,7 @@
 
 typedef struct {
     int64_t rank, off, n;
-    const bf16 *a, *bt;
+    const void *a, *bt;         /* float, or bf16 where the table's bf16 is set */
 } LoraSegment;
 
 /* One projection's adapters: slot s (1 .. slots) has segments segs[first[s - 1] .. first[s]);
@@ -30,7 +30,7 @@ typedef struct {
 typedef struct {
     const LoraSegment *segs;
     const int64_t *first;
-    int64_t slots;
+    int64_t slots, bf16;
 } LoraTable;
 
 #define LANES 16
@@ -56,6 +56,9 @@ static inline f16v load_f32(const float *p) {
     return f;
 }
 
+static inline float scalar_bf16(const bf16 *p) { return bf16_to_f32(*p); }
+static inline float scalar_f32(const float *p) { return *p; }
+
 /* The lanes summed in a fixed tree. */
 static inline float lanes_sum(f16v v) {
     float s[LANES];
@@ -65,49 +68,57 @@ static inline float lanes_sum(f16v v) {
     return s[0];
 }
 
-/* u[i * stride] = A_j . x_i for the chunk's rows (x fp32 [rows, k]), one pass over A_j: per row
- * a 16-lane accumulator over K's full lanes, summed in a fixed tree, then K's tail in order. */
-static void dots(const bf16 *a, const float *x, int64_t rows, int64_t k, float *u, int64_t stride) {
-    f16v acc[CHUNK] = {{0}};
-    int64_t full = k - k % LANES;
-    for (int64_t e = 0; e < full; e += LANES) {
-        f16v av = load_bf16(a + e);
-        for (int64_t i = 0; i < rows; i++) acc[i] += av * load_f32(x + i * k + e);
-    }
-    for (int64_t i = 0; i < rows; i++) {
-        float t = lanes_sum(acc[i]);
-        for (int64_t e = full; e < k; e++) t += bf16_to_f32(a[e]) * x[i * k + e];
-        u[i * stride] = t;
-    }
+/* DOTS: u[i * stride] = A_j . x_i for the chunk's rows (x fp32 [rows, k]), one pass over A_j: per
+ * row a 16-lane accumulator over K's full lanes, summed in a fixed tree, then K's tail in order.
+ * AXPYS: d_i[c] += u_i * b[c], c < n, for the chunk's rows (d_i at d + i * ny), one pass over b.
+ * ADD_ROWS: up to CHUNK rows of one slot: x fp32 [rows, k], y bf16 rows (ys[i]: row i's [ny]); u
+ * scratch [CHUNK, rank], d scratch [CHUNK, ny]. Each row's operations are those it would get alone.
+ * One copy per weight type W (LOAD: 16 lanes of it as fp32, SCALAR: one). */
+#define LORA_KERNELS(SUFFIX, W, LOAD, SCALAR)                                                              \
+static void dots_##SUFFIX(const W *a, const float *x, int64_t rows, int64_t k, float *u, int64_t stride) {   \
+    f16v acc[CHUNK] = {{0}};                                                                               \
+    int64_t full = k - k % LANES;                                                                          \
+    for (int64_t e = 0; e < full; e += LANES) {                                                            \
+        f16v av = LOAD(a + e);                                                                             \
+        for (int64_t i = 0; i < rows; i++) acc[i] += av * load_f32(x + i * k + e);                         \
+    }                                                                                                      \
+    for (int64_t i = 0; i < rows; i++) {                                                                   \
+        float t = lanes_sum(acc[i]);                                                                       \
+        for (int64_t e = full; e < k; e++) t += SCALAR(a + e) * x[i * k + e];                              \
+        u[i * stride] = t;                                                                                 \
+    }                                                                                                      \
+}                                                                                                          \
+                                                                                                           \
+static void axpys_##SUFFIX(const W *b, const float *u, int64_t ustride, int64_t rows, int64_t n, float *d,   \
+                           int64_t ny) {                                                                   \
+    int64_t full = n - n % LANES;                                                                          \
+    for (int64_t c = 0; c < full; c += LANES) {                                                            \
+        f16v bv = LOAD(b + c);                                                                             \
+        for (int64_t i = 0; i < rows; i++) {                                                               \
+            f16v dv = load_f32(d + i * ny + c) + u[i * ustride] * bv;                                      \
+            memcpy(d + i * ny + c, &dv, sizeof dv);                                                        \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int64_t c = full; c < n; c++)                                                                     \
+        for (int64_t i = 0; i < rows; i++) d[i * ny + c] += u[i * ustride] * SCALAR(b + c);                \
+}                                                                                                          \
+                                                                                                           \
+static void add_rows_##SUFFIX(const LoraTable *t, int64_t slot, const float *x, int64_t rows, int64_t k,    \
+                              int64_t ny, bf16 *const *ys, float *u, int64_t rank, float *d) {             \
+    for (int64_t i = 0; i < rows * ny; i++) d[i] = 0.0f;                                                   \
+    for (int64_t g = t->first[slot - 1]; g < t->first[slot]; g++) {                                        \
+        const LoraSegment *s = &t->segs[g];                                                                \
+        const W *a = s->a, *bt = s->bt;                                                                    \
+        for (int64_t j = 0; j < s->rank; j++) dots_##SUFFIX(a + j * k, x, rows, k, u + j, rank);           \
+        for (int64_t j = 0; j < s->rank; j++)                                                              \
+            axpys_##SUFFIX(bt + j * s->n, u + j, rank, rows, s->n, d + s->off, ny);                        \
+    }                                                                                                      \
+    for (int64_t i = 0; i < rows; i++)                                                                     \
+        for (int64_t c = 0; c < ny; c++) ys[i][c] = f32_to_bf16(bf16_to_f32(ys[i][c]) + d[i * ny + c]);    \
 }
 
-/* d_i[c] += u_i * b[c], c < n, for the chunk's rows (d_i at d + i * ny), one pass over b. */
-static void axpys(const bf16 *b, const float *u, int64_t ustride, int64_t rows, int64_t n, float *d, int64_t ny) {
-    int64_t full = n - n % LANES;
-    for (int64_t c = 0; c < full; c += LANES) {
-        f16v bv = load_bf16(b + c);
-        for (int64_t i = 0; i < rows; i++) {
-            f16v dv = load_f32(d + i * ny + c) + u[i * ustride] * bv;
-            memcpy(d + i * ny + c, &dv, sizeof dv);
-        }
-    }
-    for (int64_t c = full; c < n; c++)
-        for (int64_t i = 0; i < rows; i++) d[i * ny + c] += u[i * ustride] * bf16_to_f32(b[c]);
-}
-
-/* Up to CHUNK rows of one slot: x fp32 [rows, k], y bf16 rows (ys[i]: row i's [ny]); u scratch
- * [CHUNK, rank], d scratch [CHUNK, ny]. Each row's operations are those it would get alone. */
-static void add_rows(const LoraTable *t, int64_t slot, const float *x, int64_t rows, int64_t k, int64_t ny,
-                     bf16 *const *ys, float *u, int64_t rank, float *d) {
-    for (int64_t i = 0; i < rows * ny; i++) d[i] = 0.0f;
-    for (int64_t g = t->first[slot - 1]; g < t->first[slot]; g++) {
-        const LoraSegment *s = &t->segs[g];
-        for (int64_t j = 0; j < s->rank; j++) dots(s->a + j * k, x, rows, k, u + j, rank);
-        for (int64_t j = 0; j < s->rank; j++) axpys(s->bt + j * s->n, u + j, rank, rows, s->n, d + s->off, ny);
-    }
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t c = 0; c < ny; c++) ys[i][c] = f32_to_bf16(bf16_to_f32(ys[i][c]) + d[i * ny + c]);
-}
+LORA_KERNELS(f32, float, load_f32, scalar_f32)
+LORA_KERNELS(bf16, bf16, load_bf16, scalar_bf16)
 
 static int64_t max_rank(const LoraTable *t) {
     int64_t r = 1;
@@ -151,7 +162,8 @@ int64_t lora_add(const LoraTable *t, const int64_t *slots, const bf16 *x, int64_
                 ys[i] = y + r * ny;
                 for (int64_t e = 0; e < k; e++) buf[i * k + e] = bf16_to_f32(x[r * k + e]);
             }
-            add_rows(t, slots[order[starts[c]]], buf, m, k, ny, ys, buf + CHUNK * k, rank, buf + CHUNK * (k + rank));
+            (t->bf16 ? add_rows_bf16 : add_rows_f32)(t, slots[order[starts[c]]], buf, m, k, ny, ys, buf + CHUNK * k,
+                                                     rank, buf + CHUNK * (k + rank));
         }
         free(buf);
     }
