@@ -56,6 +56,9 @@ def add_bench_args(sub) -> None:
                    help="accept, grid, speed: shard Tercel's target over N devices (dense weights; "
                         "--quantization auto picks none)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--lora", default=None, metavar="NAME=PATH",
+                   help="accept, grid, speed: every request under this LoRA adapter (PEFT folder); serve: a "
+                        "server's adapter is a --model name")
     p.add_argument("--json", default=None, help="write the report here (updated as runs finish)")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
     p.add_argument("--profile-out", default=None, help="grid: write the fastest configuration per task")

@@ -20,6 +20,8 @@ HF_LOOKUP_TOKENS = 10     # transformers' own default for prompt_lookup_num_toke
 def run_engine_bench(args) -> int:
     drafters = _drafters(args.drafter)
     temps = parse_floats(args.temperature, "temperature")
+    if args.lora and (args.hf or args.llamacpp):
+        raise ValueError("--lora runs Tercel's engines under an adapter; --hf and --llamacpp have no such baseline")
     if args.llamacpp:
         if args.what != "speed":
             raise ValueError("--llamacpp is a baseline of `tercel bench speed`")
@@ -33,7 +35,7 @@ def run_engine_bench(args) -> int:
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     settings = RunSettings(args.model or DEFAULT_MODEL, args.max_tokens, args.ignore_eos, args.seed, args.adaptive,
-                           args.tensor_parallel_size)
+                           args.tensor_parallel_size, _lora(args.lora))
     journal = Journal(args.json, args.what, _fingerprint(settings, args, data), args.resume)
     by_task = data.by_task()
     print(f"bench {args.what}: {len(cells)} configuration(s) × {len(by_task)} task(s) × {repeats} repeat(s), "
@@ -106,8 +108,17 @@ def _fingerprint(settings: RunSettings, args, data) -> dict:
     """What must not change between an interrupted run and its --resume."""
     return {"model": settings.model, "max_tokens": settings.max_tokens, "ignore_eos": settings.ignore_eos,
             "seed": settings.seed, "datasets": args.dataset or ["specbench"], "both_turns": args.both_turns,
-            "quantization": args.quantization, "adaptive": args.adaptive,
+            "quantization": args.quantization, "adaptive": args.adaptive, "lora": list(settings.lora) if settings.lora else None,
             "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}
+
+
+def _lora(arg: str | None) -> tuple[str, str] | None:
+    if arg is None:
+        return None
+    name, sep, path = arg.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora takes NAME=PATH, got {arg!r}")
+    return name, path
 
 
 def _threads() -> int:

@@ -26,6 +26,7 @@ class RunSettings:
     seed: int = 0
     adaptive: bool = False       # speculate as `tercel serve` does: only while it pays, trees sized to the step
     tensor_parallel_size: int = 1  # Tercel's target over this many devices (LLM(tensor_parallel_size=...))
+    lora: tuple[str, str] | None = None   # (name, folder): every request runs under this LoRA adapter
 
 
 @dataclass
@@ -84,7 +85,8 @@ class TercelGenerator:
         from spec.adaptive import AdaptiveConfig
         self.llm = LLM(settings.model, drafter=cell.drafter, speculation=cell.speculation(), max_num_seqs=1,
                        quantization=cell.quantization, adaptive=AdaptiveConfig(enabled=settings.adaptive),
-                       tensor_parallel_size=settings.tensor_parallel_size)
+                       tensor_parallel_size=settings.tensor_parallel_size,
+                       lora_modules=(settings.lora,) if settings.lora else ())
 
     def template(self, messages: list[dict]) -> list[int]:
         return self.llm.apply_chat_template(messages)
@@ -93,7 +95,7 @@ class TercelGenerator:
         from spec import SamplingParams
         params = SamplingParams(temperature=temperature, max_tokens=self.settings.max_tokens, seed=seed,
                                 ignore_eos=self.settings.ignore_eos)
-        out = self.llm.generate(prompt_ids, params)[0]
+        out = self.llm.generate(prompt_ids, params, lora=self.settings.lora[0] if self.settings.lora else None)[0]
         st = out.stats
         return Turn(list(out.token_ids), out.text, out.ttft, st.verify_steps, st.emitted_tokens,
                     st.draft_tokens, tuple(st.accepted_per_depth))

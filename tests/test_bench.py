@@ -150,6 +150,25 @@ def test_accept_reports_per_depth_acceptance(tiny_llama_dir, capsys):
     assert rc == 0 and "α cumulative" in out and "| ngram | γ3 k1 |" in out and "a_d" in out
 
 
+def test_bench_runs_every_request_under_a_lora_adapter(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """`tercel bench speed --lora NAME=PATH`: the engine serves the adapter and every request names
+    it (the journal records it); an HF baseline beside it is refused."""
+    from spec.llm import LLM as Engine
+    from tests.test_lora import ATTN_MLP, make_adapter
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter", ATTN_MLP)
+    asked, generate = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, lora=None, **kw: (asked.append(lora),
+                                                                             generate(self, *a, lora=lora, **kw))[1])
+    out = tmp_path / "speed.json"
+    rc = tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--drafter", "ngram",
+                 "--lora", f"a={adapter}", "--json", str(out)])
+    assert rc == 0 and asked and set(asked) == {"a"}
+    assert json.loads(out.read_text())["settings"]["lora"] == ["a", str(adapter)]
+    capsys.readouterr()
+    assert tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--hf", "--lora", f"a={adapter}"]) != 0
+    assert "--hf and --llamacpp have no such baseline" in capsys.readouterr().err
+
+
 def test_speed_compares_with_hf_generate_and_prompt_lookup(tmp_path, tiny_llama_dir, capsys):
     out = tmp_path / "speed.json"
     rc = tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--json", str(out)])
