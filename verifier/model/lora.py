@@ -6,9 +6,14 @@ output then gets, on the rows of each adapter that adapts it, (x A^T) B^T added 
 way on a quantized base: the delta beside the quantized kernel's output). Rows of the base, and
 projections an adapter leaves alone, keep their bits.
 
+Two ways to the same rule: a quantized target calls the C kernel (`add_c`, csrc/lora.c: every
+adapter's rows in one call, from its native layer loop or its Python layers); a dense target's
+projections call `add` through forward hooks (torch, any device).
+
 A row's delta must not depend on the rows beside it (T=0 speculation against plain decoding, a
-prompt in any chunking): the products run on tiles of a fixed row count (`row_tiles`), so a row
-alone and the same row among others take the same kernel.
+prompt in any chunking): the C kernel computes each row alone in one fixed order, and `add` runs
+its products on tiles of a fixed row count (`row_tiles`), so a row alone and the same row among
+others take the same kernel.
 """
 from __future__ import annotations
 
