@@ -227,6 +227,7 @@ def test_sampling_under_an_adapter_follows_the_adapted_models_law(law_case):
     assert chi_square_pvalue(counts, base_law) < 1e-3
 
 
+@pytest.mark.slow
 def test_verifying_trees_without_the_adapter_fails_the_same_test(law_case, monkeypatch):
     """The control: tree nodes verified by the base (the adapter dropped from masked inputs),
     plain steps under the adapter: the law is no longer the adapted model's."""

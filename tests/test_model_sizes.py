@@ -147,6 +147,7 @@ def test_the_sizes_bench_runs_a_file(tiny_gguf, capsys):
     assert load > 0 and 0 < peak < 8 and disk < 0.1 and prefill > 0 and decode > 0 and stream > 0
 
 
+@pytest.mark.slow
 def test_the_first_loads_bench_loads_in_each_cache_state(tiny_gguf):
     """`python -m bench.first_loads`: a first load, a later one, another file of the family and
     one with its tokenizer converted anew, each timed in its own process under one fresh cache
