@@ -26,6 +26,7 @@ import torch
 from drafters.base import DraftRequest, Prediction
 from drafters.config import SpecConfig
 from drafters.prediction import PredictionDrafter, join_prediction
+from spec.adapters import Adapters
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate
 from spec.batch_guard import BatchGuard
 from spec.config import EngineConfig
@@ -42,11 +43,10 @@ from spec.step_cost import CostCurve, StatedCost, StepCost, StepSample
 from spec.threads import ThreadGovernor, same_on_every_count
 from verifier.attention.kv_cache import slot_of
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
-from verifier.block_manager import BlockManager, BlockManagerConfig, namespace_root
+from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.cpu.cpus import IdleMeter, cpu_budget, free_cpus
 from verifier.cpu.machine import default_threads, on_threads
 from verifier.memory import available_bytes
-from verifier.model.lora import LoraSet
 from verifier.model.tokenizer import prompt_ids
 from verifier.parallel import open_target
 from verifier.sampling.grammar import GrammarBackend, apply_bitmask, few_allowed, sole_tokens
@@ -195,7 +195,7 @@ class LLMEngine:
                                                       config.enable_prefix_cache))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks)
-        self.lora = self._load_adapters(config)
+        self.adapters = Adapters(self.target, config)
         self.eos_ids = frozenset(mc.eos_token_ids) | set(generation_eos_ids(self.target.model_dir)) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
@@ -229,19 +229,6 @@ class LLMEngine:
         self.guard = BatchGuard(replace(config.adaptive.guard, enabled=config.adaptive.guard.enabled and measured))
         self._guarded: tuple[int, bool] | None = None     # this step's (decoding requests, may draft)
         self.threads = self._thread_governor(config, free)
-
-    def _load_adapters(self, config: EngineConfig) -> LoraSet | None:
-        """The LoRA adapters of `config.lora_modules`, loaded (None without any)."""
-        if not config.lora_modules:
-            return None
-        lora = self._enable_lora(config)
-        for name, path in config.lora_modules:
-            lora.load(name, path)
-            log.info("LoRA adapter %r (rank %d) from %s", name, lora.adapter(name).rank, path)
-        return lora
-
-    def _enable_lora(self, config: EngineConfig) -> LoraSet:
-        return self.target.enable_lora(config.max_loras, config.max_lora_rank, getattr(torch, config.lora_dtype))
 
     def _warm_up(self) -> None:
         """One target forward at each verify size, 1 to the largest tree, before serving.
@@ -365,7 +352,7 @@ class LLMEngine:
         `lora`: the name of the LoRA adapter it runs under (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        adapter = self._adapter_slot(lora)
+        adapter = self.adapters.slot(lora)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(ids, params)
         if prediction is not None:
@@ -377,8 +364,7 @@ class LLMEngine:
                       prompt=prompt if isinstance(prompt, str) else None,
                       generator=make_generator(seed, self.target.device))
         req.speculate = speculate
-        if adapter:
-            req.adapter, req.cache_root = adapter, namespace_root(self.lora.tag(adapter))
+        req.adapter, req.cache_root = adapter, self.adapters.cache_root(adapter)
         req.speculation = self._cap_speculation(speculation)
         req.prediction = prediction if speculate else None    # it only speeds a reply up: off means off
         if params.structured is not None:
@@ -387,12 +373,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
-
-    def _adapter_slot(self, name: str | None) -> int:
-        """The slot of LoRA adapter `name` (0: None, the base); ValueError naming it if not loaded."""
-        if name is not None and self.lora is None:
-            raise ValueError(f"unknown LoRA adapter {name!r}: this engine serves none (lora_modules)")
-        return 0 if name is None else self.lora.slot(name)
 
     def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:
         if spec is None:
@@ -425,40 +405,23 @@ class LLMEngine:
             max_threads=self.num_threads, thread_switches=self.threads.switches,
             thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),
             steps=self._steps, last_step_tokens=self._last_step_tokens,
-            timing=self.timing, memory=self._memory_parts, **self._lora_stats())
+            timing=self.timing, memory=self._memory_parts,
+            **self.adapters.stats(self.scheduler.running, self.scheduler.waiting))
 
-    # ---- LoRA adapters ----------------------------------------------------------------
+    # ---- LoRA adapters (spec/adapters.py) ------------------------------------------------
     def load_lora(self, name: str, path: str) -> None:
-        """Serve the adapter at `path` as `name` from the next step; ValueError (nothing loaded)
-        naming what does not fit."""
-        if self.lora is None:
-            self.lora = self._enable_lora(self.config)
-        self.lora.load(name, path)
-        log.info("LoRA adapter %r (rank %d) loaded from %s", name, self.lora.adapter(name).rank, path)
+        self.adapters.load(name, path)
 
     def unload_lora(self, name: str) -> int:
         """Stop serving adapter `name`: its requests, running or waiting, fail alone (finish_reason
         "error", their blocks back to the pool); returns how many."""
-        slot = self._adapter_slot(name)
+        slot = self.adapters.slot(name)
         under = [r for r in self.requests.values() if r.adapter == slot and not r.finished]
         for req in under:
             self._pending.append(self._fail(req, RequestFault(f"LoRA adapter {name!r} was unloaded")))
-        self.lora.unload(name)
+        self.adapters.unload(name)
         log.info("LoRA adapter %r unloaded (%d requests under it failed)", name, len(under))
         return len(under)
-
-    def lora_adapters(self) -> dict[str, str]:
-        """Adapter name -> the folder it was loaded from."""
-        return {} if self.lora is None else {n: str(self.lora.adapter(n).path) for n in self.lora.slots}
-
-    def _lora_stats(self) -> dict:
-        if self.lora is None:
-            return {}
-        names = {slot: name for name, slot in self.lora.slots.items()}
-        running = {names[r.adapter] for r in self.scheduler.running if r.adapter in names}
-        waiting = {names[r.adapter] for r in self.scheduler.waiting if r.adapter in names}
-        return {"max_loras": self.lora.max_loras, "lora_running": tuple(sorted(running)),
-                "lora_waiting": tuple(sorted(waiting))}
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached blocks no request holds; returns how many."""
