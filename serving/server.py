@@ -181,13 +181,16 @@ def server_config(args, limits):
     from serving.app import ServerConfig
     from serving.defaults import load_sampling_defaults
     names = tuple(args.served_model_name or dict.fromkeys((args.model, Path(args.model).name)))
+    lora = lora_serving(args)
+    if clash := sorted({name for name, _ in lora.modules} & set(names)):
+        raise ValueError(f"--lora-modules name {clash[0]!r} is the served model's name; give the adapter another")
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     defaults = load_sampling_defaults(args.generation_config, args.model)
     log.info("%s; requests that leave a field out get it", defaults.describe())
     return ServerConfig(model_names=names, api_key=args.api_key, limits=limits, allowed_origins=origins,
                         special_tokens_in_content=args.allow_special_tokens_in_content,
                         tool_format=FORMATS[args.tool_call_parser], chat_template=chat_template(args.chat_template),
-                        sampling_defaults=defaults, lora=lora_serving(args))
+                        sampling_defaults=defaults, lora=lora)
 
 
 def chat_template(path: str | None) -> str | None:

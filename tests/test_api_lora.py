@@ -121,3 +121,24 @@ def test_runtime_loading_is_off_unless_asked(tiny_llama_dir):
         assert post(s, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"}).status_code == 404
     finally:
         s.close()
+
+
+def test_bad_lora_flags_stop_the_server_before_it_loads(tiny_llama_dir, tmp_path):
+    """Each a ValueError naming the flag, from the flags alone (no model loaded)."""
+    from serving.limits import ServerLimits
+    from serving.server import engine_config, parse_serve_args, server_config
+
+    def refused(*flags: str) -> str:
+        args = parse_serve_args(["--model", str(tiny_llama_dir), *flags])
+        with pytest.raises(ValueError) as e:
+            server_config(args, ServerLimits())
+            engine_config(args)
+        return str(e.value)
+    assert "NAME=PATH" in refused("--lora-modules", "nameless")
+    assert "twice" in refused("--lora-modules", "a=x", "a=y")
+    assert "--lora-root" in refused("--allow-runtime-lora")
+    assert "not a folder" in refused("--allow-runtime-lora", "--lora-root", str(tmp_path / "none"))
+    assert "served model's name" in refused("--served-model-name", "tiny", "--lora-modules", "tiny=x")
+    args = parse_serve_args(["--model", str(tiny_llama_dir), "--lora-modules", "a=x", "--lora-dtype", "bfloat16"])
+    config = engine_config(args)
+    assert config.lora_modules == (("a", "x"),) and config.lora_dtype == "bfloat16"
