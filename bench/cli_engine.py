@@ -108,7 +108,8 @@ def _fingerprint(settings: RunSettings, args, data) -> dict:
     """What must not change between an interrupted run and its --resume."""
     return {"model": settings.model, "max_tokens": settings.max_tokens, "ignore_eos": settings.ignore_eos,
             "seed": settings.seed, "datasets": args.dataset or ["specbench"], "both_turns": args.both_turns,
-            "quantization": args.quantization, "adaptive": args.adaptive, "lora": list(settings.lora) if settings.lora else None,
+            "quantization": args.quantization, "adaptive": args.adaptive,
+            "lora": list(settings.lora) if settings.lora else None,
             "prompts": [f"{p.task}/{p.id}" for p in data.prompts]}
 
 

@@ -26,9 +26,9 @@ from serving.disconnect import until_disconnected
 from serving.errors import engine_stopped, engine_unavailable, install_error_handlers, queue_full, refused, \
     unauthorized, unknown_model
 from serving.fields import check_fields, check_min_tokens, check_sampling
+from serving.flags import LoraServing
 from serving.limits import BodyLimit, ServerLimits
 from serving.logprobs import TokenPieces
-from serving.flags import LoraServing
 from serving.lora_routes import LoraRoutes
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
@@ -186,8 +186,8 @@ class Routes:
         streams = self._submit(subs)
         calls = self.config.tool_format if req.tool_choice.mode != "none" else None
         pieces = self._pieces if req.logprobs is not None or req.echo else None
-        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), lora or self.served.first, chat, req.n, req.include_usage, calls,
-                      pieces, req.echo, predicted=prediction is not None)
+        reply = Reply(new_id("chatcmpl" if chat else "cmpl"), lora or self.served.first, chat, req.n,
+                      req.include_usage, calls, pieces, req.echo, predicted=prediction is not None)
         if req.stream:
             return EventSourceResponse(sse_events(reply, streams), ping=15,
                                        send_timeout=self.config.limits.send_timeout_s)

@@ -51,7 +51,8 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 def test_an_adapter_is_a_model_listed_with_its_parent(server, root):
     cards = {c["id"]: c for c in httpx.get(f"{server.url}/v1/models").json()["data"]}
-    assert cards["a"]["parent"] == "tiny" and cards["a"]["root"] == str(root / "a") and cards["tiny"].get("parent") is None
+    assert cards["a"]["parent"] == "tiny" and cards["a"]["root"] == str(root / "a")
+    assert cards["tiny"].get("parent") is None
     assert httpx.get(f"{server.url}/v1/models/a").json()["parent"] == "tiny"
 
 

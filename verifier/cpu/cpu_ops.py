@@ -83,7 +83,8 @@ _SIGNATURES = {
     "mixed_matmul_ref": [_P, _P, _I, _I, _I, _P, _I, _P],
     "draft_layer": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P],
 }
-_RETURNS = {"flush_lines": _I, "lora_add": _I, "q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I, "rows_per_unit": _I, "argmax_f32": _I,
+_RETURNS = {"flush_lines": _I, "lora_add": _I, "q6k_fits_5_bits": _I, "row_lists": _I, "attention_tiles": _I,
+            "rows_per_unit": _I, "argmax_f32": _I,
             "q4_matmul": _I, "q4_matmul_ref": _I, "q4_isa": _I, "q8_plane_masks": _I, "q8_matmul": _I, "q8_matmul_ref": _I,
             "mixed_matmul": _I, "mixed_matmul_ref": _I, "draft_layer": _I}
 PARALLEL_FROM = 1025        # attention's threads until a measurement says otherwise (Heads.parallel_from)

@@ -50,8 +50,9 @@ class LoraSet:
         self.slots: dict[str, int] = {}
         self._adapters: dict[int, LoraAdapter] = {}
         self._tags: dict[int, bytes] = {}       # slot -> this load's own bytes (prefix-cache namespace)
-        self._groups: list[tuple[LoraAdapter, torch.Tensor]] = []       # this forward's rows per adapter
-        self.row_slots = torch.zeros(0, dtype=torch.int64)              # this forward's slot per row
+        self.row_slots: torch.Tensor | None = None      # this forward's slot per row (None: outside one)
+        self._device = torch.device("cpu")
+        self._groups: list[tuple[LoraAdapter, torch.Tensor]] | None = None  # its rows per adapter, for `add`
         self.version = 0                # bumped by every load and unload (the C tables follow it)
         self._tables: dict[tuple[int, str], cpu_ops.LoraTable] = {}
         self._tables_version = -1
@@ -94,22 +95,28 @@ class LoraSet:
 
     @contextmanager
     def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
-        """Within: the forward's row i takes slot slots[i]."""
-        by_slot: dict[int, list[int]] = {}
-        for i, s in enumerate(slots):
-            if s:
-                by_slot.setdefault(s, []).append(i)
-        self._groups = [(self._adapters[s], torch.tensor(rows, device=device)) for s, rows in by_slot.items()]
-        self.row_slots = torch.tensor(slots, dtype=torch.int64)
+        """Within: the forward's row i takes slot slots[i] (some slot not 0)."""
+        self.row_slots, self._device, self._groups = torch.tensor(slots, dtype=torch.int64), device, None
         try:
             yield
         finally:
-            self._groups = []
+            self.row_slots = None
 
     @property
     def active(self) -> bool:
-        """Whether the current forward has rows under an adapter."""
-        return bool(self._groups)
+        """Whether a forward with rows under an adapter is running."""
+        return self.row_slots is not None
+
+    def _row_groups(self) -> list[tuple[LoraAdapter, torch.Tensor]]:
+        """The current forward's rows per adapter (for `add`; the C kernel reads `row_slots`)."""
+        if self._groups is None:
+            by_slot: dict[int, list[int]] = {}
+            for i, s in enumerate(self.row_slots.tolist()):
+                if s:
+                    by_slot.setdefault(s, []).append(i)
+            self._groups = [(self._adapters[s], torch.tensor(rows, device=self._device))
+                            for s, rows in by_slot.items()]
+        return self._groups
 
     def table(self, layer: int, projection: str) -> cpu_ops.LoraTable | None:
         """The C kernel's table of this projection's segments under every slot (csrc/lora.c),
@@ -134,7 +141,7 @@ class LoraSet:
 
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the projection's output over x [T, in]) with each adapted row's delta added, in place."""
-        for adapter, rows in self._groups:
+        for adapter, rows in self._row_groups():
             segments = adapter.pairs.get((layer, projection))
             if segments is None:
                 continue

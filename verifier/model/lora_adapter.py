@@ -4,9 +4,9 @@ checked against the base model it is to run on, its products laid out for Tercel
 PEFT names a low-rank pair per HF module (`...layers.3.self_attn.q_proj.lora_A.weight`: A [r, in],
 `lora_B.weight`: B [out, r]); the adapted module computes W x + s B A x with s = alpha / r (rsLoRA:
 alpha / sqrt(r)). Tercel serves q, k and v as one projection (`qkv_proj`, rows q | k | v) and gate
-and up as one (`gate_up_proj`), so an adapter's pairs on those are stacked: A's rows one after the
-other, B block-diagonal with s folded in, zero where a part has no pair. Phi-3 names its fused
-modules as Tercel does.
+and up as one (`gate_up_proj`), so an adapter's product on one is a list of segments, one per part
+it adapts (its output columns, its A, its B transposed with s folded in). Phi-3 names its fused
+modules as Tercel does: one segment over all the columns.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D we
 
 @dataclass(frozen=True)
 class LoraSegment:
-    """Output columns [off, off + n) of a projection get (x @ a.T) @ bt: a fp32 [r, in], bt fp32 [r, n]."""
+    """Output columns [off, off + n) of a projection get (x @ a.T) @ bt: a [r, in], bt [r, n], in the
+    dtype the adapter is held in."""
     off: int
     a: torch.Tensor
     bt: torch.Tensor

@@ -34,7 +34,8 @@ from verifier.cpu import cpu_ops
 from verifier.cpu.machine import cache_bytes, cached_measurement
 from verifier.quantized.cpu_forward import row_plan
 
-FORMAT = 5                   # 5: KV flushed line by line (4: the evictor capped; 3: KV prefetched during a stand-in qkv matmul)
+FORMAT = 5                   # 5: KV flushed line by line (4: the evictor capped; 3: KV prefetched
+                             # during a stand-in qkv matmul)
 KEYS = (32, 64, 128, 256, 512, 1024, 2048)
 ROWS = (1, 4)
 NEVER = 1 << 62              # parallel_from when one thread always won

@@ -129,6 +129,7 @@ class NativeLayers:
         self._kv: KVCache | None = None
         self._kv_ptrs: tuple[ctypes.Array, ctypes.Array] | None = None
         self._err = ctypes.create_string_buffer(_ERR)    # one engine thread calls run: one buffer
+        self._lora: list = []                            # the LoRA tables the C++ model points at, kept alive
 
     def set_lora(self, tables: list) -> None:
         """LoRA tables (`cpu_ops.LoraTable` or None) of every layer's qkv, o, gate_up and down, in

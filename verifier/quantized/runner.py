@@ -79,8 +79,9 @@ class QuantizedRunner:
         self._native_lora = -1                            # the LoraSet version the native loop's tables are
 
     def attach_lora(self, lora: LoraSet) -> None:
-        """Serve `lora`'s adapters: a forward with adapted rows runs the layers in Python (not the
-        native loop), each projection's own kernel, then its rows' products added."""
+        """Serve `lora`'s adapters: each projection's own kernel, then its adapted rows' products
+        (csrc/lora.c), in the native loop (its tables pushed when the adapters change) and in the
+        Python layers alike."""
         self._sites = {id(lin): (i, name) for i, layer in enumerate(self.layers)
                        for name, lin in zip(PROJECTIONS, (layer.qkv, layer.o, layer.gate_up, layer.down))}
         self.lora = lora
