@@ -103,8 +103,9 @@ class DenseRunner:
         return ForwardOutput(logits, offsets, taps)
 
     def attach_lora(self, lora: LoraSet) -> None:
-        """Serve `lora`'s adapters: the projections add their rows' products (forward hooks)."""
-        hook_dense(self.net, lora)
+        """Serve `lora`'s adapters: the projections add their rows' products (forward hooks), by
+        the Triton kernels on the Triton backend."""
+        hook_dense(self.net, lora, triton=self.backend.name == "triton")
         self.lora = lora
 
 

@@ -6,9 +6,11 @@ output then gets, on the rows of each adapter that adapts it, (x A^T) B^T added 
 way on a quantized base: the delta beside the quantized kernel's output). Rows of the base, and
 projections an adapter leaves alone, keep their bits.
 
-Two ways to the same rule: a quantized target calls the C kernel (`add_c`, csrc/lora.c: every
+Three ways to the same rule: a quantized target calls the C kernel (`add_c`, csrc/lora.c: every
 adapter's rows in one call, from its native layer loop or its Python layers); a dense target's
-projections call `add` through forward hooks (torch, any device).
+projections call, through forward hooks, the Triton kernels on the Triton backend (`add_triton`,
+lora_triton.py: two launches per projection, the weights stacked on the device once per change)
+and `add` (torch) on the others.
 
 A row's delta must not depend on the rows beside it (T=0 speculation against plain decoding, a
 prompt in any chunking): the C kernel computes each row alone in one fixed order, and `add` runs
@@ -56,6 +58,9 @@ class LoraSet:
         self.version = 0                # bumped by every load and unload (the C tables follow it)
         self._tables: dict[tuple[int, str], cpu_ops.LoraTable] = {}
         self._tables_version = -1
+        self._stacks: dict = {}         # (layer, projection) -> lora_triton.LoraStack on the device
+        self._stacks_version = -1
+        self._device_slots: torch.Tensor | None = None      # row_slots on the device, for the kernels
 
     def load(self, name: str, path: str | Path) -> int:
         """Load the adapter at `path` as `name`; its slot. ValueError (nothing loaded) where the
@@ -97,6 +102,7 @@ class LoraSet:
     def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
         """Within: the forward's row i takes slot slots[i] (some slot not 0)."""
         self.row_slots, self._device, self._groups = torch.tensor(slots, dtype=torch.int64), device, None
+        self._device_slots = None
         try:
             yield
         finally:
@@ -139,6 +145,19 @@ class LoraSet:
             cpu_ops.lora_add(table, self.row_slots, x, y)
         return y
 
+    def add_triton(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """As `add`, by the Triton kernels (lora_triton.py) on x's device."""
+        from verifier.model import lora_triton          # imports triton: only where it serves
+        if self._stacks_version != self.version:
+            self._stacks = lora_triton.build_stacks(self._adapters, self.max_loras, self._device, self.dtype)
+            self._stacks_version = self.version
+        stack = self._stacks.get((layer, projection))
+        if stack is not None:
+            if self._device_slots is None:
+                self._device_slots = self.row_slots.to(self._device)
+            lora_triton.lora_add(stack, self._device_slots, x.contiguous(), y)
+        return y
+
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the projection's output over x [T, in]) with each adapted row's delta added, in place."""
         for adapter, rows in self._row_groups():
@@ -168,14 +187,16 @@ def projections(layers) -> list[tuple[int, str, nn.Module]]:
                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))]
 
 
-def hook_dense(net: nn.Module, lora: LoraSet) -> None:
+def hook_dense(net: nn.Module, lora: LoraSet, triton: bool = False) -> None:
     """The dense model's projections add `lora`'s deltas to their outputs (forward hooks that
-    return at once while no row of the forward is under an adapter)."""
+    return at once while no row of the forward is under an adapter): by the Triton kernels where
+    `triton`, else by torch."""
+    add = lora.add_triton if triton else lora.add
     for layer, name, module in projections(net.model.layers):
-        module.register_forward_hook(_delta_hook(lora, layer, name))
+        module.register_forward_hook(_delta_hook(lora, add, layer, name))
 
 
-def _delta_hook(lora: LoraSet, layer: int, name: str):
+def _delta_hook(lora: LoraSet, add, layer: int, name: str):
     def hook(module, inputs, out):
-        return lora.add(layer, name, inputs[0], out) if lora.active else None
+        return add(layer, name, inputs[0], out) if lora.active else None
     return hook
