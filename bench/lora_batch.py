@@ -9,8 +9,10 @@ LoRA of rank `--rank` on `--modules` (default q/k/v/o/gate/up/down; PEFT, B star
 `../shared/data/train` (GSM8K, code, role-play, harmless dialogue), written under `--out` and kept
 for the next run. Each round takes `--requests` new prompts (user turns of those sources, never
 trained on, one source per adapter in turn) and runs them greedily twice, under the adapters (the
-i-th prompt under adapter i mod N) and on the base, the order alternating by round; tok/s is output
-tokens over the batch's wall time, medians over rounds; tau is tokens per verify step (with
+i-th prompt under adapter i mod N) and on the base, the order alternating by round, after one short
+warm-up batch of each; every reply runs to `--max-tokens` (EOS ignored, as vLLM's throughput
+benchmark; `--stop-at-eos` to stop), so that both modes make the same tokens and the ratio is the
+adapters' cost, not their replies' lengths; tok/s is output tokens over the batch's wall time, medians over rounds; tau is tokens per verify step (with
 `--whole-trees`, of every draft; otherwise of those the cost model chose to verify).
 """
 from __future__ import annotations
@@ -84,11 +86,11 @@ def prompts(tokenizer, data: Path, sources: list[str], n: int, rounds: int, skip
     return out
 
 
-def run(llm, batch: list[list[int]], names: list[str | None], max_tokens: int) -> tuple[float, float]:
+def run(llm, batch: list[list[int]], names: list[str | None], max_tokens: int, ignore_eos: bool) -> tuple[float, float]:
     """(output tok/s of the batch, tokens per verify step or 0)."""
     from verifier.sampling.sampling_params import SamplingParams
     start = time.perf_counter()
-    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens), lora=names)
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos), lora=names)
     seconds = time.perf_counter() - start
     steps = sum(o.stats.verify_steps for o in outs)
     return sum(len(o.token_ids) for o in outs) / seconds, sum(o.stats.emitted_tokens for o in outs) / steps \
@@ -104,10 +106,13 @@ def measure(args, lora: dict[str, str], batches: list[list[list[int]]], drafter:
     names = list(lora)
     spread = [names[i % len(names)] for i in range(args.requests)]
     rows: dict[str, list[tuple[float, float]]] = {"adapters": [], "base": []}
+    for warm in (spread, [None] * args.requests):           # tables built, caches warm
+        run(llm, batches[0], warm, 8, True)
     for r, batch in enumerate(batches):
         order = ("adapters", "base") if r % 2 == 0 else ("base", "adapters")
         for mode in order:
-            rows[mode].append(run(llm, batch, spread if mode == "adapters" else [None] * len(batch), args.max_tokens))
+            rows[mode].append(run(llm, batch, spread if mode == "adapters" else [None] * len(batch), args.max_tokens,
+                                  not args.stop_at_eos))
     ratios = [a / b for (a, _), (b, _) in zip(rows["adapters"], rows["base"])]
     return {"base": statistics.median(t for t, _ in rows["base"]),
             "adapters": statistics.median(t for t, _ in rows["adapters"]),
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--train-steps", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--stop-at-eos", action="store_true", help="end replies at EOS (their lengths then differ by mode)")
     ap.add_argument("--drafters", default="none,suffix")
     ap.add_argument("--whole-trees", action="store_true",
                     help="verify every draft whole (the cost model off): tau compares the drafts, not its choices")

@@ -97,8 +97,10 @@ def test_mixed_batches_equal_each_request_alone_on_the_int4_base(tiny, adapters)
     assert mixed[1] == base[1] and mixed[0] != base[0] and mixed[2] != base[2]
 
 
-def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tiny, adapters):
-    """Bitwise: an adapter's delta on a row alone, among 5 and among 40 rows of random inputs."""
+@pytest.mark.parametrize("kernel", ["add", "add_c"])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tiny, adapters, kernel):
+    """Bitwise: an adapter's delta on a row alone, among 5 and among 40 rows of random inputs,
+    by torch and by the C kernel (whose chunks of rows share each read of the weights)."""
     from verifier.model.lora import LoraSet
     from verifier.target import load_config
     lora = LoraSet(load_config(tiny))
@@ -107,7 +109,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tiny, adapters):
 
     def delta(rows: torch.Tensor) -> torch.Tensor:
         with lora.rows([slot] * rows.shape[0], torch.device("cpu")):
-            return lora.add(0, "qkv_proj", rows, torch.zeros(rows.shape[0], 128, dtype=torch.bfloat16))
+            return getattr(lora, kernel)(0, "qkv_proj", rows, torch.zeros(rows.shape[0], 128, dtype=torch.bfloat16))
     whole = delta(x)
     assert torch.equal(delta(x[3:4]), whole[3:4]) and torch.equal(delta(x[1:6]), whole[1:6])
     assert whole.abs().sum() > 0
