@@ -2,6 +2,7 @@
 requests on the base model, with and without a drafter, in one process per drafter.
 
     python -m bench.lora_batch --adapters 4 --requests 8 --rounds 3 --drafters none,suffix
+    python -m bench.lora_batch --drafters small:smollm2-135m-instruct --whole-trees [--draft-own]
 
 The adapters are real fine-tunes of the served model (default: the int4 SmolLM2-135M): each a
 LoRA of rank `--rank` on `--modules` (default q/k/v/o/gate/up/down; PEFT, B starting at zero) trained for
@@ -100,9 +101,10 @@ def run(llm, batch: list[list[int]], names: list[str | None], max_tokens: int, i
 def measure(args, lora: dict[str, str], batches: list[list[list[int]]], drafter: str | None) -> dict:
     from spec import LLM
     from spec.adaptive import AdaptiveConfig
+    own = lora if args.draft_own and drafter and drafter.startswith("small:") else {}
     llm = LLM(model=args.model, lora_modules=lora, max_loras=max(1, len(lora)), drafter=drafter,
               max_num_seqs=args.requests, adaptive=AdaptiveConfig(enabled=not args.whole_trees),
-              lora_dtype=args.lora_dtype)
+              lora_dtype=args.lora_dtype, draft_lora_modules=own)
     names = list(lora)
     spread = [names[i % len(names)] for i in range(args.requests)]
     rows: dict[str, list[tuple[float, float]]] = {"adapters": [], "base": []}
@@ -136,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafters", default="none,suffix")
     ap.add_argument("--whole-trees", action="store_true",
                     help="verify every draft whole (the cost model off): tau compares the drafts, not its choices")
+    ap.add_argument("--draft-own", action="store_true",
+                    help="a small: drafter of the served model drafts under its own copy of each adapter, "
+                         "not for the base (draft_lora_modules)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/lora_adapters")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "train"))

@@ -71,6 +71,7 @@ class DraftRequest:
     # The ids min_tokens masks while the output is shorter (EOS, stop tokens); a sampling
     # drafter draws from the target's transform (verifier/sampling/sampler.py:transform_logits) with them.
     held_back: frozenset[int] = frozenset()
+    adapter: str | None = None      # the LoRA adapter the target runs it under (None: the base)
 
     @property
     def verified_ids(self) -> list[int]:
@@ -136,6 +137,7 @@ class PrefillChunk:
     token_ids: list[int]            # the request's tokens; the chunk is token_ids[start:end]
     start: int
     end: int
+    adapter: str | None = None      # the LoRA adapter the target ran it under (None: the base)
 
 
 @dataclass

@@ -12,6 +12,10 @@ Per step, for all speculating requests at once:
    each round re-runs the partial tree below the root under its ancestor mask.
    Top-k children are deterministic, so acceptance treats them as point masses.
 Draft KV of accepted chain tokens is kept; everything else is recomputed next step.
+
+LoRA: a request under a served adapter is drafted by the base draft model, unless the drafter was
+given its own adapter for that name (`load_lora`; `EngineConfig.draft_lora_modules`). The target's
+verify keeps the output the adapted model's either way; the draft's adapter only raises acceptance.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.block_manager import BlockManager, BlockManagerConfig
 from verifier.model.loader import resolve_model_dir
+from verifier.model.lora import LoraSet
 from verifier.quantized.quantize import auto_quantization
 from verifier.sampling.sampler import target_probs, transform_logits
 from verifier.target import TargetModel
@@ -60,6 +65,22 @@ class SmallModelDrafter(Drafter):
         self.model.allocate_kv(target.kv.num_blocks, bs)
         self.blocks = BlockManager(BlockManagerConfig(target.kv.num_blocks, bs, enable_prefix_cache=False))
         self.state: dict[int, _SeqState] = {}
+        self.lora: LoraSet | None = None      # the draft model's own adapters, by the served adapters' names
+
+    # ---- LoRA -----------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
+        """Draft requests under the served adapter `name` with the draft model's adapter at `path`."""
+        if self.lora is None:
+            self.lora = self.model.enable_lora(max_loras, max_rank, dtype)
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is not None and name in self.lora.slots:
+            self.lora.unload(name)
+
+    def _slot(self, adapter: str | None) -> int:
+        """The draft model's slot for requests under `adapter` (0: the base)."""
+        return self.lora.slots.get(adapter, 0) if self.lora is not None and adapter else 0
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _table(self, req: DraftRequest, extra: int) -> list[int]:
@@ -94,7 +115,7 @@ class SmallModelDrafter(Drafter):
                 self.blocks.allocate(c.seq_id, c.token_ids[:1])
             self.blocks.ensure_slots(c.seq_id, c.end)
             seqs.append(SeqInput(c.token_ids[c.start:c.end], c.start, self.blocks.block_table(c.seq_id),
-                                 logits_indices=[]))
+                                 logits_indices=[], adapter=self._slot(c.adapter)))
             st.computed = c.end
         if seqs:
             self.model.forward(ForwardBatch(seqs), chunk_invariant=False)
@@ -129,12 +150,13 @@ class SmallModelDrafter(Drafter):
             while len(r.token_ids) - st.computed > CATCH_UP_CHUNK:
                 end = st.computed + CATCH_UP_CHUNK
                 self.model.forward(ForwardBatch([SeqInput(r.token_ids[st.computed:end], st.computed, table,
-                                                          logits_indices=[])]), chunk_invariant=False)
+                                                          logits_indices=[], adapter=self._slot(r.adapter))]),
+                                   chunk_invariant=False)
                 st.computed = end
         seqs = []
         for r, table in zip(reqs, tables):
             st = self.state[r.seq_id]
-            seqs.append(SeqInput(r.token_ids[st.computed:], st.computed, table))
+            seqs.append(SeqInput(r.token_ids[st.computed:], st.computed, table, adapter=self._slot(r.adapter)))
             st.computed = len(r.token_ids)
         return self.model.forward(ForwardBatch(seqs), chunk_invariant=False).logits
 
@@ -151,7 +173,8 @@ class SmallModelDrafter(Drafter):
             if d + 1 == depth or not any(d + 1 < reqs[i].max_depth for i in live):
                 break
             live = [i for i in live if d + 1 < reqs[i].max_depth]
-            seqs = [SeqInput([drafted[i][-1]], len(reqs[i].token_ids) + d, tables[i]) for i in live]
+            seqs = [SeqInput([drafted[i][-1]], len(reqs[i].token_ids) + d, tables[i],
+                             adapter=self._slot(reqs[i].adapter)) for i in live]
             logits = self.model.forward(ForwardBatch(seqs)).logits
         props = []
         for r, toks, qs in zip(reqs, drafted, qrows):
@@ -183,7 +206,8 @@ class SmallModelDrafter(Drafter):
             nodes = tree.tokens[1:]
             fwd = self.model.forward(ForwardBatch([SeqInput(
                 list(nodes), base, table, positions=[base - 1 + d for d in tree.depths[1:]],
-                mask=tree.ancestor_mask()[1:, 1:], logits_indices=list(range(len(nodes))))]))
+                mask=tree.ancestor_mask()[1:, 1:], logits_indices=list(range(len(nodes))),
+                adapter=self._slot(req.adapter))]))
             out = []
             for p in paths:
                 node = _find(tree, p)

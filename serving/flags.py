@@ -51,6 +51,7 @@ def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | No
 class LoraServing:
     """The adapters served from the start, and whether (and from where) more may be loaded."""
     modules: tuple[tuple[str, str], ...] = ()
+    draft_modules: tuple[tuple[str, str], ...] = ()     # the drafter's own, by served name
     allow_runtime: bool = False
     root: Path | None = None          # runtime adapters only from under it (resolved)
 
@@ -59,6 +60,8 @@ def add_lora_args(p) -> None:
     from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served under their own model names")
+    p.add_argument("--draft-lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="the small: drafter's own adapter for a served adapter NAME (others draft for the base)")
     p.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS, help="adapters loaded at once at most")
     p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, help="the largest rank an adapter may have")
     p.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"),
@@ -70,17 +73,23 @@ def add_lora_args(p) -> None:
 
 def lora_serving(args) -> LoraServing:
     """The flags checked: a bad one stops the server before the model loads."""
-    modules = []
-    for item in args.lora_modules:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {item!r}")
-        modules.append((name, path))
-    if len({n for n, _ in modules}) != len(modules):
-        raise ValueError("--lora-modules names an adapter twice")
+    modules, drafts = _named_paths("--lora-modules", args.lora_modules), \
+        _named_paths("--draft-lora-modules", args.draft_lora_modules)
     if args.allow_runtime_lora and not args.lora_root:
         raise ValueError("--allow-runtime-lora needs --lora-root: the folder runtime adapters load from")
     root = Path(args.lora_root) if args.lora_root else None
     if root is not None and not root.is_dir():
         raise ValueError(f"--lora-root {root} is not a folder")
-    return LoraServing(tuple(modules), args.allow_runtime_lora, root)
+    return LoraServing(modules, drafts, args.allow_runtime_lora, root)
+
+
+def _named_paths(flag: str, items: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{flag} takes NAME=PATH, got {item!r}")
+        pairs.append((name, path))
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise ValueError(f"{flag} names an adapter twice")
+    return tuple(pairs)

@@ -137,6 +137,7 @@ def engine_config(args):
         if not 0 < args.kv_memory_fraction < 1:
             raise ValueError(f"--kv-memory-fraction must be in (0, 1), got {args.kv_memory_fraction}")
         kv["kv_cache_bytes"] = int(_device_memory() * args.kv_memory_fraction)
+    lora = lora_serving(args)
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         drafter=drafter, speculation=spec, num_threads=args.threads,
                         thread_tuning=ThreadConfig(adaptive=not args.fixed_threads),
@@ -145,7 +146,8 @@ def engine_config(args):
                         tensor_parallel_size=args.tensor_parallel_size,
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive,
                                                 guard=GuardConfig(enabled=not args.no_batch_guard)),
-                        logprobs_mode=args.logprobs_mode, lora_modules=lora_serving(args).modules,
+                        logprobs_mode=args.logprobs_mode, lora_modules=lora.modules,
+                        draft_lora_modules=lora.draft_modules,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_dtype=args.lora_dtype, **kv)
 
 

@@ -60,10 +60,20 @@ class EngineConfig:
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_RANK
     lora_dtype: str = "float32"           # the adapters' weights as held: "float32" or "bfloat16"
+    # The drafter's own adapters, by the served adapter's name: its requests are drafted under
+    # them (a `small:` drafter's model); other requests are drafted for the base.
+    draft_lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
-        if isinstance(self.lora_modules, dict):
-            object.__setattr__(self, "lora_modules", tuple((str(k), str(v)) for k, v in self.lora_modules.items()))
+        for name in ("lora_modules", "draft_lora_modules"):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, tuple((str(k), str(v)) for k, v in getattr(self, name).items()))
+        served = {n for n, _ in self.lora_modules}
+        for name, _ in self.draft_lora_modules:
+            if name not in served:
+                raise ValueError(f"draft_lora_modules names {name!r}, an adapter lora_modules does not serve")
+        if self.draft_lora_modules and not self.drafter:
+            raise ValueError("draft_lora_modules needs a drafter with a model of its own (small:PATH)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "tensor_parallel_size", "max_loras", "max_lora_rank"):
             positive_int(name, getattr(self, name))

@@ -218,6 +218,7 @@ class LLMEngine:
             from drafters.kinds import build_drafter, default_speculation
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, self.target, self.spec_config)
+            self.adapters.load_drafts(self.drafter)
         # The warm-up and the cost curve run on the CPUs left free while the target loaded (the
         # curve is rescaled per thread count as steps run: spec/step_cost.py).
         free = free_cpus(self.num_threads)
@@ -685,7 +686,8 @@ class LLMEngine:
             return []
         views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self._spec_limits(r),
                               unverified=len(r.forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction,
-                              held_back=self._held_back(r.params)) for r in reqs]
+                              held_back=self._held_back(r.params), adapter=self.adapters.name(r.adapter))
+                 for r in reqs]
         start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
@@ -781,7 +783,7 @@ class LLMEngine:
             return
         from drafters.base import PrefillChunk
         chunks = [PrefillChunk(p.request.seq_id, p.request.token_ids, p.ctx_len,
-                               p.ctx_len + p.seq.num_new_tokens)
+                               p.ctx_len + p.seq.num_new_tokens, self.adapters.name(p.request.adapter))
                   for p in plans if p.is_prompt and p.request.speculate and p.fault is None]
         if chunks:
             try:

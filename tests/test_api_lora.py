@@ -140,6 +140,12 @@ def test_bad_lora_flags_stop_the_server_before_it_loads(tiny_llama_dir, tmp_path
     assert "--lora-root" in refused("--allow-runtime-lora")
     assert "not a folder" in refused("--allow-runtime-lora", "--lora-root", str(tmp_path / "none"))
     assert "served model's name" in refused("--served-model-name", "tiny", "--lora-modules", "tiny=x")
-    args = parse_serve_args(["--model", str(tiny_llama_dir), "--lora-modules", "a=x", "--lora-dtype", "bfloat16"])
+    assert "--draft-lora-modules takes NAME=PATH" in refused("--draft-lora-modules", "x")
+    assert "'b', an adapter lora_modules does not serve" in refused("--drafter", f"small:{tiny_llama_dir}",
+                                                                      "--lora-modules", "a=x",
+                                                                      "--draft-lora-modules", "b=y")
+    args = parse_serve_args(["--model", str(tiny_llama_dir), "--lora-modules", "a=x", "--lora-dtype", "bfloat16",
+                             "--drafter", f"small:{tiny_llama_dir}", "--draft-lora-modules", "a=y"])
     config = engine_config(args)
     assert config.lora_modules == (("a", "x"),) and config.lora_dtype == "bfloat16"
+    assert config.draft_lora_modules == (("a", "y"),)

@@ -16,6 +16,7 @@ from spec import LLM
 from tests.conftest import make_tiny_model
 from drafters.config import SpecConfig
 from tests.pinned import WHOLE_TREES
+from verifier.batch import ForwardBatch, SeqInput
 from verifier.sampling.sampling_params import SamplingParams
 
 
@@ -118,7 +119,6 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(tiny, adapters, ke
 def test_the_native_loop_adds_the_products_the_python_layers_add(tiny, adapters):
     """Bitwise: rows under two adapters and the base, as sampled rows, through the C++ layer loop
     (csrc/decode_loop.cpp) and through the Python layers."""
-    from verifier.batch import ForwardBatch, SeqInput
     llm = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=64)
     runner = llm.engine.target.runner
     assert runner.native is not None
@@ -235,7 +235,6 @@ def test_verifying_trees_without_the_adapter_fails_the_same_test(law_case, monke
     plain steps under the adapter: the law is no longer the adapted model's."""
     import spec.engine as engine_module
     from stats import chi_square_pvalue
-    from verifier.batch import SeqInput
 
     def base_trees(*args, adapter: int = 0, **kw):
         return SeqInput(*args, adapter=0 if kw.get("mask") is not None else adapter, **kw)
@@ -273,3 +272,56 @@ def test_the_int4_base_with_an_adapter_passes_the_quality_gate(smollm2_dir, tmp_
           f"perplexity ratio {q.ppl_ratio:.4f}; adapted {q.ref_ppl:.3f}, base {base.ref_ppl:.3f}")
     assert q.positions > 500 and q.agreement >= 0.99 and q.ppl_ratio <= 1.01
     assert abs(q.ref_ppl - base.ref_ppl) > 1e-3           # the adapter changes the model
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3"])
+def test_the_int4_base_under_an_adapter_is_close_to_hf_peft(tmp_path, model_type):
+    """Tiny Qwen3 (q/k norms) and Phi-3 (fused qkv and gate_up as stored) in int4 under an adapter:
+    logits within the int4 tolerance of HF PeftModel's with the same adapter (test_model_families'),
+    and far nearer them than the base's; a row under it is bitwise the same beside a base row."""
+    import transformers
+    from test_model_families import FAMILIES, logits
+    from test_model_parity import jitter_norms
+    from verifier.target import TargetModel
+    base = jitter_norms(make_tiny_model(tmp_path / "base", None, **FAMILIES[model_type]))
+    path = make_adapter(base, tmp_path / "adapter", FUSED.get(model_type, ATTN_MLP))
+    ids = list(range(10, 40))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = hf(torch.tensor([ids])).logits[0]
+        want = _peft().PeftModel.from_pretrained(hf, str(path)).eval()(torch.tensor([ids])).logits[0]
+    target = TargetModel(str(base), quantization="int4")
+    slot = target.enable_lora(1, 16).load("x", path)
+    target.allocate_kv(8, 16)
+    seqs = [SeqInput(ids, 0, [0, 1], logits_indices=list(range(len(ids))), adapter=slot)]
+    got = target.forward(ForwardBatch(seqs)).logits
+    beside = target.forward(ForwardBatch([*seqs, SeqInput(ids[:9], 0, [2, 3], logits_indices=[8])])).logits
+    error, moved = ((got - want).norm() / want.norm()).item(), ((plain - want).norm() / want.norm()).item()
+    print(f"{model_type}: int4 under the adapter {error:.3f} from PEFT's logits, the base {moved:.3f}")
+    assert error < 0.3 and error < moved / 3
+    assert torch.equal(beside[:len(ids)], got)
+
+
+def test_a_small_drafter_drafts_under_its_own_adapter(tiny, adapters):
+    """T=0, a mixed batch: the `small:` drafter (the model drafting for itself) gives plain
+    decoding's tokens whether it drafts for the base or under its own copy of each adapter, and
+    its own adapters raise acceptance (every draft verified whole, so the drafts alone differ)."""
+    prompts, names = PROMPTS, ["a", "b", None, "a"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw = dict(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    plain = _tokens(LLM(**kw).generate(prompts, params, lora=names))
+    accepted = []
+    for own in ({}, adapters):
+        llm = LLM(**kw, drafter=f"small:{tiny}", draft_lora_modules=own, adaptive=WHOLE_TREES)
+        outs = llm.generate(prompts, params, lora=names)
+        assert _tokens(outs) == plain
+        accepted.append(sum(o.stats.accepted_tokens for o, n in zip(outs, names) if n))
+    assert accepted[1] > accepted[0]
+
+
+def test_draft_adapters_need_a_served_name_and_a_drafter_with_a_model(tiny, adapters):
+    kw = dict(model=str(tiny), quantization="int4", lora_modules={"a": adapters["a"]}, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="'b', an adapter lora_modules does not serve"):
+        LLM(**kw, drafter=f"small:{tiny}", draft_lora_modules={"b": adapters["b"]})
+    with pytest.raises(ValueError, match="the ngram drafter has no model of its own"):
+        LLM(**kw, drafter="ngram", draft_lora_modules={"a": adapters["a"]})
