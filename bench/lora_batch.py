@@ -62,6 +62,30 @@ def train_adapter(gguf: Path, convs: list[list[dict]], tokenizer, out: Path, ran
     return out
 
 
+def adapter_args(ap) -> None:
+    """The flags naming the served model and its adapters (bench.lora_step takes them too)."""
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--adapters", type=int, default=4, choices=range(1, len(SOURCES) + 1))
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--modules", default=",".join(TARGETS), help="the projections the adapters adapt")
+    ap.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--train-steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="runs/lora_adapters")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "train"))
+
+
+def trained_adapters(ap, args):
+    """(tokenizer, the training data's folder, name -> adapter folder), training those not kept."""
+    from verifier.model.loader import resolve_model_dir
+    from verifier.model.tokenizer import Tokenizer
+    data = Path(args.data)
+    if not data.is_dir():
+        ap.error(f"no training conversations at {data} (--data)")
+    tokenizer = Tokenizer(resolve_model_dir(args.model))
+    return tokenizer, data, adapters(args, tokenizer, data)
+
+
 def adapters(args, tokenizer, data: Path) -> dict[str, str]:
     """name -> folder: the first `--adapters` sources' fine-tunes, trained where not kept."""
     from verifier.model.loader import ALIASES
@@ -125,14 +149,9 @@ def measure(args, lora: dict[str, str], batches: list[list[list[int]]], drafter:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--adapters", type=int, default=4, choices=range(1, len(SOURCES) + 1))
+    adapter_args(ap)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--modules", default=",".join(TARGETS), help="the projections the adapters adapt")
-    ap.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--train-steps", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--stop-at-eos", action="store_true", help="end replies at EOS (their lengths then differ by mode)")
     ap.add_argument("--drafters", default="none,suffix")
@@ -141,19 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-own", action="store_true",
                     help="a small: drafter of the served model drafts under its own copy of each adapter, "
                          "not for the base (draft_lora_modules)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="runs/lora_adapters")
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "train"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from verifier.cpu.machine import machine_summary
-    from verifier.model.loader import resolve_model_dir
-    from verifier.model.tokenizer import Tokenizer
-    data = Path(args.data)
-    if not data.is_dir():
-        ap.error(f"no training conversations at {data} (--data)")
-    tokenizer = Tokenizer(resolve_model_dir(args.model))
-    lora = adapters(args, tokenizer, data)
+    tokenizer, data, lora = trained_adapters(ap, args)
     batches = prompts(tokenizer, data, list(lora), args.requests, args.rounds, skip=4 * args.train_steps)
     print(f"bench lora_batch: {machine_summary()}; {len(lora)} adapters of rank {args.rank} on {args.modules}, "
           f"held in {args.lora_dtype}", file=sys.stderr)

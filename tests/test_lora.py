@@ -14,6 +14,7 @@ import torch
 
 from spec import LLM
 from tests.conftest import make_tiny_model
+from drafters.base import Prediction
 from drafters.config import SpecConfig
 from tests.pinned import WHOLE_TREES
 from verifier.batch import ForwardBatch, SeqInput
@@ -130,19 +131,24 @@ def test_the_native_loop_adds_the_products_the_python_layers_add(tiny, adapters)
     assert torch.equal(llm.engine.target.forward(batch).logits, native)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
-def test_speculation_under_an_adapter_gives_the_adapted_tokens(tiny, adapters, drafter):
-    """T=0: a drafter's steps under adapters, in a mixed batch, give plain decoding's tokens
-    (the drafter drafts from the text, the adapted model verifies)."""
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "eagle3", "tree", "prediction"])
+def test_speculation_under_an_adapter_gives_the_adapted_tokens(tiny, adapters, drafter, tmp_path):
+    """T=0: a drafter's steps under adapters, in a mixed batch, give plain decoding's tokens: those
+    drafting from the text, an EAGLE-3 head and a small model drafting for the base, and each
+    request's prediction (the plain reply with a wrong token in its middle)."""
+    from conftest import make_random_eagle_head
     prompts = [p * 3 for p in PROMPTS]
     names = ["a", "b", None, "a"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
-    spec = LLM(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128, drafter=drafter,
-               adaptive=WHOLE_TREES)
-    drafted = spec.generate(prompts, params, lora=names)
-    assert _tokens(drafted) == _tokens(plain.generate(prompts, params, lora=names))
-    assert sum(o.stats.accepted_tokens for o, n in zip(drafted, names) if n) > 0
+    kw = dict(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    plain = _tokens(LLM(**kw).generate(prompts, params, lora=names))
+    spec, predictions = {"eagle3": f"eagle3:{make_random_eagle_head(tiny, tmp_path / 'head', draft_vocab=64)}",
+                         "tree": f"tree:small:{tiny}+ngram", "prediction": None}.get(drafter, drafter), None
+    if drafter == "prediction":
+        predictions = [Prediction(tuple(t[:10] + [(t[10] + 1) % 256] + t[11:])) for t in plain]
+    drafted = LLM(**kw, drafter=spec, adaptive=WHOLE_TREES).generate(prompts, params, predictions, lora=names)
+    assert _tokens(drafted) == plain
+    assert sum(o.stats.verify_steps for o, n in zip(drafted, names) if n) > 0
 
 
 def test_prefix_cache_is_kept_apart_per_adapter(tiny, adapters):

@@ -1,0 +1,64 @@
+"""One forward of decode rows under LoRA adapters against the same rows on the base: where a
+multi-LoRA batch's time goes (bench.lora_batch measures whole batches).
+
+    python -m bench.lora_step --adapters 4 --rows 8 --calls 30 --repeats 3 --train-steps 30
+
+The adapters are bench.lora_batch's (the same flags; trained where not kept). Three cases, each
+`--calls` forwards of `--rows` one-token rows (after 3 untimed), the cases interleaved per repeat:
+every row on the base; the rows spread over the adapters (row i under adapter i mod N); every row
+under the first adapter. Prints each case's median milliseconds per repeat.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.lora_batch import adapter_args, trained_adapters
+
+
+def forward_ms(target, slots: list[int], calls: int) -> float:
+    from verifier.batch import ForwardBatch, SeqInput
+    batch = ForwardBatch([SeqInput([100 + i], 0, [i], logits_indices=[0], sampled_from=0, adapter=s)
+                          for i, s in enumerate(slots)])
+    for _ in range(3):
+        target.forward(batch)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        target.forward(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    adapter_args(ap)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from spec import LLM
+    from verifier.cpu.machine import machine_summary
+    _, _, lora = trained_adapters(ap, args)
+    llm = LLM(model=args.model, lora_modules=lora, max_loras=len(lora), lora_dtype=args.lora_dtype,
+              max_num_seqs=args.rows)
+    slots = [llm.engine.adapters.slot(name) for name in lora]
+    cases = {"base": [0] * args.rows, "spread": [slots[i % len(slots)] for i in range(args.rows)],
+             "one adapter": [slots[0]] * args.rows}
+    got: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.repeats):
+        for name, case in cases.items():
+            got[name].append(forward_ms(llm.engine.target, case, args.calls))
+    print(f"bench lora_step: {machine_summary()}; {len(lora)} adapters of rank {args.rank} on {args.modules}, "
+          f"held in {args.lora_dtype}; {args.rows} decode rows", file=sys.stderr)
+    for name, ms in got.items():
+        print(f"{name}: " + ", ".join(f"{m:.2f}" for m in ms) + " ms")
+
+
+if __name__ == "__main__":
+    main()
