@@ -349,10 +349,10 @@ def test_engine_measures_its_cost_curve_at_load(tiny_llama_dir):
 def test_a_curve_past_its_budget_is_timed_in_one_round_over_every_row_count(tiny_llama_dir, monkeypatch, tmp_path):
     """A target whose round of timed forwards would outlast the budget (a 1-8B model's) gets one
     round over every row count: the prefix, the batch sizes' first use, then each count once."""
-    from spec import LLM, curve_cache, engine
+    from spec import LLM, curve_cache, preparation
     monkeypatch.setattr(curve_cache, "cache_root", lambda: tmp_path)       # timed here, not read back
-    monkeypatch.setattr(engine, "CURVE_BUDGET_S", 0.0)                      # past it after one round
-    timed, time_curve = [], engine.LLMEngine._time_curve
+    monkeypatch.setattr(preparation, "CURVE_BUDGET_S", 0.0)                 # past it after one round
+    timed, time_curve = [], preparation._Preparation.time_curve
 
     def counted(self, rows, tree, ctx):
         forward, calls = self.target.forward, []
@@ -363,7 +363,7 @@ def test_a_curve_past_its_budget_is_timed_in_one_round_over_every_row_count(tiny
             del self.target.forward
             prefix = -(-ctx // self.config.max_num_batched_tokens)
             timed.append(len(calls) == prefix + (len(rows) - tree) + len(rows))
-    monkeypatch.setattr(engine.LLMEngine, "_time_curve", counted)
+    monkeypatch.setattr(preparation._Preparation, "time_curve", counted)
     llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram",
               speculation=SpecConfig(num_speculative_tokens=3))
     curve = llm.engine.adaptive.cost.curve
@@ -376,10 +376,10 @@ def test_the_cost_curve_is_timed_once_per_machine_and_shape(tiny_llama_dir, tmp_
     import shutil
 
     from spec import LLM
-    from spec.engine import LLMEngine
+    from spec.preparation import _Preparation
     monkeypatch.setenv("TERCEL_CACHE", str(tmp_path / "cache"))
-    timed, time_curve = [], LLMEngine._time_curve
-    monkeypatch.setattr(LLMEngine, "_time_curve", lambda self, *a: timed.append(1) or time_curve(self, *a))
+    timed, time_curve = [], _Preparation.time_curve
+    monkeypatch.setattr(_Preparation, "time_curve", lambda self, *a: timed.append(1) or time_curve(self, *a))
     copy = shutil.copytree(tiny_llama_dir, tmp_path / "copy")
     # one thread: the count the curve is keyed by, never what a busy neighbour leaves free
     kw = dict(max_model_len=256, num_kv_blocks=64, max_num_seqs=2, drafter="ngram", num_threads=1)

@@ -12,7 +12,7 @@ from drafters.config import SpecConfig
 from pinned import DEARER_THAN_A_STEP, MACHINES, stated
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from spec.engine import LLMEngine
+from spec.preparation import _Preparation
 from spec.step_cost import StatedCost
 from tree.token_tree import TokenTree
 
@@ -65,7 +65,7 @@ def run_alone(llm: LLM, replies: list[list[int]], miss: int) -> tuple[list, list
 @pytest.mark.parametrize("machine", list(MACHINES))
 def test_the_engine_keeps_its_cost_curve_as_stated(tiny_llama_dir, machine, monkeypatch):
     """A stated curve is not timed at load, nor rescaled by the steps run."""
-    monkeypatch.setattr(LLMEngine, "_cost_curve", lambda self: pytest.fail("timed at load"))
+    monkeypatch.setattr(_Preparation, "cost_curve", lambda self: pytest.fail("timed at load"))
     llm = drafting_engine(tiny_llama_dir, MACHINES[machine])
     cost = llm.engine.adaptive.cost
     llm.generate(PROMPTS, GREEDY)

@@ -241,7 +241,7 @@ def test_the_engine_loads_on_the_free_cpus_and_leaves_the_callers_count(tiny_lla
         return forward(self, batch)
     monkeypatch.setattr(TargetModel, "__init__", recording_init)
     monkeypatch.setattr(TargetModel, "forward", recording_forward)
-    monkeypatch.setattr("spec.engine.free_cpus", lambda budget: 1)
+    monkeypatch.setattr("spec.preparation.free_cpus", lambda budget: 1)
     torch.set_num_threads(3)                             # the caller's, unlike any the engine picks
     llm = LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2,
               thread_tuning=ThreadConfig(adaptive=False))

@@ -311,9 +311,9 @@ def test_the_kv_pool_stays_within_the_memory_left_after_the_load(monkeypatch):
     would meet the OOM killer mid-request instead of a full pool's preemption."""
     from types import SimpleNamespace
 
-    from spec import engine
-    cpu = SimpleNamespace(target=SimpleNamespace(device=torch.device("cpu")))
-    monkeypatch.setattr(engine, "available_bytes", lambda: 10 * 10**9)
-    assert engine.LLMEngine._kv_pool_bytes(cpu, 2 * 10**9) == 2 * 10**9
-    monkeypatch.setattr(engine, "available_bytes", lambda: 10**9)
-    assert engine.LLMEngine._kv_pool_bytes(cpu, 2 * 10**9) == 9 * 10**8
+    from spec import preparation
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(preparation, "available_bytes", lambda: 10 * 10**9)
+    assert preparation.kv_pool_bytes(cpu, 2 * 10**9) == 2 * 10**9
+    monkeypatch.setattr(preparation, "available_bytes", lambda: 10**9)
+    assert preparation.kv_pool_bytes(cpu, 2 * 10**9) == 9 * 10**8

@@ -158,7 +158,7 @@ def test_no_leaked_blocks_or_state_with_predictions_under_preemption_and_aborts(
     engine = Predicting(llm.engine, predictions)
     _, preempted = drive_random_requests(engine, rng, len(jobs), lambda i: jobs[i], add_p=0.6, abort_p=0.08)
     assert preempted > 0
-    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.requests and not llm.engine.predictor._index
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.requests and not llm.engine.drafting.predictor._index
     done = engine.finished
     assert sum(o.stats.prediction_accepted for o in done.values()) > 0
     for rid, out in done.items():

@@ -124,7 +124,7 @@ def sample_counts(model_dir, prompt, drafter: str | None, spec: SpecConfig | Non
     if trim is not None:
         llm.engine.adaptive.trim = trim
     if engine_trim is not None:
-        llm.engine._trim = engine_trim
+        llm.engine.drafting._trim = engine_trim
     params = [SamplingParams(seed=None if trim else i, **PARAMS) for i in range(N_SAMPLES)]
     outs = llm.generate([prompt] * N_SAMPLES, params)
     toks = torch.tensor([o.token_ids for o in outs])
@@ -245,7 +245,7 @@ def test_a_cut_that_reads_the_sampled_tokens_fails_the_same_test(tiny_vocab_dir,
     """The control: a cut that looks at what a sampling drafter drew (keeping a chain only
     where its first token is even, as trusting a drafter's confidence in its own draw would)
     biases the output, and the same test catches it. This is why the controller reads the
-    scores of deterministic proposals only (spec/engine.py, `_candidate`)."""
+    scores of deterministic proposals only (spec/drafting.py, `candidate`)."""
     def by_token(drafted, props, plans):
         return [p if p.tree.tokens[1] % 2 == 0 else None for p in props]
     counts, _ = sample_counts(tiny_vocab_dir, prompt, f"small:{other_draft_dir}",

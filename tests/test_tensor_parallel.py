@@ -100,7 +100,7 @@ def test_speculative_tp2_equals_tp1_plain(tiny_dir, prompts, reference, eagle_he
     with two_ranks(tiny_dir, drafter=spec, speculation=SpecConfig(num_speculative_tokens=3),
                    adaptive=WHOLE_TREES) as llm:     # drafts verified (asserted), whatever a row costs
         outs = llm.generate(prompts, GREEDY)
-        assert llm.engine.drafter_errors == 0
+        assert llm.engine.drafting.errors == 0
     assert [o.token_ids for o in outs] == reference
     assert sum(o.stats.draft_tokens for o in outs) > 0
     assert sum(o.stats.accepted_tokens for o in outs) > 0 or drafter == "eagle3"
