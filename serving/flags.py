@@ -61,7 +61,8 @@ def add_lora_args(p) -> None:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served under their own model names")
     p.add_argument("--draft-lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="the small: drafter's own adapter for a served adapter NAME (others draft for the base)")
+                   help="the drafter's own for a served adapter NAME: a small: model's LoRA adapter, an eagle3 head "
+                        "trained on the adapted model (others draft for the base)")
     p.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS, help="adapters loaded at once at most")
     p.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_RANK, help="the largest rank an adapter may have")
     p.add_argument("--lora-dtype", default="float32", choices=("float32", "bfloat16"),

@@ -26,15 +26,15 @@ class Adapters:
             self.load(name, path)
 
     def load_drafts(self, drafter) -> None:
-        """Load `EngineConfig.draft_lora_modules` into the drafter (`load_lora`): a served
-        adapter's requests are then drafted under its own; ValueError where the drafter has no
-        model to adapt."""
+        """Load `EngineConfig.draft_lora_modules` into the drafter (`load_lora`: a `small:` model's
+        LoRA adapter, an EAGLE-3 head trained on the adapted model): a served adapter's requests
+        are then drafted by its own; ValueError where the drafter has no model to adapt."""
         c = self._config
         if not c.draft_lora_modules:
             return
         if not hasattr(drafter, "load_lora"):
             raise ValueError(f"draft_lora_modules: the {drafter.name} drafter has no model of its own to adapt "
-                             f"(small:PATH has)")
+                             f"(small:PATH and eagle3 have)")
         for name, path in c.draft_lora_modules:
             drafter.load_lora(name, path, len(c.draft_lora_modules), c.max_lora_rank, getattr(torch, c.lora_dtype))
             log.info("the drafter's LoRA adapter for %r loaded from %s", name, path)

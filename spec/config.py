@@ -61,7 +61,8 @@ class EngineConfig:
     max_lora_rank: int = DEFAULT_MAX_RANK
     lora_dtype: str = "float32"           # the adapters' weights as held: "float32" or "bfloat16"
     # The drafter's own adapters, by the served adapter's name: its requests are drafted under
-    # them (a `small:` drafter's model); other requests are drafted for the base.
+    # them (a `small:` drafter's LoRA adapter, an `eagle3` drafter's head trained on the adapted
+    # model); other requests are drafted for the base.
     draft_lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
@@ -73,7 +74,7 @@ class EngineConfig:
             if name not in served:
                 raise ValueError(f"draft_lora_modules names {name!r}, an adapter lora_modules does not serve")
         if self.draft_lora_modules and not self.drafter:
-            raise ValueError("draft_lora_modules needs a drafter with a model of its own (small:PATH)")
+            raise ValueError("draft_lora_modules needs a drafter with a model of its own (small:PATH, eagle3)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "tensor_parallel_size", "max_loras", "max_lora_rank"):
             positive_int(name, getattr(self, name))

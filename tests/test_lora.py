@@ -331,3 +331,28 @@ def test_draft_adapters_need_a_served_name_and_a_drafter_with_a_model(tiny, adap
         LLM(**kw, drafter=f"small:{tiny}", draft_lora_modules={"b": adapters["b"]})
     with pytest.raises(ValueError, match="the ngram drafter has no model of its own"):
         LLM(**kw, drafter="ngram", draft_lora_modules={"a": adapters["a"]})
+
+
+def test_an_eagle3_drafter_drafts_an_adapters_requests_with_its_own_head(tiny, adapters, tmp_path):
+    """T=0, a mixed batch: with a head given for adapter a (draft_lora_modules), a's requests are
+    drafted by that head and the others by the base's, and the tokens stay plain decoding's."""
+    from conftest import make_random_eagle_head
+    prompts, names = [p * 3 for p in PROMPTS], ["a", "b", None, "a"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw = dict(model=str(tiny), quantization="int4", lora_modules=adapters, num_kv_blocks=128)
+    plain = _tokens(LLM(**kw).generate(prompts, params, lora=names))
+    base, own = (make_random_eagle_head(tiny, tmp_path / n, draft_vocab=64, seed=s) for n, s in (("base", 0), ("a", 1)))
+    llm = LLM(**kw, drafter=f"eagle3:{base}", draft_lora_modules={"a": str(own)}, adaptive=WHOLE_TREES)
+    drafter, seen = llm.engine.drafter, set()
+    propose_one = drafter._propose_one
+
+    def recording(r):
+        prop = propose_one(r)
+        if r.seq_id in drafter.state:
+            seen.add((r.adapter, drafter.state[r.seq_id].head is drafter.heads["a"]))
+        return prop
+    drafter._propose_one = recording
+    outs = llm.generate(prompts, params, lora=names)
+    assert _tokens(outs) == plain
+    assert seen == {("a", True), ("b", False), (None, False)}
+    assert sum(o.stats.verify_steps for o in outs) > 0

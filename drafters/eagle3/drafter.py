@@ -12,11 +12,16 @@ it has not consumed yet. Each step:
 Proposals are deterministic (top-k), so acceptance uses point masses: exact at any
 temperature. Prefix-cached positions never pass through the target, so the head simply
 has no entries for them (slightly lower acceptance, never a wrong output).
+
+LoRA: requests under a served adapter are drafted by the base's head, unless the drafter was
+given a head of the adapter's own (`load_lora`: a head trained on the adapted model's states,
+tapping the same target layers; `EngineConfig.draft_lora_modules`). A request keeps one head.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,16 +48,38 @@ class _SeqState:
     pending: list[TargetHidden] = field(default_factory=list)
     root_out: torch.Tensor | None = None  # head output of the newest pair [H]
     root_pos: int = -1                    # target position of that pair
+    head: Eagle3Head | None = None        # the head drafting it (its adapter's or the base's)
 
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
     drafts_per_node = True      # a tree level costs the head a pass over its weights
 
-    def __init__(self, head: Eagle3Head):
-        self.head = head
+    def __init__(self, head: Eagle3Head, load: Callable[[Path], Eagle3Head] | None = None):
+        """`load`: a head folder -> its head, ready as this one (for adapters' own heads)."""
+        self.head, self._load = head, load
         self.capture_layers = tuple(head.cfg.aux_layer_ids)
         self.state: dict[int, _SeqState] = {}
+        self.heads: dict[str, Eagle3Head] = {}     # a served adapter's own head, by its name
+
+    # ---- LoRA ---------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str, *limits) -> None:
+        """Draft requests under the served adapter `name` with the head at `path` (a head trained on
+        the adapted model; `limits`, the LoRA ones, do not apply to a head). ValueError where it taps
+        other target layers or keeps another KV shape than this drafter's head."""
+        if self._load is None:
+            raise ValueError("this EAGLE-3 drafter was built from a head in memory: it cannot load another")
+        head = self._load(Path(path))
+        c, own = head.cfg, self.head.cfg
+        if tuple(c.aux_layer_ids) != self.capture_layers or (c.num_kv_heads, c.head_dim) != (own.num_kv_heads,
+                                                                                              own.head_dim):
+            raise ValueError(f"EAGLE-3 head {path} for adapter {name!r}: taps layers {list(c.aux_layer_ids)} with "
+                             f"{c.num_kv_heads} x {c.head_dim} KV heads; the drafter's head taps "
+                             f"{list(self.capture_layers)} with {own.num_kv_heads} x {own.head_dim}")
+        self.heads[name] = head
+
+    def unload_lora(self, name: str) -> None:
+        self.heads.pop(name, None)
 
     # ---- state --------------------------------------------------------------------------
     def observe(self, states: list[TargetHidden]) -> None:
@@ -80,12 +107,14 @@ class Eagle3Drafter(Drafter):
         root_tok = r.token_ids[-1]
         if st is None:
             return Proposal(TokenTree.chain(root_tok, []))
+        if st.head is None:
+            st.head = self.heads.get(r.adapter, self.head)
         self._catch_up(st, r.token_ids)
         if st.root_out is None or st.root_pos != len(r.token_ids) - 2:
             return Proposal(TokenTree.chain(root_tok, []))   # the target has not caught up yet
         # n nodes reach depth n at most: a smaller cap (the cost model's) saves the deeper levels
         cfg = DynamicTreeConfig(depth=min(r.max_depth, r.max_nodes), topk=r.topk, budget=r.max_nodes)
-        tree, _ = dynamic_tree(root_tok, _Expander(self.head, st, cfg.topk), cfg)
+        tree, _ = dynamic_tree(root_tok, _Expander(st.head, st, cfg.topk), cfg)
         return Proposal(tree)
 
     def _catch_up(self, st: _SeqState, token_ids: list[int]) -> None:
@@ -109,7 +138,7 @@ class Eagle3Drafter(Drafter):
             self._run_context(st, aux[a:a + CATCH_UP_CHUNK], first + a, token_ids)
 
     def _run_context(self, st: _SeqState, aux: torch.Tensor, start: int, token_ids: list[int]) -> None:
-        head, m = self.head, len(aux)
+        head, m = st.head, len(aux)
         dev = aux.device
         positions = torch.arange(start, start + m, device=dev)
         nxt = torch.tensor(token_ids[start + 1:start + 1 + m], device=dev)   # token t+1 for pair t
@@ -206,13 +235,21 @@ DEFAULT_TREE = SpecConfig(num_speculative_tokens=2, topk=2, budget=4)
 
 @register_drafter("eagle3", default_speculation=DEFAULT_TREE)
 def build_eagle3(arg: str, target, speculation) -> Eagle3Drafter:
-    path = Path(arg) if arg else shipped_head(target.model_dir)
+    load = _head_loader(target)
+    return Eagle3Drafter(load(Path(arg) if arg else shipped_head(target.model_dir)), load)
+
+
+def _head_loader(target) -> Callable[[Path], Eagle3Head]:
+    """A head folder -> its head, drafting on `target`'s device in the form fitting it."""
     # On the CPU the head drafts on its weights in int8 (or bf16): a draft level reads all of
     # them from memory, so its time follows their bytes (docs/eagle3.md).
     form = draft_form(target.device)
     dtype = torch.bfloat16 if form == "bf16" else torch.float32 if form else target.dtype
-    head = load_head(path, target.config, device=target.device, dtype=dtype, target_head=target.output_table)
-    if form:
-        head.for_drafting(form)
-    head.use_target_embedding(target.input_embedding())   # whole, also under TP (rank 0 drafts)
-    return Eagle3Drafter(head)
+
+    def load(path: Path) -> Eagle3Head:
+        head = load_head(path, target.config, device=target.device, dtype=dtype, target_head=target.output_table)
+        if form:
+            head.for_drafting(form)
+        head.use_target_embedding(target.input_embedding())   # whole, also under TP (rank 0 drafts)
+        return head
+    return load
