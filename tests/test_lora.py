@@ -356,3 +356,19 @@ def test_an_eagle3_drafter_drafts_an_adapters_requests_with_its_own_head(tiny, a
     assert _tokens(outs) == plain
     assert seen == {("a", True), ("b", False), (None, False)}
     assert sum(o.stats.verify_steps for o in outs) > 0
+
+
+def test_datastore_drafting_under_an_adapter_gives_the_adapted_tokens(tiny_llama_dir, tmp_path):
+    """T=0, a mixed batch on a model with a tokenizer: a datastore of the adapted replies drafts
+    them back, and the tokens stay plain decoding's under the adapter and on the base."""
+    from conftest import write_reply_corpus
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "a", ["q_proj", "v_proj"])
+    prompts, names = [p * 3 for p in PROMPTS], ["a", None, "a", None]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw = dict(model=str(tiny_llama_dir), quantization="int4", lora_modules={"a": str(adapter)}, num_kv_blocks=128)
+    llm = LLM(**kw)
+    plain = _tokens(llm.generate(prompts, params, lora=names))
+    corpus = write_reply_corpus(tmp_path / "replies.jsonl", llm, plain)
+    drafted = LLM(**kw, drafter=f"datastore:{corpus}", adaptive=WHOLE_TREES).generate(prompts, params, lora=names)
+    assert _tokens(drafted) == plain
+    assert sum(o.stats.accepted_tokens for o, n in zip(drafted, names) if n) > 0
