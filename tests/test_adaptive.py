@@ -275,12 +275,12 @@ def test_engine_verifies_what_the_controller_keeps_and_outputs_stay_the_targets(
               speculation=SpecConfig(num_speculative_tokens=4))
     engine, cuts, verified = llm.engine, iter(range(10 ** 6)), []
     engine.adaptive.trim = lambda cands, decoding, base_rows, prompt_rows=0: [next(cuts) % 4 for _ in cands]
-    accept = engine._accept_proposal
+    accept = engine.acceptance._proposal
 
     def spy(req, plan):
         verified.append(plan.proposal.num_draft_nodes)
         return accept(req, plan)
-    engine._accept_proposal = spy
+    engine.acceptance._proposal = spy
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
     assert verified and set(verified) <= {1, 2, 3} and len(set(verified)) > 1
     assert engine.blocks.num_used_blocks == 0
@@ -324,12 +324,12 @@ def test_a_bare_root_is_a_plain_decode_step_except_for_a_pinned_request(tiny_lla
     llm = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=4, drafter="ngram")
     engine, trees = llm.engine, []
     engine.drafter.propose = lambda views: [Proposal(TokenTree.single(v.token_ids[-1])) for v in views]
-    accept = engine._accept_proposal
+    accept = engine.acceptance._proposal
 
     def spy(req, plan):
         trees.append(req.params.seed)
         return accept(req, plan)
-    engine._accept_proposal = spy
+    engine.acceptance._proposal = spy
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain and trees == []
     llm.generate(prompts[:1], SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
     assert trees and set(trees) == {3}

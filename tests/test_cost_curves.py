@@ -49,14 +49,14 @@ def run_alone(llm: LLM, replies: list[list[int]], miss: int) -> tuple[list, list
     as (the request's step, its draft nodes)."""
     engine, verified = llm.engine, []
     engine.drafter.propose = reply_drafts(replies, miss)
-    accept = engine._accept_proposal
+    accept = engine.acceptance._proposal
 
     def spy(req, plan):
         verified.append((req.history.steps, plan.proposal.num_draft_nodes))
         return accept(req, plan)
-    engine._accept_proposal = spy
+    engine.acceptance._proposal = spy
     outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
-    del engine._accept_proposal         # no cycle left to keep the (frozen) engine alive
+    del engine.acceptance._proposal         # no cycle left to keep the (frozen) engine alive
     assert [p + o.token_ids for p, o in zip(PROMPTS, outs)] == replies
     assert engine.blocks.num_used_blocks == 0
     return outs, verified
