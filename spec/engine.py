@@ -2,8 +2,18 @@
 
 One step: schedule -> draft (a token tree per decoding request) -> verify (one target
 forward over prefill chunks and every tree) -> accept (exact rejection sampling) ->
-commit (move accepted KV into place, publish full blocks to the prefix cache) -> emit
-(detokenize, stop checks). Plain decoding is the same loop without a drafter.
+commit (move accepted KV into place) -> emit (detokenize, stop checks, publish full blocks
+to the prefix cache). Plain decoding is the same loop without a drafter. Each phase has its
+room, and this file only runs them in order:
+
+  spec/preparation.py   the target made ready, once, at load (KV pool, drafter, warm-up, costs)
+  spec/intake.py        a request checked and built
+  spec/scheduler.py     admission, chunking, tree slots, preemption
+  spec/drafting.py      who drafts and how much; the proposals; every call on the drafter
+  spec/verification.py  the forward (a failing request isolated) and the KV commit
+  spec/acceptance.py    exact acceptance, sampling, logprobs
+  spec/emission.py      tokens appended, stops, publish, finish; the outputs
+  spec/step_meter.py    what a step cost, told to the cost model, the batch guard and threads
 
 A request with a grammar (`SamplingParams.structured`) gets its masks in draft (pruning
 the tree, spec/constraints.py), applies them in accept and advances its matcher in emit;
@@ -17,7 +27,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import time
 from dataclasses import replace
 from functools import partial
 
@@ -30,22 +39,21 @@ from spec.adaptive import AdaptiveController
 from spec.batch_guard import BatchGuard
 from spec.config import EngineConfig
 from spec.constraints import constrain
-from spec.detokenizer import IncrementalDetokenizer
 from spec.drafting import Drafting
 from spec.emission import Emission
 from spec.faults import NO_TOKEN_ALLOWED, RequestFault
+from spec.intake import Intake
 from spec.plan import SeqPlan
 from spec.preparation import prepare
 from spec.request import Request, RequestOutput
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from spec.stats import EngineLimits, EngineStats, PhaseTimes, ThreadSteps
-from spec.step_cost import StatedCost, StepSample
+from spec.stats import EngineLimits, EngineStats
+from spec.step_cost import StatedCost
+from spec.step_meter import StepClock, StepMeter
 from spec.verification import Verification
 from verifier.batch import ForwardOutput
 from verifier.cpu.machine import on_threads
-from verifier.model.tokenizer import prompt_ids
 from verifier.sampling.grammar import GrammarBackend, sole_tokens
-from verifier.sampling.sampler import make_generator
 from verifier.sampling.sampling_params import SamplingParams
 from verifier.target import generation_eos_ids
 
@@ -85,13 +93,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Compiles `SamplingParams.structured`; xgrammar loads on the first constrained request.
         self.grammars = GrammarBackend(self.tokenizer, mc.vocab_size, sorted(self.eos_ids), config.grammar)
-        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        limits = EngineLimits(self.max_model_len, config.max_num_seqs, mc.vocab_size, self.blocks.block_size,
+                              self.blocks.num_total_blocks, config.drafter or None, self.spec_config)
+        self.intake = Intake(self.tokenizer, self.eos_ids, limits, self.adapters, self.grammars, config.seed,
+                             self.target)
         self._pending: list[RequestOutput] = []
-        self._steps = self._last_step_tokens = 0  # forward steps so far, and the last one's tokens
-        self._thread_steps: dict[int, ThreadSteps] = {}     # the same by the thread count they ran on
         self.adaptive = AdaptiveController(config.adaptive)
         self.adaptive.cost = ready.cost
-        self.timing = PhaseTimes()      # the speculative steps' phases, cumulative
         # measured costs only: a stated curve pins the controller's choices, and so the guard's
         measured = self.adaptive.active and not isinstance(self.adaptive.cost, StatedCost)
         self.guard = BatchGuard(replace(config.adaptive.guard, enabled=config.adaptive.guard.enabled and measured))
@@ -101,18 +109,19 @@ class LLMEngine:
                                  self.max_model_len, config.max_num_batched_tokens, config.jump_forward,
                                  held)
         self.verification = Verification(self.target, self.blocks, self.drafter.capture_layers if self.drafter else ())
+        self.meter = StepMeter(self.adaptive, self.guard, self.threads, self.drafting)
         self.emission = Emission(self.target, self.blocks, self.scheduler, self.drafting, self.requests,
                                  self.eos_ids, self.max_model_len)
 
     # ---- requests in ------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return prompt_ids(self.tokenizer, prompt)
+        return self.intake.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, speculate: bool = True,
                     speculation: SpecConfig | None = None, grammar=None,
                     prediction: Prediction | None = None, lora: str | None = None) -> Request:
-        """Validate and queue; ValueError (naming the problem) leaves no state behind.
+        """Validate and queue (spec/intake.py); ValueError (naming the problem) leaves no state behind.
         `speculate=False` decodes this request plainly; `speculation` caps its tree (depth,
         top-k, budget) below the engine's own SpecConfig; `grammar`: params.structured already
         compiled (the server compiles before queueing; the cache may have dropped it since);
@@ -120,45 +129,19 @@ class LLMEngine:
         `lora`: the name of the LoRA adapter it runs under (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        adapter = self.adapters.slot(lora)
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        self.validate(ids, params)
-        if prediction is not None:
-            self.limits().validate_prediction(ids, params, prediction)
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        req = Request(request_id, ids, params,
-                      IncrementalDetokenizer.of(self.tokenizer, params, params.finishing_ids(self.eos_ids)),
-                      prompt=prompt if isinstance(prompt, str) else None,
-                      generator=make_generator(seed, self.target.device))
-        req.speculate = speculate
-        req.adapter, req.cache_root = adapter, self.adapters.cache_root(adapter)
-        req.speculation = self._cap_speculation(speculation)
-        req.prediction = prediction if speculate else None    # it only speeds a reply up: off means off
-        if params.structured is not None:
-            req.grammar = self.grammars.matcher(params.structured) if grammar is None \
-                else self.grammars.matcher_of(grammar)
+        req = self.intake.request(request_id, prompt, params, prompt_token_ids, speculate, speculation, grammar,
+                                  prediction, lora)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
-    def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:
-        if spec is None:
-            return None
-        over = self.spec_config.first_above(spec.num_speculative_tokens, spec.topk, spec.max_nodes)
-        if over:
-            raise ValueError("speculation {} {} exceeds the server's limit {}".format(*over))
-        return spec
-
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this prompt and these params can never run here (read-only)."""
-        self.limits().validate(ids, params)
+        self.intake.limits.validate(ids, params)
 
     def limits(self) -> EngineLimits:
         """What a request may ask of this engine; fixed once it is loaded."""
-        return EngineLimits(self.max_model_len, self.config.max_num_seqs, self.target.config.vocab_size,
-                            self.blocks.block_size, self.blocks.num_total_blocks,
-                            self.config.drafter or None, self.spec_config)
+        return self.intake.limits
 
     def stats(self) -> EngineStats:
         """A snapshot between two steps, for readers outside the engine (metrics, benchmarks)."""
@@ -171,9 +154,9 @@ class LLMEngine:
             batch_guard=self.guard.leaders(),
             preemptions=self.scheduler.num_preemptions, threads=self.threads.threads,
             max_threads=self.num_threads, thread_switches=self.threads.switches,
-            thread_steps=tuple(self._thread_steps[n] for n in sorted(self._thread_steps)),
-            steps=self._steps, last_step_tokens=self._last_step_tokens,
-            timing=self.timing, memory=self._memory_parts,
+            thread_steps=tuple(self.meter.thread_steps[n] for n in sorted(self.meter.thread_steps)),
+            steps=self.meter.steps, last_step_tokens=self.meter.last_step_tokens,
+            timing=self.meter.timing, memory=self._memory_parts,
             **self.adapters.stats(self.scheduler.running, self.scheduler.waiting))
 
     # ---- LoRA adapters (spec/adapters.py) ------------------------------------------------
@@ -218,50 +201,22 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []     # aborted since the last step
-        start = time.perf_counter()
+        clock = StepClock()
         sched = self._schedule()
         if sched.is_empty:
             return outputs
         plans = self._draft(sched)
-        drafted = time.perf_counter()
+        clock.mark("drafted")
         fwd = self._forward(plans)
-        verified = time.perf_counter()
+        clock.mark("verified")
         self.drafting.prefill(plans)
         self._accept(plans)
         self.verification.commit(plans)
         new = self._emit(plans)
         self.drafting.observe(plans, fwd)      # after emit: finished requests are skipped
-        end = time.perf_counter()
-        speculated = any(p.drafted is not None for p in plans)
-        if speculated:
-            self.timing = self.timing.plus(drafted - start, verified - drafted, end - verified)
-        prefill = any(p.is_prompt for p in plans)
-        self._observe(plans, prefill, verified - drafted, end - start)
-        self._observe_guard(plans, prefill, end - start)
-        self._last_step_tokens = sum(p.num_rows for p in plans)
-        self._steps += 1
-        n = torch.get_num_threads()
-        self._thread_steps[n] = self._thread_steps.get(n, ThreadSteps(n)).plus(end - start)
-        self.threads.observe(self._last_step_tokens, len(plans), end - start)
+        clock.mark("end")
+        self.meter.observe(plans, clock)
         return outputs + new
-
-    def _observe(self, plans: list[SeqPlan], prefill: bool, forward_s: float, total_s: float) -> None:
-        """The step's costs, for the adaptive controller."""
-        if self.adaptive.cost is None:
-            return
-        decoding = sum(1 for p in plans if p.proposal is not None or p.seq.num_new_tokens == 1)
-        nodes = sum(p.proposal.num_draft_nodes - p.forced for p in plans if p.drafted is not None)
-        drafts = self.drafting.step
-        self.adaptive.cost.observe(StepSample(sum(p.num_rows for p in plans), decoding, drafts.requests, nodes,
-                                              prefill, forward_s, drafts.seconds, total_s, drafts.nodes))
-
-    def _observe_guard(self, plans: list[SeqPlan], prefill: bool, total_s: float) -> None:
-        """A decode step's tokens and time, for the batch guard (prompt chunks' steps are not its)."""
-        guarded, self.drafting.guarded = self.drafting.guarded, None
-        if guarded is None or prefill:
-            return
-        tokens = sum(len(p.tokens) for p in plans)
-        self.guard.observe(guarded[0], guarded[1], tokens, total_s)
 
     # ---- schedule -------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import spec.engine as engine_module
+import spec.acceptance as acceptance_module
 from conftest import slow_marked
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
@@ -109,7 +109,7 @@ def test_a_bias_missing_from_the_tree_nodes_p_fails_the_same_test(tiny_vocab_dir
     drafts and residuals follow the unbiased law."""
     def unbiased(logits, params, *args):
         return transform_logits(logits, SamplingParams(**{**_fields(params), "logit_bias": ()}), *args)
-    monkeypatch.setattr(engine_module, "transform_logits", unbiased)
+    monkeypatch.setattr(acceptance_module, "transform_logits", unbiased)
     p, _ = fit(tiny_vocab_dir, prompt, f"small:{tiny_vocab_dir}", biased, "broken: bias missing from p")
     assert p < 1e-3
 

@@ -239,12 +239,12 @@ def test_sampling_under_an_adapter_follows_the_adapted_models_law(law_case):
 def test_verifying_trees_without_the_adapter_fails_the_same_test(law_case, monkeypatch):
     """The control: tree nodes verified by the base (the adapter dropped from masked inputs),
     plain steps under the adapter: the law is no longer the adapted model's."""
-    import spec.engine as engine_module
+    import spec.verification as verification_module
     from stats import chi_square_pvalue
 
     def base_trees(*args, adapter: int = 0, **kw):
         return SeqInput(*args, adapter=0 if kw.get("mask") is not None else adapter, **kw)
-    monkeypatch.setattr(engine_module, "SeqInput", base_trees)
+    monkeypatch.setattr(verification_module, "SeqInput", base_trees)
     counts, _ = _adapted_counts(law_case)
     assert chi_square_pvalue(counts, law_case[4]) < 1e-3
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import spec.engine
+import spec.intake
 from drafters.config import SpecConfig
 from spec import LLM, SamplingParams
 
@@ -23,7 +23,7 @@ def test_each_request_generator_is_made_on_the_target_device(tiny_llama_dir, mon
         made.append(torch.device(device))
         return torch.Generator().manual_seed(seed)
 
-    monkeypatch.setattr(spec.engine, "make_generator", spy)
+    monkeypatch.setattr(spec.intake, "make_generator", spy)
     monkeypatch.setattr(llm.engine.target, "device", stand_in)
     llm.engine.add_request("a", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2, seed=7))
     llm.engine.add_request("b", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2))

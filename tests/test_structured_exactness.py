@@ -163,7 +163,7 @@ CASES = {
     "plain+jump-forward": (None, None, 0),
     "ngram-chain": ("ngram", SpecConfig(num_speculative_tokens=2), 100),
     "other-model-chain-sampled": ("small:{other}", SpecConfig(num_speculative_tokens=2), 300),
-    "small-tree-topk": ("tree:small:{target}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 1000),
+    "small-tree-topk": ("tree:small:{target}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 500),
     "eagle3-tree": ("eagle3:{eagle}", SpecConfig(num_speculative_tokens=2, topk=3, budget=6), 100),
 }
 

@@ -274,10 +274,10 @@ def test_the_thread_check_is_made_once_per_machine_and_target_shape(tiny_llama_d
     """A second load of the same target reads the first one's answer instead of running the
     check's forwards again; the governor is on after both (the machine taken as quiet: a busy one
     keeps no answer)."""
-    from spec import curve_cache, engine
-    checks, check = [], engine.same_on_every_count
+    from spec import curve_cache, preparation
+    checks, check = [], preparation.same_on_every_count
     monkeypatch.setattr(curve_cache, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(engine, "same_on_every_count",
+    monkeypatch.setattr(preparation, "same_on_every_count",
                         lambda forward, counts: checks.append(counts) or check(forward, counts))
     for _ in range(2):
         assert LLM(model=str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2).engine.threads.active
