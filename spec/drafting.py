@@ -26,7 +26,7 @@ from spec.batch_guard import BatchGuard
 from spec.constraints import MAX_FORCED, forced_proposal
 from spec.plan import SeqPlan
 from spec.request import Request
-from spec.scheduler import SchedulerOutput
+from spec.scheduler import Lookahead, SchedulerOutput
 from verifier.batch import ForwardOutput
 from verifier.sampling.sampling_params import SamplingParams
 
@@ -65,11 +65,12 @@ class Drafting:
         self.errors = 0                         # drafter exceptions caught (requests decoded plainly)
         self.step = StepDrafts()
         self.guarded: tuple[int, bool] | None = None     # this step's (decoding requests, may draft)
+        self._caps: dict[int, int | None] = {}   # this step's draft nodes per request (by seq_id; None: its tree's)
 
     # ---- plan ---------------------------------------------------------------------------------
     def plan(self, running: list[Request]) -> None:
-        """Whether each decoding request drafts this step (`req.draft_cap` 0: it does not)."""
-        self.step = StepDrafts()
+        """Whether each decoding request drafts this step, and how much (a cap of 0: it does not)."""
+        self.step, self._caps = StepDrafts(), {}
         if self.drafter is None:
             return
         decoding = [r for r in running if not r.in_prefill]
@@ -83,7 +84,7 @@ class Drafting:
         for r in chosen:
             r.history = r.history or self.adaptive.history()
             drafts = allowed and self.adaptive.drafts(r.history, len(decoding), base_rows, prompt_rows=prompt_rows)
-            r.draft_cap = self._nodes_to_draft(r, len(decoding), base_rows, prompt_rows) if drafts else 0
+            self._caps[r.seq_id] = self._nodes_to_draft(r, len(decoding), base_rows, prompt_rows) if drafts else 0
 
     def _nodes_to_draft(self, req: Request, decoding: int, base_rows: int, prompt_rows: int) -> int | None:
         """A drafter whose time grows per node drafts what the controller expects to pay (None: its tree)."""
@@ -92,34 +93,33 @@ class Drafting:
         most = (req.speculation or self.spec_config).max_nodes
         return self.adaptive.nodes_to_draft(req.history, decoding, base_rows, most, prompt_rows=prompt_rows)
 
-    def lookahead(self, req: Request) -> int:
+    def lookahead(self, req: Request) -> Lookahead:
         """Tree slots a decoding request needs this step: its grammar's forced tokens if it
-        forces any (jump-forward; `req.forced`, read by `draft`), and the drafter's tree (below
-        them: only a drafter that drafts ahead)."""
-        req.forced, req.fault = [], None
+        forces any (jump-forward; carried to its plan), and the drafter's tree (below them:
+        only a drafter that drafts ahead)."""
         try:
-            req.forced = self._forced(req)
+            forced = tuple(self._forced(req))
         except Exception as e:   # this request's grammar: it fails alone, in emit
-            req.fault = e
-            return 0
-        return len(req.forced) + max(self._drafter_nodes(req), self._prediction_depth(req))
+            return Lookahead(fault=e)
+        return Lookahead(len(forced) + max(self._drafter_nodes(req, forced), self._prediction_depth(req, forced)),
+                         forced)
 
     def _room(self, req: Request) -> int:
         """Tokens the request may still emit: never past max_tokens or the context."""
         return min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
 
-    def _drafter_nodes(self, req: Request) -> int:
+    def _drafter_nodes(self, req: Request, forced: tuple[int, ...]) -> int:
         """Draft nodes the drafter may propose this step: below forced tokens only if it drafts ahead."""
-        ahead = not req.forced or (self.drafter is not None and self.drafter.drafts_ahead)
-        return self.spec_limits(req)[1] if ahead else 0
+        ahead = not forced or (self.drafter is not None and self.drafter.drafts_ahead)
+        return self.spec_limits(req, forced)[1] if ahead else 0
 
-    def _prediction_depth(self, req: Request) -> int:
+    def _prediction_depth(self, req: Request, forced: tuple[int, ...]) -> int:
         """The prediction's chain this step: as deep as the request's tree goes (γ), below its
         forced tokens, never past max_tokens or the context."""
         if req.prediction is None:
             return 0
         spec = req.speculation or self.spec_config
-        return max(0, min(spec.num_speculative_tokens, self._room(req) - 1 - len(req.forced)))
+        return max(0, min(spec.num_speculative_tokens, self._room(req) - 1 - len(forced)))
 
     def _forced(self, req: Request) -> list[int]:
         if req.grammar is None or not self.jump_forward:
@@ -127,17 +127,18 @@ class Drafting:
         # A step emits at most the forced tokens + 1.
         return req.grammar.forced(min(MAX_FORCED, self._room(req) - 1))
 
-    def spec_limits(self, req: Request) -> tuple[int, int, int]:
+    def spec_limits(self, req: Request, forced: tuple[int, ...]) -> tuple[int, int, int]:
         """(max draft depth, max draft nodes, top-k) for a decoding request this step, below its
-        forced tokens (`req.forced`); depth 0 = plain."""
+        `forced` tokens; depth 0 = plain."""
         if self.drafter is None or not req.speculate:
             return 0, 0, 1
         spec = req.speculation or self.spec_config
         nodes = spec.max_nodes
-        if not pinned(req) and req.draft_cap is not None:
-            nodes = min(nodes, req.draft_cap)
+        cap = self._caps.get(req.seq_id)
+        if not pinned(req) and cap is not None:
+            nodes = min(nodes, cap)
         # A step emits at most forced + depth + 1 tokens.
-        depth = min(spec.num_speculative_tokens, self._room(req) - 1 - len(req.forced), nodes)
+        depth = min(spec.num_speculative_tokens, self._room(req) - 1 - len(forced), nodes)
         if depth < 1:
             return 0, 0, 1
         return depth, nodes, spec.topk
@@ -147,12 +148,12 @@ class Drafting:
         """One plan per scheduled sequence; decoding requests given tree slots get a proposal."""
         plans = [SeqPlan(s) for s in sched.seqs]
         for plan in plans:
-            plan.fault = plan.request.fault
+            plan.fault = plan.seq.ahead.fault
         picked = [p for p in plans if p.seq.num_lookahead and not p.request.in_prefill and p.fault is None]
         for plan in picked:
-            if plan.request.forced:
-                plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced)
-                plan.forced = len(plan.request.forced)
+            if plan.seq.ahead.forced:
+                plan.proposal = forced_proposal(plan.request.token_ids[-1], list(plan.seq.ahead.forced))
+                plan.forced = len(plan.seq.ahead.forced)
         drafted = [p for p in picked if p.seq.num_lookahead > p.forced]
         proposed = [(p, prop) for p, prop in zip(drafted, self._proposals(drafted)) if prop is not None]
         drafted = [p for p, _ in proposed]
@@ -164,7 +165,7 @@ class Drafting:
             if not plan.forced:
                 plan.proposal = prop
             elif prop.draft is None:        # point masses below the chain (drafts_ahead drafters)
-                plan.proposal = forced_proposal(plan.request.token_ids[-1], plan.request.forced, prop.tree)
+                plan.proposal = forced_proposal(plan.request.token_ids[-1], list(plan.seq.ahead.forced), prop.tree)
         return plans
 
     def _trim(self, drafted: list[SeqPlan], props: list[Proposal], plans: list[SeqPlan]) -> list:
@@ -194,18 +195,18 @@ class Drafting:
     def _proposals(self, drafted: list[SeqPlan]) -> list[Proposal | None]:
         """Per plan, the drafter's proposal joined with its request's prediction chain; None
         where there is neither (the drafter failed: a plain decode step)."""
-        reqs = [p.request for p in drafted if self._drafter_nodes(p.request)]
-        own = dict(zip((r.seq_id for r in reqs), self._propose(reqs)))    # empty if the drafter failed
+        asking = [p for p in drafted if self._drafter_nodes(p.request, p.seq.ahead.forced)]
+        own = dict(zip((p.request.seq_id for p in asking), self._propose(asking)))    # empty if the drafter failed
         return [self._with_prediction(p, own.get(p.request.seq_id)) for p in drafted]
 
     def _with_prediction(self, plan: SeqPlan, own: Proposal | None) -> Proposal | None:
         """The request's prediction chain joined with the drafter's proposal `own` (drafters/prediction.py)."""
-        req = plan.request
+        req, forced = plan.request, plan.seq.ahead.forced
         if req.prediction is None:
             return own
-        depth = self._prediction_depth(req)
-        view = DraftRequest(req.seq_id, req.token_ids + req.forced, req.params, req.generator, depth, depth,
-                            unverified=len(req.forced), num_prompt=req.num_prompt_tokens, prediction=req.prediction)
+        depth = self._prediction_depth(req, forced)
+        view = DraftRequest(req.seq_id, req.token_ids + list(forced), req.params, req.generator, depth, depth,
+                            unverified=len(forced), num_prompt=req.num_prompt_tokens, prediction=req.prediction)
         try:
             chain = self.predictor.propose([view])[0]
         except Exception:  # a bug here must not fail the request: the drafter's proposal alone
@@ -213,16 +214,13 @@ class Drafting:
             log.exception("drafting the prediction of seq %d failed", req.seq_id)
             return own
         plan.predicted = chain.tree.tokens[1:]
-        return join_prediction(chain, own, max(self._drafter_nodes(req), depth))
+        return join_prediction(chain, own, max(self._drafter_nodes(req, forced), depth))
 
-    def _propose(self, reqs: list[Request]) -> list[Proposal]:
-        """The drafter's trees for reqs, in order; none at all (plain decoding) if it raises."""
-        if not reqs:
+    def _propose(self, plans: list[SeqPlan]) -> list[Proposal]:
+        """The drafter's trees for the plans' requests, in order; none at all (plain decoding) if it raises."""
+        if not plans:
             return []
-        views = [DraftRequest(r.seq_id, r.token_ids + r.forced, r.params, r.generator, *self.spec_limits(r),
-                              unverified=len(r.forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction,
-                              held_back=self.held_back(r.params), adapter=self.adapters.name(r.adapter))
-                 for r in reqs]
+        views = [self._view(p.request, p.seq.ahead.forced) for p in plans]
         start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
@@ -236,6 +234,12 @@ class Drafting:
             if prop.tree.tokens[0] != view.token_ids[-1] or prop.num_draft_nodes > view.max_nodes:
                 raise AssertionError(f"drafter {self.drafter.name} broke its contract for seq {view.seq_id}")
         return props
+
+    def _view(self, r: Request, forced: tuple[int, ...]) -> DraftRequest:
+        """What the drafter sees of a request this step: its tokens, then the forced ones (unverified)."""
+        return DraftRequest(r.seq_id, r.token_ids + list(forced), r.params, r.generator, *self.spec_limits(r, forced),
+                            unverified=len(forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction,
+                            held_back=self.held_back(r.params), adapter=self.adapters.name(r.adapter))
 
     # ---- what the drafter learns beside the step ------------------------------------------------
     def prefill(self, plans: list[SeqPlan]) -> None:

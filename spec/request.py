@@ -1,15 +1,25 @@
-"""Request state: one small object per request; derived values are properties."""
+"""Request state: one small object per request, holding what outlives a step (a step's own
+values live on its `spec/plan.py:SeqPlan`); derived values are properties."""
 from __future__ import annotations
 
 import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from spec.detokenizer import IncrementalDetokenizer
 from spec.faults import RequestError
 from verifier.block_manager import ROOT_DIGEST
 from verifier.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from drafters.base import Prediction
+    from drafters.config import SpecConfig
+    from spec.adaptive import SpecHistory
+    from verifier.sampling.grammar import Matcher
 
 
 class Status(enum.Enum):
@@ -53,7 +63,7 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detok = detokenizer
-        self.generator = generator               # torch.Generator for seeded sampling
+        self.generator: torch.Generator | None = generator     # for seeded sampling
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
         self.admit_time: float | None = None     # first admitted (its queue time ends there)
@@ -62,18 +72,15 @@ class Request:
         self.num_cached_prompt_tokens = 0        # prefix-cache hit at first admission
         self.spec = SpecStats()
         self.speculate = True                    # False: this request always decodes plainly
-        self.speculation = None                  # a per-request SpecConfig cap (None: the engine's)
-        self.history = None                      # spec.adaptive.SpecHistory: what its drafts have shown
-        self.draft_cap: int | None = None        # draft nodes it may propose this step (None: its tree's)
-        self.grammar = None                      # verifier.sampling.grammar.Matcher of params.structured, or None
-        self.forced: list[int] = []              # tokens the grammar forces this step (set in schedule)
-        self.prediction = None                   # drafters.base.Prediction: the reply the client expects, or None
-        self.fault: Exception | None = None      # raised for this request alone in schedule (it then fails)
+        self.speculation: SpecConfig | None = None       # a per-request cap (None: the engine's)
+        self.history: SpecHistory | None = None          # what its drafts have shown (the adaptive controller's)
+        self.grammar: Matcher | None = None              # the matcher of params.structured
+        self.prediction: Prediction | None = None        # the reply the client expects
         self.error: RequestError | None = None   # why it failed alone (finish_reason "error")
         self.logprobs: list = []                 # verifier.sampling.logprobs.TokenLogprob per output token, if asked
         self.prompt_logprobs: list | None = None  # per prompt token (the first None), once computed, if asked
-        self.adapter = 0                         # the LoRA adapter's slot it runs under (0: the base)
-        self.cache_root = ROOT_DIGEST            # where its prompt's prefix-cache keys chain from (its adapter's)
+        self.adapter: int = 0                    # the LoRA adapter's slot it runs under (0: the base)
+        self.cache_root: bytes = ROOT_DIGEST     # where its prompt's prefix-cache keys chain from (its adapter's)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -30,11 +30,29 @@ class SchedulerConfig:
         positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
 
 
+@dataclass(frozen=True)
+class Lookahead:
+    """What a decoding request reserves beyond its next token this step (its tree's slots), and
+    what the step carries for it from there: the grammar's forced tokens (jump-forward), or the
+    fault its grammar raised (the request then fails alone)."""
+    slots: int = 0
+    forced: tuple[int, ...] = ()
+    fault: Exception | None = None
+
+
+NO_LOOKAHEAD = Lookahead()
+
+
 @dataclass
 class ScheduledSeq:
     request: Request
     num_new_tokens: int          # tokens to run, starting at request.num_computed_tokens
-    num_lookahead: int = 0       # extra reserved slots (speculative tree nodes)
+    ahead: Lookahead = NO_LOOKAHEAD
+
+    @property
+    def num_lookahead(self) -> int:
+        """Extra reserved slots (speculative tree nodes)."""
+        return self.ahead.slots
 
 
 @dataclass
@@ -62,8 +80,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def schedule(self, lookahead=lambda req: 0) -> SchedulerOutput:
-        """`lookahead(req)` says how many extra slots a decoding request needs this step."""
+    def schedule(self, lookahead=lambda req: NO_LOOKAHEAD) -> SchedulerOutput:
+        """`lookahead(req)`: a decoding request's extra slots this step (and what its plan carries)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         for req in list(self.running):
@@ -72,9 +90,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue                      # preempted earlier in this loop
             n = min(req.num_uncomputed, budget)
-            extra = 0 if req.in_prefill else lookahead(req)
-            if self._reserve(req, req.num_computed_tokens + n + extra, out):
-                out.seqs.append(ScheduledSeq(req, n, extra))
+            ahead = NO_LOOKAHEAD if req.in_prefill else lookahead(req)
+            if self._reserve(req, req.num_computed_tokens + n + ahead.slots, out):
+                out.seqs.append(ScheduledSeq(req, n, ahead))
                 budget -= n
         if not out.preempted:
             self._admit(out, budget)
