@@ -28,7 +28,7 @@ so they include HTTP, SSE framing and detokenization:
 - conversations: a prompt with several user turns (a `BenchPrompt`, e.g. `--dataset multiturn`)
   is sent turn by turn by one worker, each turn after the previous reply ended and with that reply,
   the model's own, as the assistant message; every turn is one request record. Such a workload
-  shows what prefix-affinity routing across replicas gains (serving/prefix_router.py).
+  shows what prefix-affinity routing across replicas gains (serving/cluster/prefix_router.py).
 - prefix_hit_rate: prompt tokens the server's prefix cache served / prompt tokens looked up during
   the level (`tercel_prefix_cache_hits_total` and `_queries_total` from /metrics, summed over every
   series, so over the replicas of a Ray deployment); None when the server has no such counters.

@@ -1,5 +1,5 @@
 """`--dataset multiturn`: multi-turn conversations that share long system prompts, the workload
-where routing by prefix across replicas pays (serving/prefix_router.py).
+where routing by prefix across replicas pays (serving/cluster/prefix_router.py).
 
 Each MT-bench question becomes a two-turn conversation (its second turn follows the model's own
 first answer) under one of three long system prompts, dealt round-robin, as an assistant product

@@ -108,11 +108,11 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
 
 def serve(args) -> int:
     """`tercel serve`: one process, or replicas behind Ray Serve (--replicas, where Ray is there)."""
-    from serving.cluster import uses_ray
+    from serving.cluster.flags import uses_ray
     from serving.server import prepare_serve, run_serve
     prepare_serve(args)
     if uses_ray(args):
-        from serving.replicas import run_replicas
+        from serving.cluster.replicas import run_replicas
         return run_replicas(args)
     return run_serve(args)
 

@@ -56,7 +56,7 @@ def add_serve_args(sub) -> None:
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from serving.cluster import add_replica_args
+    from serving.cluster.flags import add_replica_args
     add_replica_args(p)
 
 
@@ -160,7 +160,7 @@ def _device_memory() -> int:
 
 def launch_app(args):
     """The engine (loaded on its own thread) and the app serving it: (EngineBridge, FastAPI).
-    One `tercel serve` process has one; so has each Ray Serve replica (serving/replicas.py)."""
+    One `tercel serve` process has one; so has each Ray Serve replica (serving/cluster/replicas.py)."""
     from serving.app import build_app
     from serving.bridge import EngineBridge, debug_from_env
     from serving.metrics import Metrics

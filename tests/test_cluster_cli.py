@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-import serving.cluster
+import serving.cluster.flags
 from serving.cli import main
 
 
 def test_replicas_without_ray_exit_2_with_the_install_hint(monkeypatch, capsys):
     """No `cluster` extra: --replicas 2 is exit status 2 and names `pip install -e ".[cluster]"`."""
-    monkeypatch.setattr(serving.cluster, "ray_serve_available", lambda: False)
+    monkeypatch.setattr(serving.cluster.flags, "ray_serve_available", lambda: False)
     assert main(["serve", "--replicas", "2"]) == 2
     assert 'pip install -e ".[cluster]"' in capsys.readouterr().err
 
@@ -20,6 +20,6 @@ def test_replicas_without_ray_exit_2_with_the_install_hint(monkeypatch, capsys):
                                             (["--replicas", "2", "--affinity-imbalance", "-1"], "imbalance")])
 def test_bad_replica_flags_exit_2(monkeypatch, capsys, flags, message):
     """Checked whether or not Ray is installed, before a model loads."""
-    monkeypatch.setattr(serving.cluster, "ray_serve_available", lambda: True)
+    monkeypatch.setattr(serving.cluster.flags, "ray_serve_available", lambda: True)
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err

@@ -99,7 +99,7 @@ def test_serve_configs_start_no_dashboard_on_all_interfaces():
 def test_the_api_key_reaches_the_replicas_from_the_environment(monkeypatch):
     """deploy/serve_config.yaml's args built with TERCEL_API_KEY set: each replica's args hold it."""
     pytest.importorskip("ray.serve", reason='Ray Serve is an optional extra: pip install -e ".[cluster]"')
-    from serving.replicas import app_builder
+    from serving.cluster.replicas import app_builder
     monkeypatch.setenv(KEY_ENV, "from-the-environment")
     app = app_builder(serve_configs()[0]["applications"][0]["args"])
     (engine,) = app._bound_deployment.init_args          # TercelIngress(engine), engine = TercelReplica(args)

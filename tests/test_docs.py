@@ -56,7 +56,7 @@ COMMAND = re.compile(r"(?:^|[\s`(])(?:python3? -[mc]\s|(?:\.venv/bin/)?tercel\s|
                      r"|make\s|(?:bash\s)?bench/\w+\.sh)", re.M)
 # Settings, not measurements: each phrase as README writes it -> where it is set.
 SETTINGS = {
-    "every 5 s": "health_check_period_s of the replicas (serving/replicas.py)",
+    "every 5 s": "health_check_period_s of the replicas (serving/cluster/replicas.py)",
     "10% faster": "ThreadConfig.margin, 0.9 (spec/threads.py)",
     "≥ 99%": "GATE_AGREEMENT, the quality gate (bench/quality.py)",
     "must be 100%": "the parse rate bench structured requires (bench/structured.py, module docstring)",

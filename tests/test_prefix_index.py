@@ -1,10 +1,10 @@
-"""The prefix-affinity policy (serving/prefix_index.py) without Ray: the key, the chunk hashes,
+"""The prefix-affinity policy (serving/cluster/prefix_index.py) without Ray: the key, the chunk hashes,
 the index and the choice between the prefix's replica and the least loaded one."""
 from __future__ import annotations
 
 import pytest
 
-from serving.prefix_index import AffinityConfig, Candidate, PrefixIndex, choose, chunk_hashes, prefix_text
+from serving.cluster.prefix_index import AffinityConfig, Candidate, PrefixIndex, choose, chunk_hashes, prefix_text
 
 CFG = AffinityConfig(chunk_chars=8, imbalance_threshold=2)
 

@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray", reason='Ray Serve is an optional extra: pip install -e ".[cluster]"')
 serve = pytest.importorskip("ray.serve", reason='Ray Serve is an optional extra: pip install -e ".[cluster]"')
 
-from serving.replicas import build_application   # noqa: E402  (after the skip)
+from serving.cluster.replicas import build_application   # noqa: E402  (after the skip)
 from serving.server import parse_serve_args      # noqa: E402
 from server_util import free_port                # noqa: E402
 
@@ -198,14 +198,14 @@ def test_killed_replica_fails_its_requests_with_503_then_serves_again(cluster):
 
 
 def test_the_serve_config_file_builds_the_application():
-    """deploy/serve_config.yaml's args go through `tercel serve`'s own parser (serving/replicas.py:
+    """deploy/serve_config.yaml's args go through `tercel serve`'s own parser (serving/cluster/replicas.py:
     app_builder) into an application of N engine replicas with the prefix router; nothing starts."""
     import yaml
 
-    from serving.replicas import app_builder
+    from serving.cluster.replicas import app_builder
     config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
     (app,) = config["applications"]
-    assert app["import_path"] == "serving.replicas:app_builder"
+    assert app["import_path"] == "serving.cluster.replicas:app_builder"
     assert isinstance(app_builder(app["args"]), serve.Application)
     with pytest.raises(ValueError, match="--no-such-flag"):      # a typo is named, not ignored
         app_builder({"replicas": 2, "no_such_flag": 1})

@@ -1,14 +1,14 @@
 """Tercel as a Ray Serve application: N engine replicas behind one ingress, routed by prefix.
 
     client -> Serve's HTTP proxy -> TercelIngress (FastAPI, forwards)
-           -> DeploymentHandle, routed by serving/prefix_router.py -> TercelReplica x N
+           -> DeploymentHandle, routed by serving/cluster/prefix_router.py -> TercelReplica x N
 
 the shape of Ray Serve LLM (an OpenAI ingress in front of engine deployments): the router must see
 the prompt, and Serve's proxy hands a deployment only the ASGI scope, so the ingress reads the
 body, computes the prefix key and calls the engine deployment with a `ForwardedRequest`.
 
 Each TercelReplica holds one engine and the app `tercel serve` runs (serving/server.py:launch_app),
-and runs every forwarded request through it in-process (serving/asgi_call.py): routes, 4xx
+and runs every forwarded request through it in-process (serving/cluster/asgi_call.py): routes, 4xx
 refusals, SSE and errors are the single-process server's own. Its replies carry the header
 `x-tercel-replica`. Ray Serve restarts a replica whose actor dies or whose health check
 (`check_health`: the engine thread is alive and its KV pool sound) fails; a request under way
@@ -35,14 +35,14 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from serving import prefix_router   # a module: pickled by reference, so /metrics reads the live routers' counts
-from serving.asgi_call import REPLICA_HEADER, ForwardedRequest, FullResponse, call_asgi, full_response
-from serving.cluster import APP_NAME, affinity_config
+from serving.cluster import prefix_router   # a module: pickled by reference, so /metrics reads the live routers' counts
+from serving.cluster.asgi_call import REPLICA_HEADER, ForwardedRequest, FullResponse, call_asgi, full_response
+from serving.cluster.flags import APP_NAME, affinity_config
 from serving.errors import install_error_handlers, replica_lost
 from serving.metrics import merge_replica_metrics
 from serving.middleware import ServerErrors
-from serving.prefix_index import prefix_text
-from serving.prefix_router import PrefixAffinityRouter
+from serving.cluster.prefix_index import prefix_text
+from serving.cluster.prefix_router import PrefixAffinityRouter
 from serving.server import launch_app, parse_serve_args
 
 log = logging.getLogger("tercel.serve")
@@ -201,7 +201,7 @@ def build_application(args):
 
 
 def app_builder(config: dict):
-    """`serve run serving.replicas:app_builder replicas=2 model=...` or a config file's `args`:
+    """`serve run serving.cluster.replicas:app_builder replicas=2 model=...` or a config file's `args`:
     the keys are `tercel serve` flags without their dashes (`max_num_seqs`, `routing`, ...)."""
     argv = []
     for key, value in config.items():

@@ -1,5 +1,5 @@
 """One HTTP request through an ASGI app in-process, with no server or socket: how a Ray Serve
-replica (serving/replicas.py) runs the very app `tercel serve` serves (serving/app.py), routes,
+replica (serving/cluster/replicas.py) runs the very app `tercel serve` serves (serving/app.py), routes,
 errors and SSE included, for a request its ingress forwarded.
 
 The hand-off types cross a Ray call, so they are small, frozen and picklable:
@@ -23,7 +23,7 @@ class ForwardedRequest:
     query: bytes
     headers: tuple[tuple[bytes, bytes], ...]    # as ASGI has them: lower-case names
     body: bytes
-    prefix_key: str = ""       # what the prefix-affinity router matches (serving/prefix_index.py)
+    prefix_key: str = ""       # what the prefix-affinity router matches (serving/cluster/prefix_index.py)
 
 
 @dataclass(frozen=True)

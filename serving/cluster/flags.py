@@ -1,5 +1,5 @@
 """`tercel serve --replicas N`: the flags and the check that Ray Serve is installed (the
-application and its deployment: serving/replicas.py).
+application and its deployment: serving/cluster/replicas.py).
 
 Nothing here imports Ray: `tercel serve` without `--replicas` never needs it.
 """
@@ -9,7 +9,7 @@ import importlib.util
 import logging
 import os
 
-from serving.prefix_index import AffinityConfig
+from serving.cluster.prefix_index import AffinityConfig
 
 log = logging.getLogger("tercel.serve")
 INSTALL_HINT = 'pip install -e ".[cluster]"'

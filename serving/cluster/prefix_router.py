@@ -1,5 +1,5 @@
 """Prefix-affinity routing as a Ray Serve request router (`request_router_config` of the engine
-deployment in serving/replicas.py). The policy is serving/prefix_index.py's `choose`; this class
+deployment in serving/cluster/replicas.py). The policy is serving/cluster/prefix_index.py's `choose`; this class
 feeds it Ray's view of each replica and remembers where each prefix went.
 
 It runs inside every DeploymentHandle to the engine deployment, that is in the ingress replica's
@@ -17,7 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from serving.prefix_index import AffinityConfig, Candidate, PrefixIndex, choose, chunk_hashes
+from serving.cluster.prefix_index import AffinityConfig, Candidate, PrefixIndex, choose, chunk_hashes
 
 # The routers of this process count their decisions here; the ingress's /metrics adds them.
 ROUTER_REGISTRY = CollectorRegistry()
@@ -28,7 +28,7 @@ DECISIONS = Counter("tercel_router_decisions", "engine requests routed, by why t
 def _count(reason: str) -> None:
     # Ray pickles the router class by value, with copies of the globals it uses; the import finds
     # the live module, whose registry the ingress's /metrics renders.
-    import serving.prefix_router as live
+    import serving.cluster.prefix_router as live
     live.DECISIONS.labels(reason=reason).inc()
 
 

@@ -1,5 +1,5 @@
 """Prefix affinity, in plain Python: which replica already holds a prompt's prefix, and when
-load outweighs it. serving/prefix_router.py plugs this into Ray Serve's RequestRouter; nothing
+load outweighs it. serving/cluster/prefix_router.py plugs this into Ray Serve's RequestRouter; nothing
 here imports Ray, so the policy is unit-tested without a cluster.
 
 The prefix key is text, not tokens: the ingress has no tokenizer. `prefix_text` renders a chat
