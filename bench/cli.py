@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = ("accept", "grid", "speed", "serve", "kernels", "quality", "structured", "replay")
+BENCH_EXTRA = ("httpx", "jsonschema", "matplotlib")     # tercel[bench]: not needed to serve
 
 
 def add_bench_args(sub) -> None:
@@ -99,6 +100,11 @@ def run_bench(args) -> int:
             return run_model_bench(args)
         from bench.cli_engine import run_engine_bench
         return run_engine_bench(args)
+    except ModuleNotFoundError as e:
+        if e.name not in BENCH_EXTRA:
+            raise
+        print(f"tercel bench {args.what} needs {e.name}: pip install 'tercel[bench]'", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         kept = f"; finished runs are in {args.json}: rerun with --resume" if args.json else ""
         print(f"\ntercel bench: interrupted{kept}", file=sys.stderr)

@@ -375,3 +375,13 @@ def test_until_eos_runs_count_replies_at_the_cap_and_time_the_ended_ones_apart(t
                       "capped": [plain] * 3})
     assert out["fast"]["ended_speedup"] == pytest.approx(1.4)      # the median of the repeats' ratios
     assert out["capped"]["ended_speedup"] is None and out["plain"]["capped"] == 1
+
+
+def test_bench_serve_without_the_bench_extra_exits_2_with_the_install_hint(monkeypatch, capsys):
+    """httpx is tercel[bench]'s, not the server's: without it `tercel bench serve` names the extra."""
+    for name in ("bench.serve_load", "bench.cli_serve"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "httpx", None)             # as if httpx were not installed
+    rc = tercel(["bench", "serve", "--url", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs httpx" in err and "pip install 'tercel[bench]'" in err
