@@ -27,8 +27,9 @@ import torch
 
 from drafters.base import DraftDistributions, Proposal
 from spec.faults import NO_TOKEN_ALLOWED, RequestFault
+from spec.plan import SeqPlan
 from tree.token_tree import TokenTree
-from verifier.sampling.grammar import Matcher, allowed_tokens, allows
+from verifier.sampling.grammar import Matcher, allowed_tokens, allows, sole_tokens
 
 MAX_FORCED = 16      # forced tokens per step: each is a verify row (and a KV slot reserved ahead)
 
@@ -38,6 +39,18 @@ def forced_proposal(root: int, forced: list[int], below: TokenTree | None = None
     tree `below` its last one (rooted at that token; its nodes point masses)."""
     chain = TokenTree.chain(root, forced)
     return Proposal(chain if below is None else chain.grafted(len(forced), below))
+
+
+def constrain_plan(plan: SeqPlan) -> None:
+    """A constrained request's masks, one per row it samples from; its tree pruned to them."""
+    matcher = plan.request.grammar
+    if plan.proposal is None:
+        plan.masks = matcher.mask()
+        if not plan.masks.any():
+            raise RequestFault(NO_TOKEN_ALLOWED)
+    else:
+        plan.proposal, plan.masks = constrain(plan.proposal, matcher)
+    plan.sole = sole_tokens(plan.masks)
 
 
 def constrain(proposal: Proposal, matcher: Matcher) -> tuple[Proposal, torch.Tensor]:

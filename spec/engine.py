@@ -38,10 +38,10 @@ from spec.acceptance import Acceptance, held_back
 from spec.adaptive import AdaptiveController
 from spec.batch_guard import BatchGuard
 from spec.config import EngineConfig
-from spec.constraints import constrain
+from spec.constraints import constrain_plan
 from spec.drafting import Drafting
 from spec.emission import Emission
-from spec.faults import NO_TOKEN_ALLOWED, RequestFault
+from spec.faults import RequestFault
 from spec.intake import Intake
 from spec.plan import SeqPlan
 from spec.preparation import prepare
@@ -53,7 +53,7 @@ from spec.step_meter import StepClock, StepMeter
 from spec.verification import Verification
 from verifier.batch import ForwardOutput
 from verifier.cpu.machine import on_threads
-from verifier.sampling.grammar import GrammarBackend, sole_tokens
+from verifier.sampling.grammar import GrammarBackend
 from verifier.sampling.sampling_params import SamplingParams
 from verifier.target import generation_eos_ids
 
@@ -233,20 +233,8 @@ class LLMEngine:
         """The drafting room's plans (spec/drafting.py), then each constrained request's masks."""
         plans = self.drafting.draft(sched)
         constrained = [p for p in plans if p.request.grammar is not None and not p.mid_prefill]
-        self._each(constrained, "constrain", self._constrain)
+        self._each(constrained, "constrain", constrain_plan)
         return plans
-
-    @staticmethod
-    def _constrain(plan: SeqPlan) -> None:
-        """A constrained request's masks, one per row it samples from; its tree pruned to them."""
-        matcher = plan.request.grammar
-        if plan.proposal is None:
-            plan.masks = matcher.mask()
-            if not plan.masks.any():
-                raise RequestFault(NO_TOKEN_ALLOWED)
-        else:
-            plan.proposal, plan.masks = constrain(plan.proposal, matcher)
-        plan.sole = sole_tokens(plan.masks)
 
     # ---- verify (spec/verification.py) ---------------------------------------------------
     def _forward(self, plans: list[SeqPlan]) -> ForwardOutput | None:

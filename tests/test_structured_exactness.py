@@ -234,12 +234,12 @@ def test_rows_the_grammar_decides_get_no_logits(target_dir, monkeypatch):
 def test_a_row_taken_as_decided_when_it_is_not_fails_the_same_test(target_dir, exact_joint, monkeypatch):
     """Broken control for the rows without logits: taking a row that allows several tokens
     as decided (its first allowed token, with probability 1) must fail the chi-square test."""
-    import spec.engine as engine
+    import spec.constraints as constraints
 
     def first_allowed(masks):
         return [int(row.nonzero()[0]) for row in allowed_tokens(masks, V)]
 
-    monkeypatch.setattr(engine, "sole_tokens", first_allowed)
+    monkeypatch.setattr(constraints, "sole_tokens", first_allowed)
     counts, _ = sample_counts(target_dir, None, None)
     p = chi_square_pvalue(counts, exact_joint)
     print(f"rows taken as decided: chi-square p = {p:.3g}, TV = {total_variation(counts, exact_joint):.3f}")
