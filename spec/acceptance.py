@@ -39,7 +39,7 @@ class Acceptance:
         if plan.masks is not None and plan.logits.shape[0]:
             # in place: the rows of this forward only
             apply_bitmask(plan.logits, plan.masks[plan.logit_rows])
-            if not torch.isfinite(plan.logits).any(-1).all():
+            if plan.proposal is None and not torch.isfinite(plan.logits).any(-1).all():
                 raise RequestFault(NO_TOKEN_ALLOWED)
         if plan.proposal is not None:
             plan.accepted, plan.tokens = self._proposal(req, plan)
@@ -91,8 +91,12 @@ class Acceptance:
         row = [-1] * tree.num_nodes                 # node -> its logits row, -1 where it has none
         for i, u in enumerate(plan.logit_rows):
             row[u] = i
+        # rows the grammar leaves nothing in (a dead end): the request fails if acceptance reaches one
+        dead = (~torch.isfinite(logits).any(-1)).tolist() if plan.masks is not None else [False] * len(row)
 
         def node_logits(u: int) -> torch.Tensor:
+            if dead[row[u]]:
+                raise RequestFault(NO_TOKEN_ALLOWED)
             # Penalties and min_tokens see every token up to node u: the output plus u's path below the root.
             return transform_logits(logits[row[u]], p, prompt, output + tree.path_tokens(u)[1:], held)
 

@@ -62,9 +62,12 @@ def constrain(proposal: Proposal, matcher: Matcher) -> tuple[Proposal, torch.Ten
     keep = kept_nodes(proposal.tree, masks)
     tree, old = proposal.tree.pruned(keep) if not all(keep) else (proposal.tree, list(range(len(keep))))
     masks = masks if len(old) == len(keep) else masks[old]
-    # A kept node that allows nothing follows the stop token: the request ends there and
-    # what acceptance samples after it is never emitted, but its p must stay a distribution.
-    masks[(masks == 0).all(-1)] = -1
+    # A kept node that allows nothing after the stop token: the request ends there and what
+    # acceptance samples after it is never emitted, but its p must stay a distribution. One
+    # that allows nothing after another token is a dead end of the grammar (a character no
+    # token spells): its row stays empty, and the request fails there if acceptance reaches it.
+    ended = torch.tensor([t in matcher.stop_ids for t in tree.tokens], dtype=torch.bool)
+    masks[(masks == 0).all(-1) & ended] = -1
     draft = proposal.draft
     if draft is not None:
         draft = DraftDistributions(masked_q(draft.probs[old], masks), draft.mode)

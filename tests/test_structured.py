@@ -261,3 +261,46 @@ def test_constrained_and_free_requests_share_a_batch(plain, prompts, reference, 
     outs = ngram_llm.generate(prompts[:4] * 2, [constrained(t) for t in TASKS[:4]] + [free] * 4)
     assert [o.token_ids for o in outs[:4]] == [o.token_ids for o in reference[:4]]
     assert outs[4].token_ids == expected_free
+
+
+# The fuzzer's case (tests/test_fuzz.py): characters of unassigned planes, which xgrammar's
+# matcher (pinned) walks into a state allowing no token after the first one's four bytes.
+DEAD_END = "\U000d4f90\U000473ad\U00079fcc\U000251f9q"
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_dead_end_fails_its_request_alone_with_a_clear_error(backend, tiny_llama_dir, drafter,
+                                                                        temperature):
+    """A state that allows no token, reached after jump-forward's chain, is the request's own
+    error (invalid, naming the dead end), never a token outside the grammar; its neighbour runs on."""
+    matcher = backend.matcher(StructuredOutputs(regex=DEAD_END))
+    first = matcher.forced(16)
+    assert [matcher.accept(t) for t in first] == [True] * len(first) and not matcher.mask().any(), \
+        "the premise: the grammar dead-ends after the first character's tokens"
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=32, drafter=drafter, adaptive=WHOLE_TREES)
+    dead, fine = llm.generate([[1], [1, 2, 3]], [
+        SamplingParams(temperature=temperature, max_tokens=16, seed=0, structured=StructuredOutputs(regex=DEAD_END)),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
+    assert dead.finish_reason == "error" and dead.error.invalid and "dead end" in dead.error.message
+    assert fine.finish_reason == "length" and len(fine.token_ids) == 8
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_a_kept_node_without_tokens_is_free_only_after_the_stop_token(backend):
+    """constrain(): a node that allows nothing after the stop token gets a full row (what is
+    sampled there is never emitted), one after another token keeps its empty row (a dead end)."""
+    from drafters.base import Proposal
+    from spec.constraints import constrain
+    dead = backend.matcher(StructuredOutputs(regex=DEAD_END))
+    first = dead.forced(16)
+    assert dead.accept(first[0])
+    _, masks = constrain(Proposal(TokenTree.chain(first[0], first[1:])), dead)
+    assert masks[:-1].any(-1).all() and not masks[-1].any()
+    done = backend.matcher(StructuredOutputs(regex="a"))
+    spelled = sole_tokens(done.mask())[0]               # the one token spelling "a"
+    assert spelled >= 0 and done.accept(spelled)
+    stop = done.forced(1)
+    assert len(stop) == 1 and stop[0] in done.stop_ids
+    _, masks = constrain(Proposal(TokenTree.chain(spelled, stop)), done)
+    assert (masks[1] == -1).all()

@@ -98,7 +98,7 @@ class GrammarBackend:
     def matcher_of(self, compiled) -> Matcher:
         """A fresh matcher of an already compiled grammar (the server compiles before queueing)."""
         import xgrammar as xgr
-        return Matcher(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return Matcher(xgr.GrammarMatcher(compiled), self.vocab_size, self._stop_ids)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -145,10 +145,12 @@ class Matcher:
     """A request's grammar state. The engine advances it by the tokens it emits, and only
     by those; masks of draft trees walk their paths and leave the state as it was."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, stop_ids: list[int] = ()):
+        """`stop_ids`: the tokens that end the grammar (after one, nothing may follow)."""
         self._m = matcher
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
+        self.stop_ids = frozenset(stop_ids)
 
     def accept(self, token: int) -> bool:
         return self._m.accept_token(token)
