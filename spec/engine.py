@@ -10,6 +10,7 @@ room, and this file only runs them in order:
   spec/intake.py        a request checked and built
   spec/scheduler.py     admission, chunking, tree slots, preemption
   spec/drafting.py      who drafts and how much; the proposals; every call on the drafter
+  spec/constraints.py   a constrained request's masks and pruned tree (the rules of docs/structured.md)
   spec/verification.py  the forward (a failing request isolated) and the KV commit
   spec/acceptance.py    exact acceptance, sampling, logprobs
   spec/emission.py      tokens appended, stops, publish, finish; the outputs
