@@ -63,7 +63,7 @@ def train_adapter(gguf: Path, convs: list[list[dict]], tokenizer, out: Path, ran
 
 
 def adapter_args(ap) -> None:
-    """The flags naming the served model and its adapters (bench.lora_step takes them too)."""
+    """The flags naming the served model, its adapters and the threads (bench.lora_step takes them too)."""
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--adapters", type=int, default=4, choices=range(1, len(SOURCES) + 1))
     ap.add_argument("--rank", type=int, default=16)
@@ -75,15 +75,18 @@ def adapter_args(ap) -> None:
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "train"))
 
 
-def trained_adapters(ap, args):
-    """(tokenizer, the training data's folder, name -> adapter folder), training those not kept."""
+def parse_and_train(ap: argparse.ArgumentParser, argv: list[str] | None):
+    """(args, tokenizer, the training data's folder, name -> adapter folder): the flags parsed
+    (`adapter_args` among them), torch's threads set, the adapters not kept trained."""
     from verifier.model.loader import resolve_model_dir
     from verifier.model.tokenizer import Tokenizer
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     data = Path(args.data)
     if not data.is_dir():
         ap.error(f"no training conversations at {data} (--data)")
     tokenizer = Tokenizer(resolve_model_dir(args.model))
-    return tokenizer, data, adapters(args, tokenizer, data)
+    return args, tokenizer, data, adapters(args, tokenizer, data)
 
 
 def adapters(args, tokenizer, data: Path) -> dict[str, str]:
@@ -160,10 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-own", action="store_true",
                     help="a small: drafter of the served model drafts under its own copy of each adapter, "
                          "not for the base (draft_lora_modules)")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args, tokenizer, data, lora = parse_and_train(ap, argv)
     from verifier.cpu.machine import machine_summary
-    tokenizer, data, lora = trained_adapters(ap, args)
     batches = prompts(tokenizer, data, list(lora), args.requests, args.rounds, skip=4 * args.train_steps)
     print(f"bench lora_batch: {machine_summary()}; {len(lora)} adapters of rank {args.rank} on {args.modules}, "
           f"held in {args.lora_dtype}", file=sys.stderr)

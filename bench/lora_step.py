@@ -20,11 +20,15 @@ import time
 
 import torch
 
-from bench.lora_batch import adapter_args, trained_adapters
+from bench.lora_batch import adapter_args, parse_and_train
+from spec import LLM
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.cpu.machine import machine_summary
+from verifier.model.lora import PROJECTIONS
+from verifier.model.lora_adapter import part_sizes
 
 
 def forward_ms(target, slots: list[int], calls: int) -> float:
-    from verifier.batch import ForwardBatch, SeqInput
     batch = ForwardBatch([SeqInput([100 + i], 0, [i], logits_indices=[0], sampled_from=0, adapter=s)
                           for i, s in enumerate(slots)])
     for _ in range(3):
@@ -39,8 +43,6 @@ def forward_ms(target, slots: list[int], calls: int) -> float:
 
 def products_ms(lora, cfg, slots: list[int], calls: int) -> float:
     """One pass of the C products over every layer and projection for rows under `slots`."""
-    from verifier.model.lora import PROJECTIONS
-    from verifier.model.lora_adapter import part_sizes
     g = torch.Generator().manual_seed(0)
     shapes = {p: (parts[0][1], sum(o for o, _ in parts)) for p, parts in part_sizes(cfg).items()}
     xs = {p: torch.randn(len(slots), k, generator=g).bfloat16() for p, (k, _) in shapes.items()}
@@ -63,11 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--products", action="store_true", help="time the C products alone, not whole forwards")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from spec import LLM
-    from verifier.cpu.machine import machine_summary
-    _, _, lora = trained_adapters(ap, args)
+    args, _, _, lora = parse_and_train(ap, argv)
     llm = LLM(model=args.model, lora_modules=lora, max_loras=len(lora), lora_dtype=args.lora_dtype,
               max_num_seqs=args.rows)
     slots = [llm.engine.adapters.slot(name) for name in lora]

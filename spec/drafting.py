@@ -205,10 +205,8 @@ class Drafting:
         if req.prediction is None:
             return own
         depth = self._prediction_depth(req, forced)
-        view = DraftRequest(req.seq_id, req.token_ids + list(forced), req.params, req.generator, depth, depth,
-                            unverified=len(forced), num_prompt=req.num_prompt_tokens, prediction=req.prediction)
         try:
-            chain = self.predictor.propose([view])[0]
+            chain = self.predictor.propose([self._view(req, forced, (depth, depth, 1))])[0]
         except Exception:  # a bug here must not fail the request: the drafter's proposal alone
             self.errors += 1
             log.exception("drafting the prediction of seq %d failed", req.seq_id)
@@ -220,7 +218,8 @@ class Drafting:
         """The drafter's trees for the plans' requests, in order; none at all (plain decoding) if it raises."""
         if not plans:
             return []
-        views = [self._view(p.request, p.seq.ahead.forced) for p in plans]
+        views = [self._view(p.request, p.seq.ahead.forced, self.spec_limits(p.request, p.seq.ahead.forced))
+                 for p in plans]
         start = time.perf_counter()
         try:
             props = self.drafter.propose(views)
@@ -235,9 +234,10 @@ class Drafting:
                 raise AssertionError(f"drafter {self.drafter.name} broke its contract for seq {view.seq_id}")
         return props
 
-    def _view(self, r: Request, forced: tuple[int, ...]) -> DraftRequest:
-        """What the drafter sees of a request this step: its tokens, then the forced ones (unverified)."""
-        return DraftRequest(r.seq_id, r.token_ids + list(forced), r.params, r.generator, *self.spec_limits(r, forced),
+    def _view(self, r: Request, forced: tuple[int, ...], limits: tuple[int, int, int]) -> DraftRequest:
+        """What a drafter sees of a request this step: its tokens, then the forced ones (unverified),
+        and its tree's (max depth, max nodes, top-k)."""
+        return DraftRequest(r.seq_id, r.token_ids + list(forced), r.params, r.generator, *limits,
                             unverified=len(forced), num_prompt=r.num_prompt_tokens, prediction=r.prediction,
                             held_back=self.held_back(r.params), adapter=self.adapters.name(r.adapter))
 

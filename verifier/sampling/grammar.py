@@ -145,7 +145,7 @@ class Matcher:
     """A request's grammar state. The engine advances it by the tokens it emits, and only
     by those; masks of draft trees walk their paths and leave the state as it was."""
 
-    def __init__(self, matcher, vocab_size: int, stop_ids: list[int] = ()):
+    def __init__(self, matcher, vocab_size: int, stop_ids: list[int]):
         """`stop_ids`: the tokens that end the grammar (after one, nothing may follow)."""
         self._m = matcher
         self.vocab_size = vocab_size
