@@ -51,7 +51,7 @@ def engine_for(name: str):
 
 def run(llm, specs, clients: int, max_tokens: int) -> tuple[int, float]:
     """The sessions with `clients` workers; (output tokens, wall seconds)."""
-    from spec import SamplingParams
+    from spec import SamplingParams, Submission
     from spec.llm import chat_token_ids
     engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=max_tokens)
     items = [s.follow_up({"messages": s.messages()}) for s in specs]
@@ -59,7 +59,7 @@ def run(llm, specs, clients: int, max_tokens: int) -> tuple[int, float]:
 
     def send(item, messages, turn):
         rid = f"agent-{next(ids)}"
-        engine.add_request(rid, chat_token_ids(llm.tokenizer, messages), params)
+        engine.add_request(rid, Submission(chat_token_ids(llm.tokenizer, messages), params))
         active[rid] = (item, messages, turn)
     start = time.perf_counter()
     while queue or active:

@@ -39,7 +39,7 @@ def scenarios() -> dict[str, dict]:
 
 
 def trace(name: str, kw: dict, prompts: list[str], out) -> None:
-    from spec import LLM, SamplingParams
+    from spec import LLM, SamplingParams, Submission
     from spec.adaptive import AdaptiveConfig
     from spec.threads import ThreadConfig
     from verifier.sampling.structured import StructuredOutputs
@@ -61,8 +61,8 @@ def trace(name: str, kw: dict, prompts: list[str], out) -> None:
         for i, at in enumerate(ARRIVALS):
             if at == step:
                 schema = StructuredOutputs(json=SCHEMA) if constrained and i == 1 else None
-                engine.add_request(f"r{i}", ids[i], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
-                                                                    ignore_eos=True, structured=schema))
+                engine.add_request(f"r{i}", Submission(ids[i], SamplingParams(
+                    temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, structured=schema)))
         outputs = engine.step()
         tables = {r.request_id: engine.blocks.block_table(r.seq_id) for r in engine.scheduler.running}
         out.write(json.dumps({"scenario": name, "step": step, "tables": tables, "trees": proposed,

@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.prefill import long_prompt
-from spec import LLM, SamplingParams
+from spec import LLM, SamplingParams, Submission
 from verifier.quantized.cpu_loop import step_clock
 
 MATMUL_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "tercel::q4_matmul",
@@ -49,7 +49,8 @@ def _outermost_ms(events, names: tuple[str, ...]) -> float:
 
 
 def _start(engine, prompt: list[int], steps: int) -> None:
-    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True))
+    engine.add_request("profile", Submission(prompt, SamplingParams(temperature=0, max_tokens=steps + 20,
+                                                                     ignore_eos=True)))
     for _ in range(10):                      # prefill and warm-up steps
         engine.step()
 

@@ -15,17 +15,18 @@ import threading
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from sse_starlette.sse import EventSourceResponse
 
-from serving.bridge import EngineBridge, EngineUnavailable, QueueFullError, RequestStream, Submission
+from serving.bridge import EngineBridge, EngineUnavailable, QueueFullError, RequestStream
 from serving.chat_prompt import ChatPrompt
 from serving.defaults import SamplingDefaults
 from serving.disconnect import until_disconnected
 from serving.errors import engine_stopped, engine_unavailable, install_error_handlers, queue_full, refused, \
     unauthorized, unknown_model
-from serving.fields import check_fields, check_min_tokens, check_sampling
+from serving.fields import check_fields, check_sampling
 from serving.flags import LoraServing
 from serving.limits import BodyLimit, ServerLimits
 from serving.logprobs import TokenPieces
@@ -38,6 +39,7 @@ from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, C
 from serving.streaming import Reply, full_reply, sse_events
 from serving.tools.formats import HERMES, ToolFormat
 from serving.utility_routes import ServedModels, UtilityRoutes
+from spec.request import Submission
 from verifier.model.tokenizer import prompt_ids
 from verifier.sampling.sampling_params import SamplingParams
 
@@ -81,7 +83,6 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
         app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(404))(lora.unload)
     app.add_middleware(BodyLimit, limit=config.limits.max_body_bytes)
     if config.allowed_origins:      # outside BodyLimit: a 413 still carries the CORS headers
-        from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(ServerErrors)   # added last: the outermost layer
@@ -132,7 +133,8 @@ class Routes:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         check_fields(body, chat=True)
-        req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format)
+        req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format,
+                         self.bridge.limits.max_model_len)
         self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
         return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
 
@@ -145,7 +147,7 @@ class Routes:
 
     async def completions(self, body: CompletionRequest, request: Request):
         check_fields(body, chat=False)
-        req = parse_completion(self.config.sampling_defaults.apply(body))
+        req = parse_completion(self.config.sampling_defaults.apply(body), self.bridge.limits.max_model_len)
         self._check(req, [p for p in req.prompts if isinstance(p, str)], "prompt")
         return await until_disconnected(request, self._completions(req))
 
@@ -162,7 +164,7 @@ class Routes:
         long that even at the vocabulary's longest token it would not fit the context."""
         if req.model not in self.served:
             raise unknown_model(req.model, self.served.first)
-        self.config.limits.check_stop(req.sampling["stop"])
+        self.config.limits.check_stop(req.params.stop)
         check_sampling(req, self.bridge.limits)
         if self._token_chars:
             context = self.bridge.limits.max_model_len
@@ -175,7 +177,7 @@ class Routes:
     async def _generate(self, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
         limits = self.bridge.limits
         spec = resolve_speculation(req.speculation, limits.speculation, limits.drafter)
-        grammar = await self._compile(req) if req.structured is not None else None
+        grammar = await self._compile(req) if req.params.structured is not None else None
         prediction = await tokenized(req.prediction, self.bridge.tokenizer) if req.prediction is not None else None
         jobs = [(ids, i * req.n + c) for i, ids in enumerate(prompt_ids) for c in range(req.n)]
         lora = self.served.adapter(req.model)
@@ -185,7 +187,7 @@ class Routes:
             check_predictions(limits, subs)
         streams = self._submit(subs)
         calls = self.config.tool_format if req.tool_choice.mode != "none" else None
-        pieces = self._pieces if req.logprobs is not None or req.echo else None
+        pieces = self._pieces if req.params.logprobs is not None or req.echo else None
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), lora or self.served.first, chat, req.n,
                       req.include_usage, calls, pieces, req.echo, predicted=prediction is not None)
         if req.stream:
@@ -198,7 +200,7 @@ class Routes:
         empty grammar is a 400 naming its field before any byte; a client that leaves cancels it."""
         cancel = threading.Event()
         try:
-            return await run_in_threadpool(self.bridge.grammars.compile, req.structured, cancel)
+            return await run_in_threadpool(self.bridge.grammars.compile, req.params.structured, cancel)
         except ValueError as e:
             raise bad(req.structured_param, str(e)) from None
         except asyncio.CancelledError:
@@ -207,12 +209,8 @@ class Routes:
 
     def _params(self, req: ParsedRequest, ids: list[int], choice: int, chat: bool) -> SamplingParams:
         limits = self.bridge.limits
-        max_tokens = req.max_tokens or max(1, limits.max_model_len - len(ids))
-        check_min_tokens(req.sampling["min_tokens"], max_tokens)
-        seed = req.sampling["seed"]
-        sampling = {**req.sampling, "seed": None if seed is None else seed + choice}
+        params = req.for_prompt(len(ids), choice, limits.max_model_len)
         try:
-            params = SamplingParams(max_tokens=max_tokens, **sampling)
             limits.validate(ids, params)          # context length, token ids: before any stream starts
         except ValueError as e:
             raise refused(e, chat) from None

@@ -40,14 +40,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from drafters.base import Prediction
-from drafters.config import SpecConfig
 from serving.metrics import Metrics
 from spec.engine import LLMEngine
 from spec.faults import RequestError
-from spec.request import RequestOutput
+from spec.request import RequestOutput, Submission
 from spec.stats import EngineLimits, EngineStats
-from verifier.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("tercel.serve")
 
@@ -77,18 +74,6 @@ class RequestFailed(RuntimeError):
 
 class SlowReader(RuntimeError):
     """The client read so little that its stream's buffer filled: its request was aborted."""
-
-
-@dataclass(frozen=True)
-class Submission:
-    """One request as the app hands it over: tokenized, and checked against the limits."""
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    speculate: bool = True
-    speculation: SpecConfig | None = None
-    grammar: object | None = None     # params.structured compiled (verifier.sampling.grammar), or None
-    prediction: Prediction | None = None    # the reply the client expects (Predicted Outputs), or None
-    lora: str | None = None                  # the LoRA adapter it runs under (None: the base)
 
 
 # ---- the inbox: one message per operation, handled on the engine thread between two steps ----
@@ -414,9 +399,7 @@ class EngineBridge:
             stream._push(EngineUnavailable("the server is shutting down"))
             return
         try:
-            self.engine.add_request(rid, None, sub.params, prompt_token_ids=sub.prompt_token_ids,
-                                    speculate=sub.speculate, speculation=sub.speculation, grammar=sub.grammar,
-                                    prediction=sub.prediction, lora=sub.lora)
+            self.engine.add_request(rid, sub)
         except Exception as e:   # noqa: BLE001 - this request's alone; a ValueError is its own fault
             self._add_in_flight(-1)
             invalid = isinstance(e, ValueError)

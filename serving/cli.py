@@ -10,8 +10,11 @@ import argparse
 import sys
 import time
 
+from serving.cluster.flags import uses_ray
 from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
                            speculation_from_args)
+from serving.server import add_serve_args, prepare_serve, run_serve
+from spec import LLM, SamplingParams, Submission
 
 
 def _chat_args(sub) -> None:
@@ -38,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tercel", description="Tercel: speculative-decoding LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _chat_args(sub)
-    from serving.server import add_serve_args
     add_serve_args(sub)
     from bench.cli import add_bench_args
     add_bench_args(sub)
@@ -58,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_chat(args) -> int:
-    from spec import LLM, SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     drafter = drafter_name(args.drafter)
@@ -90,7 +91,7 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
     engine = llm.engine
     rid = f"chat-{len(history)}"
     start = time.perf_counter()
-    engine.add_request(rid, None, params, prompt_token_ids=llm.apply_chat_template(history))
+    engine.add_request(rid, Submission(llm.apply_chat_template(history), params))
     out = None
     while engine.has_unfinished:
         for out in engine.step():
@@ -108,11 +109,9 @@ def _turn(llm, history: list[dict], user: str, params) -> None:
 
 def serve(args) -> int:
     """`tercel serve`: one process, or replicas behind Ray Serve (--replicas, where Ray is there)."""
-    from serving.cluster.flags import uses_ray
-    from serving.server import prepare_serve, run_serve
     prepare_serve(args)
     if uses_ray(args):
-        from serving.cluster.replicas import run_replicas
+        from serving.cluster.replicas import run_replicas   # lazy: Ray is the optional tercel[cluster]
         return run_replicas(args)
     return run_serve(args)
 

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from verifier.model.loader import resolve_model_dir
 from verifier.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("tercel.serve")
@@ -36,7 +37,6 @@ def load_sampling_defaults(setting: str, model: str) -> SamplingDefaults:
     if setting == "none":
         return SamplingDefaults(source="--generation-config none")
     if setting == "auto":
-        from verifier.model.loader import resolve_model_dir
         folder = resolve_model_dir(model)
     else:
         folder = Path(setting)

@@ -93,24 +93,13 @@ def _log_unknown(name: str) -> None:
 
 
 def check_sampling(req: ParsedRequest, limits: EngineLimits) -> None:
-    """Token ids within the vocabulary; min_tokens within max_tokens and without a constraint."""
-    sampling = req.sampling
-    for token, _ in sorted(sampling["logit_bias"].items()):
+    """Token ids within the vocabulary (the checks that need no engine run at parse,
+    serving/protocol.py)."""
+    for token, _ in req.params.logit_bias:
         if token >= limits.vocab_size:
             raise bad("logit_bias", f"'logit_bias' names token {token}; this model's vocabulary has "
                                     f"{limits.vocab_size} tokens")
-    for i, token in enumerate(sampling["stop_token_ids"]):
+    for i, token in enumerate(req.params.stop_token_ids):
         if token >= limits.vocab_size:
             raise bad(f"stop_token_ids[{i}]", f"'stop_token_ids[{i}]' is {token}; this model's vocabulary has "
                                               f"{limits.vocab_size} tokens")
-    if sampling["min_tokens"] and req.structured is not None:
-        raise bad("min_tokens", f"'min_tokens' cannot be combined with {req.structured_param or 'a constraint'}: "
-                                f"the constraint may end the output before it")
-    if req.max_tokens is not None:
-        check_min_tokens(sampling["min_tokens"], req.max_tokens)
-
-
-def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
-    if min_tokens > max_tokens:
-        raise bad("min_tokens", f"'min_tokens' is {min_tokens}, above the {max_tokens} tokens allowed "
-                                f"(max_tokens, or what the context leaves)")

@@ -2,8 +2,12 @@
 the CPU weights, tensor parallelism, LoRA adapters. Kept free of torch so that `--help` stays quick."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from drafters.kinds import default_speculation
+from spec.config import QUANTIZATION_CHOICES
+from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
 
 
 def add_speculation_args(p, default_drafter: str | None, drafter_help: str) -> None:
@@ -19,7 +23,6 @@ def drafter_name(arg: str | None) -> str | None:
 
 
 def add_quantization_arg(p) -> None:
-    from spec.config import QUANTIZATION_CHOICES
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="CPU weights: int4 or int8 kernels, gguf (each GGUF tensor on its own blocks), none "
                         "(dense fp32), or auto (default: int4 for a Q4 GGUF such as the default model, gguf for "
@@ -37,9 +40,6 @@ def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | No
     with the given fields replaced."""
     if gamma is None and topk is None and budget is None:
         return None
-    from dataclasses import replace
-
-    from drafters.kinds import default_speculation
     base = default_speculation(drafter)
     given = {k: v for k, v in (("num_speculative_tokens", gamma), ("topk", topk)) if v is not None}
     if budget is not None or given:
@@ -57,7 +57,6 @@ class LoraServing:
 
 
 def add_lora_args(p) -> None:
-    from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served under their own model names")
     p.add_argument("--draft-lora-modules", nargs="+", default=[], metavar="NAME=PATH",

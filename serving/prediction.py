@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 
 from drafters.base import Prediction
-from serving.bridge import Submission
+from spec.request import Submission
 from serving.protocol import APIError
 from spec.stats import EngineLimits
 

@@ -16,6 +16,7 @@ from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculatio
 from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import ToolFormat
 from serving.tools.request import Refused, chat_messages, tool_request
+from verifier.sampling.sampling_params import SamplingParams
 from verifier.sampling.structured import StructuredOutputs
 
 FIELD_NAMES = request_field_names()
@@ -40,24 +41,31 @@ def bad(param: str, message: str) -> APIError:
 class ParsedRequest:
     """What the handlers need from a validated chat or completion body."""
     prompts: list                  # chat: [messages]; completions: [str | list[int], ...]
+    params: SamplingParams         # every choice's; `for_prompt` gives each its length and seed
     max_tokens: int | None         # None: what the context length leaves after each prompt
-    sampling: dict                 # SamplingParams fields but max_tokens
     n: int
     stream: bool
     include_usage: bool
     speculation: Speculation | None
     model: str
-    structured: StructuredOutputs | None = None    # the output's constraint, also in `sampling`
-    structured_param: str | None = None            # the field that asked for it (for a 400)
-    logprobs: int | None = None                    # alternatives per token, if logprobs are asked for
+    structured_param: str | None = None            # the field that asked for params.structured (for a 400)
     echo: bool = False                             # completions: the prompt before the text
     tools: list[dict] | None = None                # chat: the tools offered (OpenAI's shape)
     tool_choice: ToolChoice = ToolChoice("none")   # "none": the reply is text, never parsed for calls
     prediction: str | None = None                  # Predicted Outputs: the text the reply is expected to be
 
+    def for_prompt(self, prompt_len: int, choice: int, context: int) -> SamplingParams:
+        """One choice's params for a prompt of `prompt_len` tokens: max_tokens as asked or what the
+        context leaves, the seed counted up per choice (n > 1 draws different replies)."""
+        max_tokens = self.max_tokens or max(1, context - prompt_len)
+        check_min_tokens(self.params.min_tokens, max_tokens)
+        seed = self.params.seed
+        return dataclasses.replace(self.params, max_tokens=max_tokens, seed=None if seed is None else seed + choice)
 
-def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat) -> ParsedRequest:
-    """`fmt`: how the server's model writes tool calls (--tool-call-parser)."""
+
+def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat, context: int) -> ParsedRequest:
+    """`fmt`: how the server's model writes tool calls (--tool-call-parser); `context`: the
+    model's context length (max_tokens when the request leaves it out)."""
     try:
         messages = chat_messages(body.messages)
         tools, choice = tool_request(body)
@@ -66,38 +74,66 @@ def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat) -> ParsedRequest:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     req = _parsed(body, [messages], body.max_completion_tokens or body.max_tokens,
-                  (body.top_logprobs or 0) if body.logprobs else None)
+                  (body.top_logprobs or 0) if body.logprobs else None, context)
     if choice.mode == "none":
         return dataclasses.replace(req, tools=tools)
     try:
-        constraint = tool_constraint(fmt, tools, choice, req.structured)
+        constraint = tool_constraint(fmt, tools, choice, req.params.structured)
     except ValueError as e:      # a text constraint that is not what its kind says
         raise bad(req.structured_param, f"invalid constraint: {e}") from None
-    return dataclasses.replace(req, sampling={**req.sampling, "structured": constraint}, structured=constraint,
-                               structured_param=req.structured_param if choice.mode == "auto" and req.structured
-                               else "tools",
+    param = req.structured_param if choice.mode == "auto" and req.params.structured else "tools"
+    return dataclasses.replace(req, params=_constrained(req.params, constraint, param), structured_param=param,
                                tools=tools, tool_choice=choice)
 
 
-def parse_completion(body: CompletionRequest) -> ParsedRequest:
+def parse_completion(body: CompletionRequest, context: int) -> ParsedRequest:
     p = body.prompt
     # One prompt (a string or one array of ids) or a batch of them.
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    req = _parsed(body, prompts, body.max_tokens, body.logprobs)
+    req = _parsed(body, prompts, body.max_tokens, body.logprobs, context)
     if not body.echo:
         return req
     # echo: the prompt's logprobs too, the first token's null (nothing comes before it)
-    sampling = {**req.sampling, "prompt_logprobs": body.logprobs} if body.logprobs is not None else req.sampling
-    return dataclasses.replace(req, echo=True, sampling=sampling)
+    params = dataclasses.replace(req.params, prompt_logprobs=body.logprobs) if body.logprobs is not None \
+        else req.params
+    return dataclasses.replace(req, echo=True, params=params)
 
 
-def _parsed(body, prompts: list, max_tokens: int | None, logprobs: int | None) -> ParsedRequest:
+def _parsed(body, prompts: list, max_tokens: int | None, logprobs: int | None, context: int) -> ParsedRequest:
     opts = body.stream_options
     param, structured = _structured(body)
-    sampling = {**_sampling(body), **_output_controls(body), "structured": structured, "logprobs": logprobs}
-    return ParsedRequest(prompts, max_tokens, sampling, _or(body.n, 1), bool(body.stream),
-                         bool(opts and opts.include_usage), body.speculation, body.model, structured, param,
-                         logprobs=logprobs, prediction=_prediction(body))
+    min_tokens = _or(body.min_tokens, 0)
+    check_min_tokens(min_tokens, max_tokens or context)
+    params = _params(max_tokens=max_tokens or context, **_sampling(body), **_output_controls(body),
+                     logprobs=logprobs)
+    return ParsedRequest(prompts, _constrained(params, structured, param), max_tokens, _or(body.n, 1),
+                         bool(body.stream), bool(opts and opts.include_usage), body.speculation, body.model, param,
+                         prediction=_prediction(body))
+
+
+def _params(**fields) -> SamplingParams:
+    """The schema has checked each field alone; what SamplingParams refuses beyond that is a 400
+    naming the field its message starts with."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise bad(name if name in fields else None, str(e)) from None
+
+
+def _constrained(params: SamplingParams, constraint: StructuredOutputs | None, param: str | None) -> SamplingParams:
+    if constraint is None:
+        return params
+    if params.min_tokens:
+        raise bad("min_tokens", f"'min_tokens' cannot be combined with {param or 'a constraint'}: "
+                                f"the constraint may end the output before it")
+    return dataclasses.replace(params, structured=constraint)
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    if min_tokens > max_tokens:
+        raise bad("min_tokens", f"'min_tokens' is {min_tokens}, above the {max_tokens} tokens allowed "
+                                f"(max_tokens, or what the context leaves)")
 
 
 def _prediction(body) -> str | None:

@@ -1,15 +1,34 @@
 """`tercel serve`: load the model, start the engine thread, serve HTTP with uvicorn."""
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import os
 from pathlib import Path
 
+import torch
+import uvicorn
+from sse_starlette.sse import AppStatus
+
+from serving.app import ServerConfig, build_app
+from serving.bridge import EngineBridge, debug_from_env
+from serving.cluster.flags import add_replica_args
+from serving.defaults import load_sampling_defaults
 from serving.flags import (add_lora_args, add_quantization_arg, add_speculation_args, add_tensor_parallel_arg,
                            drafter_name, lora_serving, speculation_from_args)
+from serving.limits import ServerLimits
+from serving.metrics import Metrics
+from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
 from serving.tools.formats import FORMATS
+from spec.adaptive import AdaptiveConfig
+from spec.batch_guard import GuardConfig
+from spec.config import EngineConfig
+from spec.engine import LLMEngine, freeze_loaded_objects
+from spec.profile import load_profile
+from spec.threads import ThreadConfig
 from verifier.model.loader import DEFAULT_MODEL
+from verifier.sampling.grammar_limits import GrammarLimits
 
 log = logging.getLogger("tercel.serve")
 # Suffix decoding: a lookup (no model or corpus to load), at or above n-gram on each Spec-Bench task
@@ -56,13 +75,11 @@ def add_serve_args(sub) -> None:
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from serving.cluster.flags import add_replica_args
     add_replica_args(p)
 
 
 def add_limit_args(p) -> None:
     """What one request may ask (serving/limits.py; docs/serving.md, "Limits")."""
-    from serving.limits import ServerLimits
     d = ServerLimits()
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size (413 above)")
     p.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
@@ -71,7 +88,6 @@ def add_limit_args(p) -> None:
                    help="outputs a stream holds unread before its client is dropped and its request aborted")
     p.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
                    help="seconds one SSE write may block before the client is dropped")
-    from verifier.sampling.grammar_limits import GrammarLimits
     g = GrammarLimits()
     p.add_argument("--grammar-timeout", type=float, default=10.0,
                    help="seconds a constraint may take to compile (in a child process, killed past it)")
@@ -93,14 +109,12 @@ def add_limit_args(p) -> None:
 
 
 def grammar_limits(args):
-    from verifier.sampling.grammar_limits import GrammarLimits
     return GrammarLimits(max_bytes=args.max_grammar_bytes, max_depth=args.max_grammar_depth,
                          cache_bytes=args.grammar_cache_bytes, xgrammar_cache_bytes=args.grammar_cache_bytes,
                          timeout_s=args.grammar_timeout)
 
 
 def server_limits(args):
-    from serving.limits import ServerLimits
     return ServerLimits(max_body_bytes=args.max_body_bytes, max_stop=args.max_stop,
                         max_stop_chars=args.max_stop_chars, stream_buffer=args.stream_buffer,
                         send_timeout_s=args.send_timeout)
@@ -108,7 +122,6 @@ def server_limits(args):
 
 def parse_serve_args(argv: list[str]):
     """`tercel serve` flags as a namespace: how a Ray Serve replica rebuilds its engine's settings."""
-    import argparse
     parser = argparse.ArgumentParser(prog="tercel serve")
     add_serve_args(parser.add_subparsers(dest="command"))
     args, unknown = parser.parse_known_args(["serve", *argv])
@@ -118,14 +131,9 @@ def parse_serve_args(argv: list[str]):
 
 
 def engine_config(args):
-    from spec.adaptive import AdaptiveConfig
-    from spec.batch_guard import GuardConfig
-    from spec.config import EngineConfig
-    from spec.threads import ThreadConfig
     drafter, gamma, topk, budget = args.drafter, args.gamma, args.topk, args.budget
     profiled = None
     if args.profile:       # the profile's drafter and tree; explicit tree flags still apply
-        from spec.profile import load_profile
         choice = load_profile(args.profile)
         drafter, profiled = choice.drafter, choice.speculation
     drafter = drafter_name(drafter)
@@ -152,7 +160,6 @@ def engine_config(args):
 
 
 def _device_memory() -> int:
-    import torch
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -161,11 +168,6 @@ def _device_memory() -> int:
 def launch_app(args):
     """The engine (loaded on its own thread) and the app serving it: (EngineBridge, FastAPI).
     One `tercel serve` process has one; so has each Ray Serve replica (serving/cluster/replicas.py)."""
-    from serving.app import build_app
-    from serving.bridge import EngineBridge, debug_from_env
-    from serving.metrics import Metrics
-    from spec.engine import LLMEngine, freeze_loaded_objects
-
     config = engine_config(args)
     limits = server_limits(args)
     app_config = server_config(args, limits)      # before the load: a bad flag costs no model load
@@ -180,8 +182,6 @@ def launch_app(args):
 def server_config(args, limits):
     """The app's settings from the flags; the chat template and the sampling defaults are read
     here, so a missing file or a bad value stops the server before it listens."""
-    from serving.app import ServerConfig
-    from serving.defaults import load_sampling_defaults
     names = tuple(args.served_model_name or dict.fromkeys((args.model, Path(args.model).name)))
     lora = lora_serving(args)
     if clash := sorted({name for name, _ in lora.modules} & set(names)):
@@ -216,15 +216,10 @@ def prepare_serve(args) -> None:
 
 def run_serve(args) -> int:
     """Serve from this process until SIGTERM or SIGINT (`prepare_serve` first)."""
-    import uvicorn
-
-    from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
-
     bridge, app = launch_app(args)
 
     # SIGTERM: uvicorn stops accepting and waits for open requests. sse-starlette would cut
     # streams at once; let them run until the grace is over instead (GracefulServer).
-    from sse_starlette.sse import AppStatus
     AppStatus.disable_automatic_graceful_drain()
 
     @app.on_event("shutdown")

@@ -33,8 +33,6 @@ from functools import partial
 
 import torch
 
-from drafters.base import Prediction
-from drafters.config import SpecConfig
 from spec.acceptance import Acceptance, held_back
 from spec.adaptive import AdaptiveController
 from spec.batch_guard import BatchGuard
@@ -46,7 +44,7 @@ from spec.faults import RequestFault
 from spec.intake import Intake
 from spec.plan import SeqPlan
 from spec.preparation import prepare
-from spec.request import Request, RequestOutput
+from spec.request import Request, RequestOutput, Submission
 from spec.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from spec.stats import EngineLimits, EngineStats
 from spec.step_cost import StatedCost
@@ -118,20 +116,11 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.intake.tokenize(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prompt_token_ids: list[int] | None = None, speculate: bool = True,
-                    speculation: SpecConfig | None = None, grammar=None,
-                    prediction: Prediction | None = None, lora: str | None = None) -> Request:
-        """Validate and queue (spec/intake.py); ValueError (naming the problem) leaves no state behind.
-        `speculate=False` decodes this request plainly; `speculation` caps its tree (depth,
-        top-k, budget) below the engine's own SpecConfig; `grammar`: params.structured already
-        compiled (the server compiles before queueing; the cache may have dropped it since);
-        `prediction`: the reply the client expects, drafted (ignored when not speculating);
-        `lora`: the name of the LoRA adapter it runs under (None: the base model)."""
+    def add_request(self, request_id: str, submission: Submission) -> Request:
+        """Validate and queue (spec/intake.py); ValueError (naming the problem) leaves no state behind."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.intake.request(request_id, prompt, params, prompt_token_ids, speculate, speculation, grammar,
-                                  prediction, lora)
+        req = self.intake.request(request_id, submission)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req

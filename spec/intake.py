@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import Prediction
 from drafters.config import SpecConfig
 from spec.adapters import Adapters
 from spec.detokenizer import IncrementalDetokenizer
-from spec.request import Request
+from spec.request import Request, Submission
 from spec.stats import EngineLimits
 from verifier.model.tokenizer import prompt_ids
 from verifier.sampling.grammar import GrammarBackend
 from verifier.sampling.sampler import make_generator
-from verifier.sampling.sampling_params import SamplingParams
 from verifier.target import TargetModel
 
 
@@ -32,28 +30,26 @@ class Intake:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return prompt_ids(self.tokenizer, prompt)
 
-    def request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                prompt_token_ids: list[int] | None, speculate: bool, speculation: SpecConfig | None,
-                grammar, prediction: Prediction | None, lora: str | None) -> Request:
-        """The request `LLMEngine.add_request` describes, checked and built."""
-        adapter = self.adapters.slot(lora)
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+    def request(self, request_id: str, sub: Submission) -> Request:
+        """The request `sub` describes, checked and built."""
+        params = sub.params
+        adapter = self.adapters.slot(sub.lora)
+        ids = sub.prompt_token_ids if sub.prompt_token_ids is not None else self.tokenize(sub.prompt)
         self.limits.validate(ids, params)
-        if prediction is not None:
-            self.limits.validate_prediction(ids, params, prediction)
+        if sub.prediction is not None:
+            self.limits.validate_prediction(ids, params, sub.prediction)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, ids, params,
                       IncrementalDetokenizer.of(self.tokenizer, params, params.finishing_ids(self.eos_ids)),
-                      prompt=prompt if isinstance(prompt, str) else None,
-                      generator=make_generator(seed, self.target.device))
-        req.speculate = speculate
+                      prompt=sub.prompt, generator=make_generator(seed, self.target.device))
+        req.speculate = sub.speculate
         req.adapter, req.cache_root = adapter, self.adapters.cache_root(adapter)
-        req.speculation = self._cap_speculation(speculation)
-        req.prediction = prediction if speculate else None    # it only speeds a reply up: off means off
+        req.speculation = self._cap_speculation(sub.speculation)
+        req.prediction = sub.prediction if sub.speculate else None    # it only speeds a reply up: off means off
         if params.structured is not None:
-            req.grammar = self.grammars.matcher(params.structured) if grammar is None \
-                else self.grammars.matcher_of(grammar)
+            req.grammar = self.grammars.matcher(params.structured) if sub.grammar is None \
+                else self.grammars.matcher_of(sub.grammar)
         return req
 
     def _cap_speculation(self, spec: SpecConfig | None) -> SpecConfig | None:

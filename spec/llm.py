@@ -13,7 +13,7 @@ from typing import Sequence
 from drafters.base import Prediction
 from spec.config import EngineConfig
 from spec.engine import LLMEngine
-from spec.request import RequestOutput
+from spec.request import RequestOutput, Submission
 from verifier.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -91,8 +91,7 @@ class LLM:
         try:
             for (prompt, tokens), p, pred, adapter in zip(items, plist, predicted, adapters):
                 rid = f"gen-{next(self._ids)}"
-                engine.add_request(rid, prompt if prompt is not None else tokens, p, prompt_token_ids=tokens,
-                                   speculate=speculate, prediction=pred, lora=adapter)
+                engine.add_request(rid, Submission(tokens, p, speculate, prediction=pred, lora=adapter, prompt=prompt))
                 ids.append(rid)
         except Exception:
             for rid in ids:            # a bad prompt in the list: leave nothing queued

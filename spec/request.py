@@ -1,5 +1,6 @@
-"""Request state: one small object per request, holding what outlives a step (a step's own
-values live on its `spec/plan.py:SeqPlan`); derived values are properties."""
+"""A request as it is handed to the engine (`Submission`), and as the engine holds it
+(`Request`: what outlives a step; a step's own values live on its `spec/plan.py:SeqPlan`;
+derived values are properties)."""
 from __future__ import annotations
 
 import enum
@@ -13,13 +14,35 @@ from spec.faults import RequestError
 from verifier.block_manager import ROOT_DIGEST
 from verifier.sampling.sampling_params import SamplingParams
 
+from drafters.base import Prediction
+from drafters.config import SpecConfig
+
 if TYPE_CHECKING:
     import torch
 
-    from drafters.base import Prediction
-    from drafters.config import SpecConfig
     from spec.adaptive import SpecHistory
     from verifier.sampling.grammar import Matcher
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request as a caller hands it to `LLMEngine.add_request`: the server builds it from the
+    wire (serving/app.py), `LLM` from its arguments; the engine checks it and builds a `Request`."""
+    prompt_token_ids: list[int] | None      # None: the engine tokenizes `prompt`
+    params: SamplingParams
+    speculate: bool = True                  # False: decode plainly
+    speculation: SpecConfig | None = None   # caps this request's tree below the engine's SpecConfig
+    grammar: object | None = None           # params.structured already compiled (verifier.sampling.grammar)
+    prediction: Prediction | None = None    # the reply the client expects (Predicted Outputs); drafted only
+    lora: str | None = None                 # the LoRA adapter it runs under (None: the base model)
+    prompt: str | None = None               # the prompt's text, kept for the outputs
+
+    @classmethod
+    def of(cls, prompt: str | list[int], params: SamplingParams, **options) -> Submission:
+        """From a text (tokenized by the engine) or token ids, as vLLM's add_request takes either."""
+        if isinstance(prompt, str):
+            return cls(None, params, prompt=prompt, **options)
+        return cls(list(prompt), params, **options)
 
 
 class Status(enum.Enum):

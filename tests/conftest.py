@@ -277,10 +277,11 @@ def write_reply_corpus(path: Path, llm, replies: list[list[int]]) -> Path:
 def drive_random_requests(engine, rng, total: int, make_request, add_p: float, abort_p: float) -> tuple[int, int]:
     """Add `total` requests at random steps (make_request(i) -> (prompt ids, params)), abort live
     ones at random, check the block pool after every step. Returns (finished, preemptions seen)."""
+    from spec.request import Submission
     added, finished, preemptions, live = 0, 0, 0, set()
     while added < total or engine.has_unfinished:
         while added < total and rng.random() < add_p:
-            engine.add_request(f"r{added}", *make_request(added))
+            engine.add_request(f"r{added}", Submission(*make_request(added)))
             live.add(f"r{added}")
             added += 1
         if live and rng.random() < abort_p:

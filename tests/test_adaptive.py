@@ -9,6 +9,7 @@ from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig, AdaptiveController, Candidate, RankAcceptance, ScoreAcceptance, \
     best_prefixes
 from spec.step_cost import CostCurve, StepCost, StepSample
+from spec.request import Submission
 from verifier.sampling.sampling_params import SamplingParams
 
 
@@ -300,10 +301,10 @@ def test_the_engine_tells_the_controller_a_steps_prompt_rows(tiny_llama_dir):
     engine.adaptive.trim = lambda cands, decoding, base_rows, prompt_rows=0: \
         seen.append((decoding, base_rows, prompt_rows)) or trim(cands, decoding, base_rows, prompt_rows=prompt_rows)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine.add_request("a", [5, 6, 7, 5, 6, 7, 5, 6], greedy)
+    engine.add_request("a", Submission([5, 6, 7, 5, 6, 7, 5, 6], greedy))
     for _ in range(3):
         engine.step()
-    engine.add_request("b", list(range(10, 50)), greedy)
+    engine.add_request("b", Submission(list(range(10, 50)), greedy))
     while engine.has_unfinished:
         engine.step()
     assert (2, 40 + 1, 39) in seen                   # b's 40 rows, 39 of them prompt, and a's root

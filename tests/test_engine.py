@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import drive_random_requests
-from spec import LLM, SamplingParams
+from spec import LLM, SamplingParams, Submission
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -113,8 +113,8 @@ def test_stop_token_ids_max_tokens_and_eos(llm):
 def test_streamed_deltas_add_up_to_the_text(llm):
     """Concatenated per-step deltas equal the final text, and no delta holds a broken character."""
     engine = llm.engine
-    engine.add_request("stream-1", prompts(1, seed=6)[0],
-                       SamplingParams(temperature=1.0, max_tokens=40, seed=1, ignore_eos=True))
+    engine.add_request("stream-1", Submission(prompts(1, seed=6)[0],
+                                           SamplingParams(temperature=1.0, max_tokens=40, seed=1, ignore_eos=True)))
     deltas, final = [], None
     while engine.has_unfinished:
         for out in engine.step():
@@ -168,7 +168,7 @@ def test_chunked_prefill_and_continuous_batching_keep_greedy_output(tiny_llama_d
     while pending or engine.has_unfinished:
         if pending:  # one new request every step: they join a batch that is already running
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, GREEDY)
+            engine.add_request(str(i), Submission(p, GREEDY))
         for out in engine.step():
             if out.finished:
                 got[int(out.request_id)] = out.token_ids

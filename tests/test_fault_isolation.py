@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec import LLM, SamplingParams, StructuredOutputs
+from spec import LLM, SamplingParams, StructuredOutputs, Submission
 
 NEW = 24
 POISON = 4242          # a prompt token that makes the patched forward raise
@@ -60,8 +60,8 @@ def run_with(llm, prompts, bad_prompt, bad_params, patch_bad=None):
     engine = llm.engine
     greedy = SamplingParams(temperature=0, max_tokens=NEW)
     for i, p in enumerate(prompts):
-        engine.add_request(f"good-{i}", None, greedy, prompt_token_ids=p)
-    bad = engine.add_request("bad", None, bad_params, prompt_token_ids=bad_prompt)
+        engine.add_request(f"good-{i}", Submission(p, greedy))
+    bad = engine.add_request("bad", Submission(bad_prompt, bad_params))
     if patch_bad:
         patch_bad(bad)
     done = {}
@@ -115,7 +115,7 @@ def test_a_fault_no_request_owns_is_raised(llms, prompts, monkeypatch):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.target, "forward", broken)
-    engine.add_request("a", None, SamplingParams(temperature=0, max_tokens=4), prompt_token_ids=prompts[0])
+    engine.add_request("a", Submission(prompts[0], SamplingParams(temperature=0, max_tokens=4)))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert not engine.probe()

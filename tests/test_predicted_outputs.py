@@ -5,10 +5,12 @@ or an edited reply (then some are rejected); constrained requests too; ignored w
 off; refused when it could never be drafted; the KV pool whole after every request."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from conftest import IDENTITY_ALONE as ALONE, mtbench_prompts
-from spec import LLM, Prediction, SamplingParams, StructuredOutputs
+from spec import LLM, Prediction, SamplingParams, StructuredOutputs, Submission
 from spec.adaptive import AdaptiveConfig
 
 NEW = 48
@@ -92,8 +94,8 @@ def test_a_constrained_request_with_a_prediction(plain):
 
 def test_speculation_off_ignores_the_prediction(plain, prompts, reference):
     engine = plain.engine
-    engine.add_request("off", None, GREEDY, prompt_token_ids=prompts[0], speculate=False,
-                       prediction=Prediction(tuple(reference[0])))
+    engine.add_request("off", Submission(prompts[0], GREEDY, speculate=False,
+                                          prediction=Prediction(tuple(reference[0]))))
     done = [o for _ in range(NEW + 2) for o in engine.step() if o.finished]
     assert done[0].token_ids == reference[0]
     assert (done[0].stats.verify_steps, done[0].stats.prediction_accepted) == (0, 0)
@@ -123,9 +125,8 @@ class Predicting:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def add_request(self, request_id, prompt, params):
-        self.engine.add_request(request_id, None, params, prompt_token_ids=prompt,
-                                prediction=self.predictions[request_id])
+    def add_request(self, request_id, sub: Submission):
+        self.engine.add_request(request_id, replace(sub, prediction=self.predictions[request_id]))
 
     def step(self):
         outs = self.engine.step()

@@ -11,7 +11,7 @@ import torch
 
 import spec.intake
 from drafters.config import SpecConfig
-from spec import LLM, SamplingParams
+from spec import LLM, SamplingParams, Submission
 
 
 def test_each_request_generator_is_made_on_the_target_device(tiny_llama_dir, monkeypatch):
@@ -25,8 +25,8 @@ def test_each_request_generator_is_made_on_the_target_device(tiny_llama_dir, mon
 
     monkeypatch.setattr(spec.intake, "make_generator", spy)
     monkeypatch.setattr(llm.engine.target, "device", stand_in)
-    llm.engine.add_request("a", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2, seed=7))
-    llm.engine.add_request("b", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2))
+    llm.engine.add_request("a", Submission([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2, seed=7)))
+    llm.engine.add_request("b", Submission([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=2)))
     assert made == [stand_in, stand_in]
 
 

@@ -10,12 +10,12 @@ import time
 import httpx
 import pytest
 
-from serving.bridge import EngineBridge, EngineUnavailable, RequestStream, SlowReader, Submission
+from serving.bridge import EngineBridge, EngineUnavailable, RequestStream, SlowReader
 from serving.limits import ServerLimits
 from serving.metrics import Metrics
 from spec.config import EngineConfig
 from spec.engine import LLMEngine
-from spec.request import RequestOutput
+from spec.request import RequestOutput, Submission
 from server_util import LiveServer
 from verifier.sampling.sampling_params import SamplingParams
 

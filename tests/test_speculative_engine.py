@@ -13,7 +13,7 @@ from conftest import (IDENTITY_ALONE as ALONE, drive_random_requests, mtbench_pr
 from drafters.config import SpecConfig
 from pinned import CHEAP_ROWS
 from spec.adaptive import AdaptiveConfig
-from spec import LLM, SamplingParams
+from spec import LLM, SamplingParams, Submission
 
 NEW = 48
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -199,7 +199,7 @@ def test_drafter_prefills_in_the_targets_chunks(tiny_llama_dir, tiny_plain):
               drafter=f"small:{tiny_llama_dir}", speculation=SpecConfig(num_speculative_tokens=3))
     engine, prompt = llm.engine, list(range(500, 560))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    req = engine.add_request("chunked", prompt, params)
+    req = engine.add_request("chunked", Submission(prompt, params))
     seen = []
     while req.num_computed_tokens < len(prompt):
         engine.step()

@@ -14,7 +14,7 @@ import torch
 from bench.structured import load_tasks
 from conftest import IDENTITY_ALONE as ALONE, slow_marked, spec_drafters, write_reply_corpus
 from pinned import WHOLE_TREES
-from spec import LLM, SamplingParams, StructuredOutputs
+from spec import LLM, SamplingParams, StructuredOutputs, Submission
 from spec.constraints import kept_nodes
 from tree.token_tree import TokenTree
 from verifier.sampling.grammar import GrammarBackend, allowed_tokens, sole_tokens
@@ -86,7 +86,7 @@ def test_a_model_without_a_vocabulary_refuses_constraints():
 
 def test_a_bad_constraint_leaves_no_request_behind(plain, prompts):
     with pytest.raises(ValueError, match="invalid regular expression"):
-        plain.engine.add_request("bad", prompts[0], SamplingParams(structured=StructuredOutputs(regex="(")))
+        plain.engine.add_request("bad", Submission(prompts[0], SamplingParams(structured=StructuredOutputs(regex="("))))
     assert "bad" not in plain.engine.requests and not plain.engine.has_unfinished
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed, so its backend ca
 
 from conftest import make_tiny_model  # noqa: E402
 from drafters.config import SpecConfig  # noqa: E402
-from spec import LLM, SamplingParams  # noqa: E402
+from spec import LLM, SamplingParams, Submission  # noqa: E402
 from spec.adaptive import AdaptiveConfig  # noqa: E402
 from stats import chi_square_pvalue, total_variation  # noqa: E402
 from verifier.attention import triton_kernels as tk  # noqa: E402
@@ -82,10 +82,10 @@ def test_prefill_chunks_beside_verify_trees(target_dir, draft_dir, prompts, refe
                    speculation=SpecConfig(num_speculative_tokens=2, topk=2, budget=4), max_num_batched_tokens=16)
     engine = llm.engine
     for i in (0, 1):
-        engine.add_request(str(i), prompts[i], GREEDY)
+        engine.add_request(str(i), Submission(prompts[i], GREEDY))
     for _ in range(3):
         engine.step()
-    engine.add_request("2", prompts[2], GREEDY)
+    engine.add_request("2", Submission(prompts[2], GREEDY))
     done, mixed = {}, 0
     while engine.has_unfinished:
         long, others = engine.requests.get("2"), [engine.requests.get(k) for k in ("0", "1")]

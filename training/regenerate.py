@@ -27,6 +27,7 @@ def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
                max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 32,
                seed: int = 0, quantization: str = "auto", llm=None) -> list[Conversation]:
     from spec.llm import LLM
+    from spec.request import Submission
     from verifier.sampling.sampling_params import SamplingParams
 
     out = Path(out_path)
@@ -45,8 +46,7 @@ def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
             # Keep the engine full without queueing everything (the scheduler sorts nothing).
             while queue and len(engine.requests) < 2 * batch_size:
                 rid, conv = queue.pop(0)
-                engine.add_request(rid, None, params, prompt_token_ids=llm.apply_chat_template(
-                    list(_prompt_turns(conv))))
+                engine.add_request(rid, Submission(llm.apply_chat_template(list(_prompt_turns(conv))), params))
             for o in engine.step():
                 if not o.finished:
                     continue

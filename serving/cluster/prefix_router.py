@@ -28,7 +28,7 @@ DECISIONS = Counter("tercel_router_decisions", "engine requests routed, by why t
 def _count(reason: str) -> None:
     # Ray pickles the router class by value, with copies of the globals it uses; the import finds
     # the live module, whose registry the ingress's /metrics renders.
-    import serving.cluster.prefix_router as live
+    import serving.cluster.prefix_router as live   # lazy: the live module, not the pickled copy's globals
     live.DECISIONS.labels(reason=reason).inc()
 
 

@@ -29,6 +29,7 @@ import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import ray
 from prometheus_client import generate_latest
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -219,8 +220,6 @@ def app_builder(config: dict):
 def run_replicas(args) -> int:
     """Deploy on Ray (a local instance unless --ray-address) and serve until SIGTERM or SIGINT;
     then Serve drains the replicas for --grace seconds and the process exits 0."""
-    import ray
-
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:   # a replica reserves --replica-cpus: let a small machine hold them all
