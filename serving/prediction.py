@@ -9,8 +9,8 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 
 from drafters.base import Prediction
-from spec.request import Submission
 from serving.protocol import APIError
+from spec.request import Submission
 from spec.stats import EngineLimits
 
 
