@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     _chat_args(sub)
     from serving.server import add_serve_args
     add_serve_args(sub)
-    from bench.cli import add_bench_args
+    from bench.parser import add_bench_args
     add_bench_args(sub)
     args = parser.parse_args(argv)
     try:
