@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
+from bench.cli_engine import run_engine_bench
+from bench.cli_model import run_model_bench
 from bench.parser import BENCH_EXTRA
+from bench.replay import run_replay_cli
+from bench.structured import run_structured_bench
 
 
 def run_bench(args) -> int:
@@ -18,22 +24,18 @@ def run_bench(args) -> int:
         # and a process has one tensor-parallel group
         raise ValueError(f"--tensor-parallel-size applies to bench accept, grid and speed, not {args.what}")
     if args.threads:
-        import torch
         torch.set_num_threads(args.threads)
     try:
         if args.what == "serve":
+            # lazy: serve_load imports httpx (tercel[bench]); without it this raises the ModuleNotFoundError below
             from bench.cli_serve import run_serve_bench_cli
             return run_serve_bench_cli(args)
         if args.what == "structured":
-            from bench.structured import run_structured_bench
             return run_structured_bench(args)
         if args.what == "replay":
-            from bench.replay import run_replay_cli
             return run_replay_cli(args)
         if args.what in ("kernels", "quality"):
-            from bench.cli_model import run_model_bench
             return run_model_bench(args)
-        from bench.cli_engine import run_engine_bench
         return run_engine_bench(args)
     except ModuleNotFoundError as e:
         if e.name not in BENCH_EXTRA:
