@@ -20,6 +20,10 @@ import torch
 
 from bench.agent_workload import agent_specs
 from bench.step_times import StepTime, timed
+from drafters.config import SpecConfig
+from spec import LLM, SamplingParams, Submission
+from spec.adaptive import AdaptiveConfig
+from spec.llm import chat_token_ids
 
 
 @dataclass
@@ -34,9 +38,6 @@ class StepLog:
 
 
 def engine_for(name: str):
-    from drafters.config import SpecConfig
-    from spec import LLM
-    from spec.adaptive import AdaptiveConfig
     drafter, *opts = name.split(":")
     kw = {}
     for o in opts:
@@ -51,8 +52,6 @@ def engine_for(name: str):
 
 def run(llm, specs, clients: int, max_tokens: int) -> tuple[int, float]:
     """The sessions with `clients` workers; (output tokens, wall seconds)."""
-    from spec import SamplingParams, Submission
-    from spec.llm import chat_token_ids
     engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=max_tokens)
     items = [s.follow_up({"messages": s.messages()}) for s in specs]
     queue, active, tokens, ids = list(items), {}, 0, iter(range(10 ** 9))

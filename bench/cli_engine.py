@@ -8,10 +8,15 @@ from bench.cli_args import split_names, write_plots
 from bench.data import load_datasets
 from bench.grid import HF_GENERATE, HF_LOOKUP, LLAMACPP, Cell, build_cells, parse_floats, parse_range
 from bench.journal import Journal
+from bench.llamacpp import check_llamacpp
 from bench.plots import plot_grid
 from bench.runner import RunSettings
 from bench.suite import run_suite
 from bench.summary import best_overall, best_per_task, summarise
+from drafters.kinds import check_drafter
+from spec.config import QUANTIZATION_CHOICES
+from spec.profile import write_profile
+from verifier.cpu.machine import default_threads
 from verifier.model.loader import DEFAULT_MODEL
 
 HF_LOOKUP_TOKENS = 10     # transformers' own default for prompt_lookup_num_tokens
@@ -25,7 +30,6 @@ def run_engine_bench(args) -> int:
     if args.llamacpp:
         if args.what != "speed":
             raise ValueError("--llamacpp is a baseline of `tercel bench speed`")
-        from bench.llamacpp import check_llamacpp
         check_llamacpp(args.model or DEFAULT_MODEL)
     cells = _cells(args.what, drafters, args, temps)
     data = load_datasets(args.dataset or ["specbench"], split_names(args.tasks), args.limit, args.both_turns)
@@ -61,7 +65,6 @@ def _report(args, rows, journal: Journal, settings: RunSettings) -> None:
             print(f"\nOverall (geometric mean over tasks and temperatures): {report.describe(default)}, "
                   f"{default['speedup']:.2f}x")
         if args.profile_out and default:
-            from spec.profile import write_profile
             write_profile(args.profile_out, settings.model, default, best)
             print(f"wrote profile {args.profile_out}", file=sys.stderr)
     journal.save(summary)
@@ -69,7 +72,6 @@ def _report(args, rows, journal: Journal, settings: RunSettings) -> None:
 
 
 def _drafters(text: str) -> list[str]:
-    from drafters.kinds import check_drafter
     names = [d.strip() for d in text.split(",") if d.strip() and d.strip() not in ("none", "plain")]
     for d in names:
         check_drafter(d)
@@ -96,7 +98,6 @@ def _cells(what: str, drafters: list[str], args, temps: list[float]) -> list[Cel
 
 
 def quantizations(text: str) -> tuple[str, ...]:
-    from spec.config import QUANTIZATION_CHOICES
     names = tuple(dict.fromkeys(q.strip() for q in text.split(",") if q.strip()))
     bad = [q for q in names if q not in QUANTIZATION_CHOICES]
     if bad or not names:
@@ -123,5 +124,4 @@ def _lora(arg: str | None) -> tuple[str, str] | None:
 
 
 def _threads() -> int:
-    from verifier.cpu.machine import default_threads
     return default_threads()

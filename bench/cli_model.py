@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import sys
 
+from bench.quality import quality_table, run_quality
+from verifier.cpu import cpu_ops
+from verifier.cpu.machine import machine_summary
 from verifier.model.loader import DEFAULT_MODEL
+from verifier.quantized.attention_tuning import NEVER
+from verifier.quantized.matmul_paths import engine_rows
+from verifier.quantized.runner import QuantizedRunner
+from verifier.target import TargetModel
 
 
 def run_model_bench(args) -> int:
-    from verifier.cpu.machine import machine_summary
     model = args.model or DEFAULT_MODEL
     modes = [q.strip() for q in args.quantization.split(",") if q.strip()]
     print(f"bench {args.what}: {model}, {machine_summary()}", file=sys.stderr)
@@ -22,7 +28,6 @@ def run_model_bench(args) -> int:
         for mode in modes:
             print(kernels_report(model, mode, args))
         return 0
-    from bench.quality import quality_table, run_quality
     if "none" in modes:
         raise ValueError("bench quality compares quantized modes with none; list int4, int8 or auto")
     print(quality_table(run_quality(model, modes, args.limit)))
@@ -30,9 +35,6 @@ def run_model_bench(args) -> int:
 
 
 def kernels_report(model: str, mode: str, args) -> str:
-    from verifier.quantized.matmul_paths import engine_rows
-    from verifier.quantized.runner import QuantizedRunner
-    from verifier.target import TargetModel
     target = TargetModel(model, quantization=mode, kernel_rows=engine_rows(512), retime_kernels=True)
     if not isinstance(target.runner, QuantizedRunner):
         return f"quantization {target.quantization}: dense weights, no kernel choice to make"
@@ -54,14 +56,12 @@ def kernels_report(model: str, mode: str, args) -> str:
 
 def attention_report(a) -> str:
     """The fused attention's calls on one thread and on all, and the threshold chosen."""
-    from verifier.quantized.attention_tuning import NEVER
     lines = ["Attention of one layer, us per call: one thread / all threads", "",
              "| rows | " + " | ".join(f"{k} keys" for k in sorted({k for _, k in a.serial})) + " |",
              "|---|" + "---|" * len({k for _, k in a.serial})]
     for rows in sorted({r for r, _ in a.serial}):
         cells = sorted(c for c in a.serial if c[0] == rows)
         lines.append(f"| {rows} | " + " | ".join(f"{a.serial[c]:.1f} / {a.parallel[c]:.1f}" for c in cells) + " |")
-    from verifier.cpu import cpu_ops
     lines += ["", "Attention stays on one thread at every size measured." if a.parallel_from == NEVER else
               f"Attention runs on all threads from {a.parallel_from} (rows x keys x query heads).",
               "Prompt rows attend on AMX tiles." if cpu_ops.attention_tiles() else

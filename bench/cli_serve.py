@@ -3,24 +3,24 @@ from __future__ import annotations
 
 import sys
 
+from bench.agent_workload import agent_specs
 from bench.cli_args import split_names, write_plots
 from bench.data import Dataset, load_datasets
 from bench.grid import parse_floats, parse_range
 from bench.journal import Journal
+from bench.serve_load import LoadConfig, markdown_table, plot_latency, run_serve_bench
+from bench.workloads import multiturn
 
 
 def run_serve_bench_cli(args) -> int:
-    from bench.serve_load import LoadConfig, markdown_table, plot_latency, run_serve_bench
     temps = parse_floats(args.temperature, "temperature")
     cfg = LoadConfig(url=args.url.rstrip("/"), concurrency=tuple(parse_range(args.concurrency, "concurrency")),
                      max_tokens=args.max_tokens, temperature=temps[0], requests_per_level=args.requests,
                      api_key=args.api_key, model=args.model, repeats=args.repeats or 1,
                      modes=tuple(split_names(args.modes)))
     if args.dataset == ["multiturn"]:       # conversations under shared system prompts (bench/workloads.py)
-        from bench.workloads import multiturn
         data = Dataset(multiturn(args.limit))
     elif args.dataset == ["agent"]:         # agent loops and code edits (bench/agent_workload.py)
-        from bench.agent_workload import agent_specs
         data = Dataset(agent_specs(args.limit))
     else:
         data = load_datasets(args.dataset or ["mtbench"], split_names(args.tasks), args.limit)

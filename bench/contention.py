@@ -41,8 +41,15 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.data import mtbench_first_turns
+from bench.llamacpp import LlamaCppGenerator, check_llamacpp
 from bench.serve_load import launch_server
-from verifier.model.loader import DEFAULT_MODEL
+from spec import LLM, SamplingParams
+from spec.threads import ThreadConfig
+from verifier.cpu.cpus import cpu_budget
+from verifier.cpu.machine import machine_summary
+from verifier.model.loader import DEFAULT_MODEL, resolve_model_dir
+from verifier.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 NEIGHBOUR = [sys.executable, "-c", "while True: pass"]
@@ -170,8 +177,6 @@ def _poll_health(url: str, stop: threading.Event, out: list[float]) -> None:
 
 class Offline:
     def __init__(self, args, drafter: str | None, fixed_threads: bool = False):
-        from spec import LLM, SamplingParams
-        from spec.threads import ThreadConfig
         self.llm = LLM(drafter=drafter, num_threads=args.threads, thread_tuning=ThreadConfig(adaptive=not fixed_threads))
         self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
@@ -192,10 +197,6 @@ class Offline:
 
 class LlamaCpp:
     def __init__(self, args):
-        from bench.llamacpp import LlamaCppGenerator, check_llamacpp
-        from verifier.cpu.cpus import cpu_budget
-        from verifier.model.loader import DEFAULT_MODEL, resolve_model_dir
-        from verifier.model.tokenizer import Tokenizer
         check_llamacpp(DEFAULT_MODEL)
         self.tokenizer = Tokenizer(resolve_model_dir(DEFAULT_MODEL))      # the same chat template
         self.gen = LlamaCppGenerator(DEFAULT_MODEL, args.max_tokens, False, args.threads or cpu_budget().threads,
@@ -357,8 +358,6 @@ def quota_runs(args, prompts: list[str]) -> list[dict]:
 
 def child(job: dict) -> None:
     """One quota run, in the cgroup: the plain offline engine over the prompts, one at a time."""
-    from spec import LLM, SamplingParams
-    from spec.threads import ThreadConfig
     llm = LLM(num_threads=job["threads"], thread_tuning=ThreadConfig(adaptive=not job["fixed"]))
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
     llm.chat([{"role": "user", "content": job["prompts"][0]}], params)      # warm
@@ -386,9 +385,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         return child(json.loads(args.child))
-    from bench.data import mtbench_first_turns
-    from verifier.cpu.cpus import cpu_budget
-    from verifier.cpu.machine import machine_summary
     machine = f"{machine_summary()}; CPU budget {cpu_budget().describe()}"
     prompts = mtbench_first_turns(args.limit)
     if args.quota is not None:

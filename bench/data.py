@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drafters.conversations import parse_message
+
 DATA = Path(os.environ.get("TERCEL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 ALIASES = {"specbench": ("specbench", "question.jsonl"), "mtbench": ("mtbench", "question.jsonl")}
 MT_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -133,7 +135,6 @@ def _prompt(obj: dict, path: Path, line: int, specbench: bool, both_turns: bool)
 
 
 def _conversation_prompt(obj: dict, path: Path, pid: str) -> BenchPrompt:
-    from drafters.conversations import parse_message
     turns = obj.get("messages", obj.get("conversations"))
     if not isinstance(turns, list):
         raise ValueError("'messages'/'conversations' must be a list")

@@ -19,7 +19,13 @@ import time
 import torch
 
 import drafters.eagle3.drafter as eagle
+from bench.speculative import prompt_sets
+from drafters.eagle3.draft_layers import Int8DraftLinear
+from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
+from spec.threads import ThreadConfig
 from verifier.cpu.machine import machine_summary
+from verifier.model.linear import Linear
 
 # The head's projections of the default model, one row each (q/k/v and gate/up stacked).
 LAYER_SHAPES = {"fc": (576, 1728), "qkv": (960, 1152), "o": (576, 576), "gate_up": (3072, 576),
@@ -44,10 +50,6 @@ def _timed(obj, name: str, acc: dict, calls: collections.Counter):
 def drafting_ms(form: str, prompts: int, tokens: int) -> dict[str, float]:
     """ms a verify step for the catch-up, the tree levels and both, ms a call for the head's layer
     and its final norm and LM head, and τ, for one form."""
-    from bench.speculative import prompt_sets
-    from spec import LLM, SamplingParams
-    from spec.adaptive import AdaptiveConfig
-    from spec.threads import ThreadConfig
     real = eagle.draft_form
     eagle.draft_form = lambda device: form.split("-")[0]
     try:
@@ -81,8 +83,6 @@ def drafting_ms(form: str, prompts: int, tokens: int) -> dict[str, float]:
 def cold_layers(repeats: int = 30) -> dict[str, dict[str, float]]:
     """ms for one row of each projection, bf16 on oneDNN against int8 on the q8 kernel, each call
     after a 64 MB sweep (as the target's forward evicts the head's weights between levels)."""
-    from drafters.eagle3.draft_layers import Int8DraftLinear
-    from verifier.model.linear import Linear
     sweep = torch.empty(16 * 2 ** 20)
 
     def cold(fn, x) -> float:

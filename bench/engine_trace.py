@@ -23,6 +23,10 @@ import sys
 import torch
 
 from bench.data import mtbench_first_turns
+from spec import LLM, SamplingParams, Submission
+from spec.adaptive import AdaptiveConfig
+from spec.threads import ThreadConfig
+from verifier.sampling.structured import StructuredOutputs
 
 NEW_TOKENS = 40
 ARRIVALS = (0, 0, 2, 5)                          # the step each prompt arrives at
@@ -39,10 +43,6 @@ def scenarios() -> dict[str, dict]:
 
 
 def trace(name: str, kw: dict, prompts: list[str], out) -> None:
-    from spec import LLM, SamplingParams, Submission
-    from spec.adaptive import AdaptiveConfig
-    from spec.threads import ThreadConfig
-    from verifier.sampling.structured import StructuredOutputs
     constrained = kw.pop("constrained", False)
     llm = LLM(**kw, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=24, block_size=16,
               adaptive=AdaptiveConfig(enabled=False), thread_tuning=ThreadConfig(adaptive=False))

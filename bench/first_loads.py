@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from bench.model_sizes import fresh_cache
+from verifier.cpu.machine import machine_summary
 
 STATES = ("first", "later", "new file", "new tokenizer")
 _CHILD = ("import sys, time, torch; torch.set_num_threads(int(sys.argv[2])); from spec import LLM; "
@@ -63,7 +64,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    from verifier.cpu.machine import machine_summary
     print(f"bench first_loads: {machine_summary()}", file=sys.stderr)
     results: dict[str, list[dict[str, float]]] = {}
     for r in range(args.rounds):                   # rounds alternate the files

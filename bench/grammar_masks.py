@@ -18,8 +18,10 @@ import statistics
 import time
 
 import torch
+import xgrammar as xgr
 
 from bench.structured import load_tasks
+from spec import LLM, SamplingParams, StructuredOutputs
 from tree.token_tree import TokenTree
 from verifier.sampling.grammar import Matcher, allowed_tokens
 
@@ -40,7 +42,6 @@ def python_walk(m: Matcher, tree: TokenTree) -> torch.Tensor:
 
 def fork_walk(compiled, history: list[int], tree: TokenTree, vocab_size: int) -> torch.Tensor:
     """Row u from a new matcher fed the request's tokens and u's path (a copy per node)."""
-    import xgrammar as xgr
     out = torch.zeros(tree.num_nodes, (vocab_size + 31) // 32, dtype=torch.int32)
     for u in range(tree.num_nodes):
         m = xgr.GrammarMatcher(compiled)
@@ -75,7 +76,6 @@ def per_call_us(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    from spec import LLM, SamplingParams, StructuredOutputs
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--width", default="1,2,4,8")

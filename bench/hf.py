@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from bench.runner import Turn
+from verifier.model.loader import resolve_model_dir
 
 
 class _FirstToken:
@@ -33,9 +35,6 @@ class HFModel:
     """One loaded HF model shared by the two baselines."""
 
     def __init__(self, model: str):
-        from transformers import AutoModelForCausalLM
-
-        from verifier.model.loader import resolve_model_dir
         path = resolve_model_dir(model)
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         self.eos = self.model.generation_config.eos_token_id

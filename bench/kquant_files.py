@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.llamacpp import check_llamacpp
 from bench.model_shapes import Shape, llama_cpp_quantize, write
+from verifier.model.loader import DEFAULT_MODEL
 
 KINDS = ("Q4_1", "Q4_K_M", "Q6_K")
 WIDE = Shape(hidden=1024, layers=12, ffn=2816, heads=16, kv_heads=4, vocab=49152)   # the default tokenizer's
@@ -29,8 +31,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--wide", action="store_true")
     args = ap.parse_args(argv)
-    from bench.llamacpp import check_llamacpp
-    from verifier.model.loader import DEFAULT_MODEL
     shipped = check_llamacpp(DEFAULT_MODEL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

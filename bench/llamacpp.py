@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from bench.runner import Turn
+from verifier.model.loader import ALIASES
 
 INSTALL_HINT = ('tercel bench --llamacpp needs llama-cpp-python: pip install -e ".[llamacpp]" '
                 '(on CPUs with AMX that the kernel does not grant, build it with '
@@ -20,6 +21,7 @@ INSTALL_HINT = ('tercel bench --llamacpp needs llama-cpp-python: pip install -e 
 def check_llamacpp(model: str) -> Path:
     """The GGUF file llama.cpp would run; ValueError (exit 2) without the extra or a GGUF."""
     try:
+        # lazy: llama-cpp-python is the optional tercel[llamacpp] extra
         import llama_cpp  # noqa: F401
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
@@ -27,7 +29,6 @@ def check_llamacpp(model: str) -> Path:
 
 
 def gguf_file(model: str) -> Path:
-    from verifier.model.loader import ALIASES
     if model in ALIASES:
         return ALIASES[model]()
     path = Path(model).expanduser()
@@ -41,7 +42,7 @@ def gguf_file(model: str) -> Path:
 
 class LlamaCppGenerator:
     def __init__(self, model: str, max_tokens: int, ignore_eos: bool, threads: int, tokenizer):
-        from llama_cpp import Llama
+        from llama_cpp import Llama  # lazy: the optional tercel[llamacpp] extra
         self.llm = Llama(model_path=str(gguf_file(model)), n_threads=threads, n_threads_batch=threads,
                          n_ctx=4096, n_batch=512, verbose=False)
         self.max_tokens, self.ignore_eos, self.tokenizer = max_tokens, ignore_eos, tokenizer

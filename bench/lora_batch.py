@@ -25,13 +25,22 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+
+from drafters.conversations import load_conversations
+from spec import LLM
+from spec.adaptive import AdaptiveConfig
+from spec.llm import chat_token_ids
+from verifier.cpu.machine import machine_summary
+from verifier.model.loader import ALIASES, resolve_model_dir
+from verifier.model.tokenizer import Tokenizer
+from verifier.sampling.sampling_params import SamplingParams
 
 SOURCES = ("gsm8k_train", "gpteacher_codegen", "gpteacher_roleplay", "hh_rlhf_harmless", "math")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def source_conversations(name: str, data: Path) -> list[list[dict]]:
-    from drafters.conversations import load_conversations
     convs, _ = load_conversations([str(data / f"{name}.jsonl")])
     return [list(c.messages) for c in convs if len(c.messages) >= 2]
 
@@ -39,8 +48,7 @@ def source_conversations(name: str, data: Path) -> list[list[dict]]:
 def train_adapter(gguf: Path, convs: list[list[dict]], tokenizer, out: Path, rank: int, modules: list[str],
                   steps: int, seed: int) -> Path:
     """A LoRA of the dense model fine-tuned on `convs` (4 conversations a step, 256 tokens at most)."""
-    import peft
-    import transformers
+    import peft  # lazy: a dev dependency, not a core one (3.4 s to import); only training an adapter needs it
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                            dtype=torch.float32)
@@ -78,8 +86,6 @@ def adapter_args(ap) -> None:
 def parse_and_train(ap: argparse.ArgumentParser, argv: list[str] | None):
     """(args, tokenizer, the training data's folder, name -> adapter folder): the flags parsed
     (`adapter_args` among them), torch's threads set, the adapters not kept trained."""
-    from verifier.model.loader import resolve_model_dir
-    from verifier.model.tokenizer import Tokenizer
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = Path(args.data)
@@ -91,7 +97,6 @@ def parse_and_train(ap: argparse.ArgumentParser, argv: list[str] | None):
 
 def adapters(args, tokenizer, data: Path) -> dict[str, str]:
     """name -> folder: the first `--adapters` sources' fine-tunes, trained where not kept."""
-    from verifier.model.loader import ALIASES
     gguf = ALIASES[args.model]() if args.model in ALIASES else Path(args.model)
     made = {}
     for i, source in enumerate(SOURCES[:args.adapters]):
@@ -106,7 +111,6 @@ def adapters(args, tokenizer, data: Path) -> dict[str, str]:
 
 def prompts(tokenizer, data: Path, sources: list[str], n: int, rounds: int, skip: int) -> list[list[list[int]]]:
     """Per round, n chat prompts (user turns past the ones trained on), the i-th from source i mod len."""
-    from spec.llm import chat_token_ids
     pools = {s: source_conversations(s, data)[skip:] for s in sources}
     out = []
     for r in range(rounds):
@@ -116,7 +120,6 @@ def prompts(tokenizer, data: Path, sources: list[str], n: int, rounds: int, skip
 
 def run(llm, batch: list[list[int]], names: list[str | None], max_tokens: int, ignore_eos: bool) -> tuple[float, float]:
     """(output tok/s of the batch, tokens per verify step or 0)."""
-    from verifier.sampling.sampling_params import SamplingParams
     start = time.perf_counter()
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos), lora=names)
     seconds = time.perf_counter() - start
@@ -126,8 +129,6 @@ def run(llm, batch: list[list[int]], names: list[str | None], max_tokens: int, i
 
 
 def measure(args, lora: dict[str, str], batches: list[list[list[int]]], drafter: str | None) -> dict:
-    from spec import LLM
-    from spec.adaptive import AdaptiveConfig
     own = lora if args.draft_own and drafter and drafter.startswith("small:") else {}
     llm = LLM(model=args.model, lora_modules=lora, max_loras=max(1, len(lora)), drafter=drafter,
               max_num_seqs=args.requests, adaptive=AdaptiveConfig(enabled=not args.whole_trees),
@@ -164,7 +165,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="a small: drafter of the served model drafts under its own copy of each adapter, "
                          "not for the base (draft_lora_modules)")
     args, tokenizer, data, lora = parse_and_train(ap, argv)
-    from verifier.cpu.machine import machine_summary
     batches = prompts(tokenizer, data, list(lora), args.requests, args.rounds, skip=4 * args.train_steps)
     print(f"bench lora_batch: {machine_summary()}; {len(lora)} adapters of rank {args.rank} on {args.modules}, "
           f"held in {args.lora_dtype}", file=sys.stderr)

@@ -15,11 +15,17 @@ never in memory whole. `bench.model_sizes` runs them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf import GGUFValueType
+from gguf.quants import quantize
+
+from verifier.model.loader import ALIASES, DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,6 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
 def _copy_tokenizer(reader, writer, vocab: int) -> None:
     """Every tokenizer.* field of `reader` into `writer`; the token list (and its scores and
     types) padded with unused tokens to `vocab` entries."""
-    from gguf import GGUFValueType
     for key, f in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
@@ -77,8 +82,6 @@ def _copy_tokenizer(reader, writer, vocab: int) -> None:
 
 def write(path: Path, shape: Shape, kind: str, tokenizer_gguf: Path, seed: int = 0) -> None:
     """A llama GGUF of `shape`, random weights, matrices in `kind` (one of DIRECT), norms F32."""
-    import gguf
-    from gguf.quants import quantize
     qtype = gguf.GGMLQuantizationType[kind]
     source = gguf.GGUFReader(str(tokenizer_gguf))
     w = gguf.GGUFWriter(str(path), "llama")
@@ -113,7 +116,6 @@ def write(path: Path, shape: Shape, kind: str, tokenizer_gguf: Path, seed: int =
 
 
 def _nbytes(dims: tuple[int, ...], kind: str) -> int:
-    import gguf
     if len(dims) == 1:
         return 4 * dims[0]
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
@@ -122,7 +124,6 @@ def _nbytes(dims: tuple[int, ...], kind: str) -> int:
 
 def _stored_shape(dims: tuple[int, ...], kind: str) -> tuple[int, ...]:
     """The byte shape gguf-py records for quantized data (it converts back to element counts)."""
-    import gguf
     if len(dims) == 1 or kind == "F16":
         return dims
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
@@ -131,9 +132,7 @@ def _stored_shape(dims: tuple[int, ...], kind: str) -> tuple[int, ...]:
 
 def llama_cpp_quantize(src: Path, dst: Path, kind: str, requantize: bool = False) -> None:
     """`src` quantized to `kind` by llama.cpp (`requantize`: from a quantized file)."""
-    import ctypes
-
-    import llama_cpp
+    import llama_cpp  # lazy: the optional tercel[llamacpp] extra
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.allow_requantize, p.nthread = LLAMA_CPP_FTYPES[kind], requantize, 2
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) != 0:
@@ -146,7 +145,6 @@ def has_llama_cpp() -> bool:
 
 def make(out: Path, name: str, kinds: list[str], seed: int = 0) -> list[Path]:
     """The files `{name}-{kind}.gguf` under `out` (those present are kept)."""
-    from verifier.model.loader import ALIASES, DEFAULT_MODEL
     tokenizer = ALIASES[DEFAULT_MODEL]()
     out.mkdir(parents=True, exist_ok=True)
     paths = {kind: out / f"{name}-{kind}.gguf" for kind in kinds}

@@ -41,8 +41,10 @@ def _prompt(n: int) -> list[int]:
 
 
 def _tercel(path: str, args) -> dict:
+    # lazy: Tercel's child alone loads torch; the llama.cpp child's measured peak RSS would grow ~0.2 GB
     import torch
     torch.set_num_threads(args.threads)
+    # lazy: as torch above (Tercel's child alone)
     from spec.llm import LLM
     from spec.request import SamplingParams
     start = time.perf_counter()
@@ -58,7 +60,7 @@ def _tercel(path: str, args) -> dict:
 
 
 def _llamacpp(path: str, args) -> dict:
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # lazy: the optional tercel[llamacpp] extra
     start = time.perf_counter()
     llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=4096,
                 n_batch=512, verbose=False)
@@ -111,7 +113,7 @@ def _tree_bytes(root: Path) -> int:
 def fresh_cache() -> Iterator[Path]:
     """TERCEL_CACHE pointed at an empty folder holding this machine's compiled kernels (a first
     load that compiled them would time the compiler), set back afterwards."""
-    from verifier.cpu.cache import cache_root
+    from verifier.cpu.cache import cache_root  # lazy: loads torch, which the llama.cpp child must not (_tercel)
     built, saved = cache_root() / "cpu_kernels", os.environ.get("TERCEL_CACHE")
     with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
         if built.is_dir():
@@ -144,7 +146,7 @@ def _medians(samples: list[dict]) -> dict:
 def read_bandwidth(threads: int, gb: float = 2.0) -> float:
     """GB/s of summing a buffer of `gb` on `threads` threads (the best of 5): how fast this
     machine streams memory, which bounds a decode step."""
-    import torch
+    import torch  # lazy: not in the llama.cpp child, whose peak memory is measured (_tercel)
     torch.set_num_threads(threads)
     x = torch.ones(int(gb * 1e9) // 4)
     best = float("inf")
@@ -187,10 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps((_tercel if args.child == "tercel" else _llamacpp)(args.files, args)))
         return
+    # lazy: they load torch, which the llama.cpp child (this module, --child) must not (_tercel)
     from bench.model_shapes import SHAPES, has_llama_cpp, make
     from verifier.cpu.machine import machine_summary
     if "llamacpp" in args.engines.split(","):
-        from bench.llamacpp import INSTALL_HINT
+        from bench.llamacpp import INSTALL_HINT  # lazy: loads torch, which the llama.cpp child must not
         if not has_llama_cpp():
             ap.error(INSTALL_HINT + "; or --engines tercel")
     unknown = set(args.shape) - set(SHAPES)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 def pyplot():
     try:
+        # lazy: matplotlib is tercel[bench]'s, needed only with --plot
         import matplotlib
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'tercel[bench]' (or matplotlib)") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: tercel[bench]'s, after the Agg backend is chosen
     return plt
 
 
@@ -89,7 +90,7 @@ def _mean(values) -> float:
 
 
 def save_figure(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: tercel[bench]'s, needed only with --plot
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

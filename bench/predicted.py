@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 
+import torch
+
+from drafters.config import SpecConfig
+from spec import LLM, SamplingParams
+from verifier.cpu.machine import cpu_flags, machine_summary
+from verifier.model.loader import DEFAULT_MODEL
+
 PROMPT = ("Here is a Python file:\n\n```python\n{code}```\n\n{change} Reply with the whole file in one "
           "```python block and nothing else.")
 
@@ -66,7 +73,6 @@ TASKS = (
 
 def run_once(llm, task: EditTask, predicted: bool, max_tokens: int) -> dict:
     """One request from a cold prefix cache: its tokens, seconds and prediction counts."""
-    from spec import SamplingParams
     llm.engine.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
@@ -104,12 +110,6 @@ def table(runs: dict[str, dict[str, list[dict]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from drafters.config import SpecConfig
-    from spec import LLM
-    from verifier.cpu.machine import cpu_flags, machine_summary
-    from verifier.model.loader import DEFAULT_MODEL
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--drafter", default=None, help="the server's drafter beside the prediction (default: none)")

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.cli_args import split_names
+from bench.data import load_datasets
 from bench.row_costs import cached_prefix, tree_batch
 from bench.speculative import prompt_sets
 from drafters.base import DraftRequest, Drafter, Proposal
@@ -274,8 +276,6 @@ def run_replay_cli(args) -> int:
     --max-tokens (past EOS with --ignore-eos), the first of --quantization."""
     for d in args.drafter.split(","):
         check_lookup(d)
-    from bench.cli_args import split_names
-    from bench.data import load_datasets
     data = load_datasets(args.dataset or ["specbench"], split_names(args.tasks), args.limit)
     tasks = {t: [p.messages() for p in ps] for t, ps in data.by_task().items()}
     model = {"model": args.model} if args.model else {}

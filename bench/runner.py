@@ -16,6 +16,8 @@ from typing import Callable, Protocol
 from bench.data import BenchPrompt
 from bench.grid import Cell
 from bench.stats import add_depths
+from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,7 @@ class TercelGenerator:
     """A fresh batch-1 engine for one cell."""
 
     def __init__(self, cell: Cell, settings: RunSettings):
-        from spec import LLM
         self.settings = settings
-        from spec.adaptive import AdaptiveConfig
         self.llm = LLM(settings.model, drafter=cell.drafter, speculation=cell.speculation(), max_num_seqs=1,
                        quantization=cell.quantization, adaptive=AdaptiveConfig(enabled=settings.adaptive),
                        tensor_parallel_size=settings.tensor_parallel_size,
@@ -92,7 +92,6 @@ class TercelGenerator:
         return self.llm.apply_chat_template(messages)
 
     def generate(self, prompt_ids: list[int], temperature: float, seed: int) -> Turn:
-        from spec import SamplingParams
         params = SamplingParams(temperature=temperature, max_tokens=self.settings.max_tokens, seed=seed,
                                 ignore_eos=self.settings.ignore_eos)
         out = self.llm.generate(prompt_ids, params, lora=self.settings.lora[0] if self.settings.lora else None)[0]

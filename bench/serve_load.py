@@ -52,6 +52,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.plots import pyplot, save_figure
+
 log = logging.getLogger("tercel.bench")
 
 SPECULATION = {"on": "auto", "off": "off"}   # mode -> the request's "speculation" field
@@ -498,7 +500,6 @@ def _pcts(d: dict) -> str:
 def plot_latency(results: list[dict], out_dir: Path) -> list[Path]:
     """serve_latency.png (TTFT and ITL percentiles against concurrency, a line style per
     mode) and serve_throughput.png (tok/s against concurrency per mode). Returns the paths."""
-    from bench.plots import pyplot, save_figure
     plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

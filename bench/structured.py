@@ -28,6 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.cli_args import split_names
+from spec import LLM, SamplingParams, StructuredOutputs
+from verifier.cpu.machine import machine_summary
+from verifier.model.loader import DEFAULT_MODEL
+
 TASKS = Path(__file__).parent / "data" / "structured_tasks.jsonl"
 PROMPT = ("Extract the information in the text below as a JSON object with the fields {fields}.\n\n"
           "Text: {text}")
@@ -63,9 +68,7 @@ def configs(drafters: list[str]) -> list[Config]:
 
 def run_config(llm, tasks: list[StructuredTask], max_tokens: int) -> dict:
     """One pass over the tasks: tokens, seconds, forced tokens, parses, speculation counters."""
-    import jsonschema
-
-    from spec import SamplingParams, StructuredOutputs
+    import jsonschema  # lazy: tercel[bench]'s; without it `tercel bench structured` exits 2 naming the extra
     llm.engine.reset_prefix_cache()
     tokens = forced = parsed = steps = accepted = 0
     seconds = decode_seconds = 0.0
@@ -94,9 +97,7 @@ def run_config(llm, tasks: list[StructuredTask], max_tokens: int) -> dict:
 
 def run_bench(model: str, drafters: list[str], tasks: list[StructuredTask], repeats: int, max_tokens: int,
               quantization: str = "auto") -> dict[str, list[dict]]:
-    from spec import LLM
     runs: dict[str, list[dict]] = {}
-    from spec import StructuredOutputs
     engines = {c.name: LLM(model, drafter=c.drafter, jump_forward=c.jump_forward, max_num_seqs=1,
                            quantization=quantization) for c in configs(drafters)}
     for llm in engines.values():     # compiled once per schema and cached, as a server's would be
@@ -130,9 +131,6 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 
 def run_structured_bench(args) -> int:
-    from bench.cli_args import split_names
-    from verifier.cpu.machine import machine_summary
-    from verifier.model.loader import DEFAULT_MODEL
     drafters = [d for d in split_names(args.drafter) or [] if d not in ("none", "off")]
     tasks = load_tasks(args.limit)
     repeats = args.repeats or 3

@@ -9,11 +9,18 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
+from tqdm import tqdm
+
 from bench.data import BenchPrompt
 from bench.grid import HF_LOOKUP, LLAMACPP, TERCEL, Cell
+from bench.hf import HFGenerator, HFModel
 from bench.journal import Journal
+from bench.llamacpp import LlamaCppGenerator
 from bench.runner import RunSettings, TercelGenerator, run_unit
 from spec.llm import chat_token_ids
+from verifier.cpu.machine import default_threads
+from verifier.model.loader import resolve_model_dir
+from verifier.target import load_tokenizer
 
 
 def unit_key(task: str, cell: Cell, repeat: int) -> str:
@@ -33,8 +40,6 @@ class Generators:
     """Builds the generator of each cell; the HF model, llama.cpp and the tokenizer load once."""
 
     def __init__(self, settings: RunSettings):
-        from verifier.model.loader import resolve_model_dir
-        from verifier.target import load_tokenizer
         self.settings = settings
         self.tokenizer = load_tokenizer(resolve_model_dir(settings.model))
         self._hf = self._llamacpp = None
@@ -47,7 +52,6 @@ class Generators:
             return TercelGenerator(cell, self.settings)
         if cell.engine == LLAMACPP:
             return self._llama()
-        from bench.hf import HFGenerator, HFModel
         if self._hf is None:
             self._hf = HFModel(self.settings.model)
         lookup = cell.gamma if cell.engine == HF_LOOKUP else None
@@ -56,8 +60,6 @@ class Generators:
 
     def _llama(self):
         if self._llamacpp is None:
-            from bench.llamacpp import LlamaCppGenerator
-            from verifier.cpu.machine import default_threads
             s = self.settings
             self._llamacpp = LlamaCppGenerator(s.model, s.max_tokens, s.ignore_eos, default_threads(),
                                                self.tokenizer)
@@ -89,6 +91,5 @@ def run_suite(cells: list[Cell], by_task: dict[str, list[BenchPrompt]], repeats:
 
 
 def _bar(total: int, initial: int):
-    from tqdm import tqdm
     return tqdm(total=total, initial=initial, unit="run", desc="bench", file=sys.stderr, dynamic_ncols=True,
                 smoothing=0.1)

@@ -18,6 +18,8 @@ from collections import Counter
 
 import pytest
 
+from spec.engine import LLMEngine
+
 _out = None
 
 
@@ -54,7 +56,6 @@ def pytest_runtest_teardown(item, nextitem):
     yield
     if nextitem is None or nextitem.module is not item.module:   # the module's fixtures are gone
         gc.collect()
-        from spec.engine import LLMEngine
         engines = sum(isinstance(o, LLMEngine) for o in gc.get_objects())
         _write({"module": item.module.__name__, "engines": engines, "rss": _memory()["VmRSS"]})
 

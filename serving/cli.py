@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from bench.parser import add_bench_args
 from serving.cluster.flags import uses_ray
 from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
                            speculation_from_args)
@@ -42,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _chat_args(sub)
     add_serve_args(sub)
-    from bench.cli import add_bench_args
     add_bench_args(sub)
     args = parser.parse_args(argv)
     try:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve(args)
         if args.command == "bench":
-            from bench.cli import run_bench
+            from bench.cli import run_bench   # lazy: `tercel serve` and `chat` load no benchmark
             return run_bench(args)
     except ValueError as e:
         print(f"tercel: error: {e}", file=sys.stderr)
