@@ -14,14 +14,14 @@ start with a model, then loads with that cache, as later starts), prefills a pro
 over the time to the first token), then decodes `--new-tokens` greedy tokens after a
 `--prompt-tokens` prompt, EOS ignored (tok/s: new tokens over the whole call, prefill
 included, as llama.cpp's users time it; and the decode rate after the first token). Engines
-take `--threads` threads. Rounds alternate the engines; the table gives medians.
+take `--threads` threads. Rounds alternate the engines; the table gives medians. The children are
+`bench/size_child_tercel.py` and `bench/size_child_llamacpp.py`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -32,60 +32,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
+from bench.llamacpp import INSTALL_HINT
+from bench.model_shapes import SHAPES, has_llama_cpp, make
+from verifier.cpu.cache import cache_root
+from verifier.cpu.machine import machine_summary
+
 FIELDS = ("load_s", "peak_gb", "disk_gb", "prefill_tok_s", "decode_tok_s", "decode_only_tok_s")
-
-
-def _prompt(n: int) -> list[int]:
-    """n token ids of ordinary text (ids below the default tokenizer's 49,152, any model of it)."""
-    return [(1000 + 7 * i) % 40000 + 100 for i in range(n)]
-
-
-def _tercel(path: str, args) -> dict:
-    # lazy: Tercel's child alone loads torch; the llama.cpp child's measured peak RSS would grow ~0.2 GB
-    import torch
-    torch.set_num_threads(args.threads)
-    # lazy: as torch above (Tercel's child alone)
-    from spec.llm import LLM
-    from spec.request import SamplingParams
-    start = time.perf_counter()
-    # no prefix cache: the decode prompt begins as the prefill one does, and llama.cpp is reset per call
-    llm = LLM(model=path, num_threads=args.threads, drafter=None, enable_prefix_cache=False)
-    load = time.perf_counter() - start
-
-    def run(prompt: list[int], n: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
-        return time.perf_counter() - t0, out.ttft
-    return {**_measure(load, run, args), "weights_gb": llm.engine.memory.weights / 1e9}
-
-
-def _llamacpp(path: str, args) -> dict:
-    from llama_cpp import Llama  # lazy: the optional tercel[llamacpp] extra
-    start = time.perf_counter()
-    llm = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=4096,
-                n_batch=512, verbose=False)
-    load = time.perf_counter() - start
-
-    def run(prompt: list[int], n: int) -> tuple[float, float]:
-        llm.reset()
-        t0, first, count = time.perf_counter(), None, 0
-        for _ in llm.generate(prompt, reset=True, temp=0.0, top_k=1, repeat_penalty=1.0):
-            first = first or time.perf_counter()
-            count += 1
-            if count >= n:
-                break
-        return time.perf_counter() - t0, first - t0
-    return _measure(load, run, args)
-
-
-def _measure(load: float, run, args) -> dict:
-    run(_prompt(8), 2)                                  # warm: first calls build kernels, fault pages in
-    total, _ = run(_prompt(args.prefill_tokens), 1)
-    prefill = args.prefill_tokens / total
-    total, first = run(_prompt(args.prompt_tokens), args.new_tokens)
-    return {"load_s": load, "prefill_tok_s": prefill, "decode_tok_s": args.new_tokens / total,
-            "decode_only_tok_s": (args.new_tokens - 1) / (total - first),
-            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
 
 
 def _child(engine: str, path: str, args) -> dict:
@@ -93,7 +47,7 @@ def _child(engine: str, path: str, args) -> dict:
     cache = Path(os.environ.get("TERCEL_CACHE", ""))
     before = _tree_bytes(cache)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [sys.executable, "-m", "bench.model_sizes", "--child", engine, "--files", path,
+    cmd = [sys.executable, "-m", f"bench.size_child_{engine}", "--file", path,
            "--threads", str(args.threads), "--prefill-tokens", str(args.prefill_tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -113,7 +67,6 @@ def _tree_bytes(root: Path) -> int:
 def fresh_cache() -> Iterator[Path]:
     """TERCEL_CACHE pointed at an empty folder holding this machine's compiled kernels (a first
     load that compiled them would time the compiler), set back afterwards."""
-    from verifier.cpu.cache import cache_root  # lazy: loads torch, which the llama.cpp child must not (_tercel)
     built, saved = cache_root() / "cpu_kernels", os.environ.get("TERCEL_CACHE")
     with tempfile.TemporaryDirectory(prefix="tercel-cache-") as cache:
         if built.is_dir():
@@ -146,7 +99,6 @@ def _medians(samples: list[dict]) -> dict:
 def read_bandwidth(threads: int, gb: float = 2.0) -> float:
     """GB/s of summing a buffer of `gb` on `threads` threads (the best of 5): how fast this
     machine streams memory, which bounds a decode step."""
-    import torch  # lazy: not in the llama.cpp child, whose peak memory is measured (_tercel)
     torch.set_num_threads(threads)
     x = torch.ones(int(gb * 1e9) // 4)
     best = float("inf")
@@ -184,16 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="Tercel's first is its first load")
     ap.add_argument("--engines", default="tercel,llamacpp")
     ap.add_argument("--bandwidth-gb", type=float, default=2.0, help="the buffer the read bandwidth is timed on")
-    ap.add_argument("--child", choices=("tercel", "llamacpp"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps((_tercel if args.child == "tercel" else _llamacpp)(args.files, args)))
-        return
-    # lazy: they load torch, which the llama.cpp child (this module, --child) must not (_tercel)
-    from bench.model_shapes import SHAPES, has_llama_cpp, make
-    from verifier.cpu.machine import machine_summary
     if "llamacpp" in args.engines.split(","):
-        from bench.llamacpp import INSTALL_HINT  # lazy: loads torch, which the llama.cpp child must not
         if not has_llama_cpp():
             ap.error(INSTALL_HINT + "; or --engines tercel")
     unknown = set(args.shape) - set(SHAPES)
