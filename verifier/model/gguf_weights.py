@@ -17,8 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from verifier.model.config import GEMMA_TYPES
 from verifier.model.gguf_names import by_hf_name, rope_heads, unpermute_rope_rows
@@ -44,6 +42,7 @@ def dense_tensor(name: str, w: torch.Tensor, cfg: dict) -> torch.Tensor:
 
 def dequantized(data: np.ndarray, kind: str, shape: list[int]) -> torch.Tensor:
     """A tensor's raw bytes -> fp32 [shape], a new array (the mapped bytes are read-only)."""
+    from gguf import GGMLQuantizationType, dequantize  # lazy: gguf and its yaml, ~0.09 s on `import spec`
     rows = prod(shape[:-1])
     values = dequantize(np.asarray(data).reshape(rows, -1), GGMLQuantizationType[kind])
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)

@@ -14,7 +14,6 @@ import importlib.util
 from pathlib import Path
 
 from verifier.cpu.cache import build_once, cache_root
-from verifier.model.gguf_convert import convert_gguf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 CONVERSION_FORMAT = 5      # 5: no fp32 weights, an index of every tensor instead
@@ -61,6 +60,7 @@ def _cached_conversion(gguf_path: Path) -> Path:
     out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
+    from verifier.model.gguf_convert import convert_gguf  # lazy: imports gguf, ~0.09 s on `import spec`
     try:
         return build_once(out, lambda tmp: convert_gguf(gguf_path, tmp))
     except Exception as e:
