@@ -13,13 +13,19 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError, meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 
 def _token_text(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
+
+
+def _jinja2():
+    """jinja2 with its meta and sandbox modules, imported with the first chat template read or rendered."""
+    # lazy: ~0.07 s on `import spec` (jinja2 compiles its identifier pattern); only chat templates need it
+    import jinja2.meta
+    import jinja2.sandbox
+    return jinja2
 
 
 class Tokenizer:
@@ -115,12 +121,14 @@ class Tokenizer:
         if self.chat_template is None:
             return False
         if self._reads_tools is None or self._reads_tools[0] != self.chat_template:
+            meta = _jinja2().meta
             names = meta.find_undeclared_variables(self._environment().parse(self.chat_template))
             self._reads_tools = self.chat_template, "tools" in names
         return self._reads_tools[1]
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
                 extra: dict | None = None) -> str:
+        TemplateError = _jinja2().TemplateError
         try:    # the caller's variables first: the ones the template is given win
             return self._compiled().render({**(extra or {}), "messages": messages,
                                             "add_generation_prompt": add_generation_prompt, "tools": tools,
@@ -210,6 +218,7 @@ class Tokenizer:
 
     @staticmethod
     def _environment():
+        ImmutableSandboxedEnvironment = _jinja2().sandbox.ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
