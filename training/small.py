@@ -79,7 +79,7 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample], rank
 
 def build_student(target, num_layers: int):
     """An HF Llama with `num_layers` layers copied from evenly spaced target layers."""
-    import transformers  # lazy: ~0.35 s over the training imports, and only --kind small builds a student
+    import transformers  # lazy: ~0.4 s over the training imports, and only --kind small builds a student
     tc = target.config
     if num_layers > tc.num_layers:
         raise ValueError(f"--small-layers {num_layers} exceeds the target's {tc.num_layers} layers")
