@@ -47,6 +47,7 @@ from drafters.conversations import expand_paths, load_conversations
 from drafters.ngram import NgramConfig, NgramDrafter, NgramIndex
 from drafters.registry import register_drafter
 from tree.builders import best_first_scored
+from verifier.cpu.cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,6 @@ def _build(arg: str, target, speculation) -> DatastoreDrafter:
     """"datastore:PATH[,PATH...]": conversation .jsonl files or directories of them."""
     if not arg:
         raise ValueError("the datastore drafter needs conversation files: 'datastore:PATH[,PATH...]'")
-    from verifier.cpu.cache import cache_root
     config = DatastoreConfig()
     table = load_or_build(arg.split(","), target.tokenizer, config, cache_root() / "datastores")
     return DatastoreDrafter(table, config, NgramConfig(max_branches=speculation.topk))

@@ -19,6 +19,7 @@ import dataclasses
 
 from drafters.base import DraftRequest, Drafter, Proposal
 from drafters.config import SpecConfig
+from drafters.eagle3.drafter import build_eagle3
 from drafters.ngram import NgramConfig, NgramDrafter
 from drafters.registry import DEFAULT_SPECULATION, register_drafter
 from drafters.small import SmallModelDrafter
@@ -103,7 +104,6 @@ def _build(arg: str, target, speculation) -> TokenTreeDrafter:
         if kind == "small":
             parts.append(SmallModelDrafter(sub, target, speculation, deterministic=True))
         elif kind == "eagle3":
-            from drafters.eagle3.drafter import build_eagle3
             parts.append(build_eagle3(sub, target, speculation))
         elif kind == "ngram":
             parts.append(NgramDrafter(NgramConfig()))

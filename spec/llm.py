@@ -13,6 +13,7 @@ from typing import Sequence
 from drafters.base import Prediction
 from spec.config import EngineConfig
 from spec.engine import LLMEngine
+from spec.profile import load_profile
 from spec.request import RequestOutput, Submission
 from verifier.sampling.sampling_params import SamplingParams
 
@@ -126,7 +127,6 @@ def chat_token_ids(tokenizer, messages: list[Message]) -> list[int]:
 
 
 def _profile_options(path: str, task: str | None, given: dict) -> dict:
-    from spec.profile import load_profile
     clash = sorted({"drafter", "speculation"} & set(given))
     if clash:
         raise ValueError(f"pass either profile or {' and '.join(clash)}, not both")

@@ -19,7 +19,18 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from accelerate import PartialState
+
+from drafters.conversations import load_conversations
+from training.card import write_card
 from training.config import TrainConfig
+from training.data import load_prompts, tokenize_conversation
+from training.eagle3 import train_eagle3
+from training.evaluate import evaluate_drafter
+from training.regenerate import regenerate
+from training.small import train_small
+from verifier.target import TargetModel
 
 log = logging.getLogger("tercel.training")
 
@@ -93,12 +104,6 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: TrainConfig, command: str | None = None) -> dict:
     """Run one training job; `command` (the command line) goes into the model card. Under
     accelerate's launcher this is one process of several (see the module docstring)."""
-    import torch
-    from accelerate import PartialState
-
-    from drafters.conversations import load_conversations
-    from training.data import tokenize_conversation
-    from verifier.target import TargetModel
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -118,11 +123,9 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
     log.info("%d examples, %d tokens (%d assistant)", len(examples), sum(len(e.input_ids) for e in examples),
              sum(sum(e.loss_mask) for e in examples))
     if cfg.kind == "eagle3":
-        from training.eagle3 import train_eagle3
         summary = train_eagle3(cfg, target, examples, procs.process_index, procs.num_processes)
         drafter = f"eagle3:{out}"
     else:
-        from training.small import train_small
         summary = train_small(cfg, target, examples, procs.process_index, procs.num_processes)
         drafter = f"small:{out}"
     if not procs.is_main_process:
@@ -133,15 +136,12 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
     if cfg.eval_data:
         summary["heldout"] = _evaluate(cfg, drafter)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    from training.card import write_card
     write_card(out, summary, command=command)
     return summary
 
 
 def _regenerate(cfg: TrainConfig, convs, out: Path, procs):
     """The main process writes the replies (resumably); the others wait for them."""
-    from drafters.conversations import load_conversations
-    from training.regenerate import regenerate
     path = out / "regenerated.jsonl"
     if procs.is_main_process:
         regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
@@ -154,8 +154,6 @@ def _regenerate(cfg: TrainConfig, convs, out: Path, procs):
 
 
 def _evaluate(cfg: TrainConfig, drafter: str) -> dict:
-    from training.data import load_prompts
-    from training.evaluate import evaluate_drafter
     res = evaluate_drafter(cfg.target, drafter, load_prompts(cfg.eval_data, cfg.eval_prompts), cfg.eval_tokens,
                            quantization=cfg.quantization)
     log.info("held-out: mean accepted length %.2f over %d prompts", res.mean_accepted_length, res.prompts)

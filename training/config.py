@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spec.config import QUANTIZATION_CHOICES
 from verifier.checks import positive_ints
 from verifier.model.loader import DEFAULT_MODEL
 
@@ -54,7 +55,6 @@ class TrainConfig:
             raise ValueError(f"--kind must be eagle3 or small, got {self.kind!r}")
         if not self.data:
             raise ValueError("give at least one --data file or directory")
-        from spec.config import QUANTIZATION_CHOICES
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")

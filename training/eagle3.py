@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.format import load_head, save_head
@@ -23,6 +24,7 @@ from training.features import Features, capture, fingerprint, load_cache, save_c
 from training.loop import StepResult, Trainer, make_accelerator, shard
 from training.ttt import Batch, ttt_forward
 from training.vocab import select_draft_vocab
+from verifier.target import TargetModel
 
 log = logging.getLogger("tercel.training")
 
@@ -90,7 +92,6 @@ def _features(cfg: TrainConfig, target, examples, aux_layers) -> list[Features]:
         if cached is not None:
             log.info("target features: %d examples from cache %s", len(cached), cfg.feature_cache)
             return cached
-    from tqdm import tqdm
     total = sum(len(ex.input_ids) for ex in examples)
     start = time.perf_counter()
     with tqdm(total=total, desc="target features", unit="tok", dynamic_ncols=True, mininterval=2.0) as bar:
@@ -103,7 +104,6 @@ def _features(cfg: TrainConfig, target, examples, aux_layers) -> list[Features]:
 
 def _served(cfg: TrainConfig, device: torch.device):
     """On the dense target's device: under a launcher each process's own GPU."""
-    from verifier.target import TargetModel
     return TargetModel(cfg.target, quantization=cfg.quantization, device=str(device) if device.type == "cuda" else None)
 
 

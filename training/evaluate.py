@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from spec.adaptive import AdaptiveConfig
+from spec.llm import LLM
+from verifier.sampling.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -25,9 +29,6 @@ class EvalResult:
 def evaluate_drafter(target: str, drafter: str, prompts: list[list[dict]], new_tokens: int,
                      speculation=None, llm=None, quantization: str = "auto") -> EvalResult:
     """`prompts`: chat turns (see `training.data.load_prompts`)."""
-    from spec.adaptive import AdaptiveConfig
-    from spec.llm import LLM
-    from verifier.sampling.sampling_params import SamplingParams
     # Whole trees: τ measures the drafter, not what the cost model would verify on this machine.
     llm = llm or LLM(target, drafter=drafter, adaptive=AdaptiveConfig(enabled=False), quantization=quantization,
                      **({"speculation": speculation} if speculation else {}))

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from tqdm import tqdm
 
 from training.config import TrainConfig
@@ -210,8 +212,6 @@ def shard(items: Sequence, rank: int, world: int) -> list:
 def make_accelerator(dtype: torch.dtype, grad_accum: int, cpu: bool | None = None):
     """The run's Accelerator: bf16 autocast or none, `grad_accum` micro-batches per step, on the
     device the launcher gives this process (`cpu`, or no GPU: the CPU)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
     # accelerate keeps its precision per process: a process that trains twice (tests, the API) resets it
     AcceleratorState._reset_state()
     return Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu,

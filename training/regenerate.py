@@ -19,6 +19,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from drafters.conversations import Conversation
+from spec.llm import LLM
+from spec.request import Submission
+from verifier.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("tercel.training")
 
@@ -26,10 +29,6 @@ log = logging.getLogger("tercel.training")
 def regenerate(conversations: list[Conversation], model: str, out_path: str, *,
                max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 32,
                seed: int = 0, quantization: str = "auto", llm=None) -> list[Conversation]:
-    from spec.llm import LLM
-    from spec.request import Submission
-    from verifier.sampling.sampling_params import SamplingParams
-
     out = Path(out_path)
     done = _read_done(out)
     todo = [c for c in conversations if c.id not in done and _prompt_turns(c)]

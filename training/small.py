@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from training import precision
 from training.config import TrainConfig
@@ -60,7 +61,6 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample], rank
         save_student(student, target, path)
 
     def load(path: Path) -> None:
-        from safetensors.torch import load_file
         student.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
 
     student.train()
@@ -79,7 +79,7 @@ def train_small(cfg: TrainConfig, target, examples: list[TokenizedExample], rank
 
 def build_student(target, num_layers: int):
     """An HF Llama with `num_layers` layers copied from evenly spaced target layers."""
-    import transformers
+    import transformers  # lazy: ~0.4 s over the training imports, and only --kind small builds a student
     tc = target.config
     if num_layers > tc.num_layers:
         raise ValueError(f"--small-layers {num_layers} exceeds the target's {tc.num_layers} layers")

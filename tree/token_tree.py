@@ -9,7 +9,7 @@ and attends to the request's cached prefix plus its own ancestors (``ancestor_ma
 Acceptance walks from the root and tries each node's children in index order, so builders
 put the most likely child first.
 
-Plain Python except ``ancestor_mask``, which imports torch when called.
+Plain Python except ``ancestor_mask``, a torch tensor.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 @dataclass(frozen=True)
@@ -107,8 +106,6 @@ class TokenTree:
     def ancestor_mask(self) -> torch.Tensor:
         """Bool [n, n]: row i is True at i's ancestors and at i itself, i.e. the tree nodes
         node i may attend to. A fresh CPU tensor on every call."""
-        import torch
-
         # Row by row in bytes, a node's row its parent's plus itself: every verify step builds
         # one, and a torch indexing op per depth cost more than the rest of the step's bookkeeping.
         n = self.num_nodes

@@ -31,6 +31,7 @@ class KVCache:
         """Move K/V of physical slots src[i] -> dst[i] in every layer (tree commit).
         The sources are gathered before any write, so overlapping moves are safe."""
         if self.k.is_cuda:
+            # lazy: triton is Linux-only; importing the kernels fixes TRITON_INTERPRET (the tests set it first)
             from verifier.attention.triton_kernels import commit_kv
             s = torch.tensor(src, device=self.k.device)
             d = torch.tensor(dst, device=self.k.device)

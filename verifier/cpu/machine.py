@@ -22,6 +22,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from verifier.cpu.cpus import NeighbourMeter, cpu_budget
+
 log = logging.getLogger("tercel.machine")
 
 _ISA_CAPS = {"avx2": {"march": "haswell", "aten": "avx2", "onednn": "AVX2",
@@ -85,7 +87,6 @@ def machine_key(threads: int | None = None) -> dict:
 def default_threads() -> int:
     """The threads an engine runs on unless configured: the CPU budget (affinity and quota), or
     torch's count where the caller set it lower (OMP_NUM_THREADS, torch.set_num_threads)."""
-    from verifier.cpu.cpus import cpu_budget
     return min(cpu_budget().threads, torch.get_num_threads())
 
 
@@ -141,7 +142,6 @@ QUIET_WINDOW = 0.25         # seconds: below this /proc/stat's 10 ms ticks blur 
 def _neighbour_meter():
     """A `verifier.cpu.cpus.NeighbourMeter`: called, the CPUs other processes kept busy since
     the last call; `.cpus`, the CPUs it covers."""
-    from verifier.cpu.cpus import NeighbourMeter
     return NeighbourMeter()
 
 

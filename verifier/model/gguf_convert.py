@@ -142,7 +142,7 @@ def _convert_tokenizer(reader, gguf_path: Path, out_dir: Path) -> None:
     BPE ("gpt2") vocabulary gets the generic class whichever way: asked for it directly, it skips
     AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (most of its
     time: docs/performance.md, "Load and import times")."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy: ~0.35 s; a tokenizer not yet converted only
     bpe = _field(reader, "tokenizer.ggml.model") == "gpt2"
     tok = (PreTrainedTokenizerFast if bpe else AutoTokenizer).from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)

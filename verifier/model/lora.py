@@ -147,7 +147,8 @@ class LoraSet:
 
     def add_triton(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """As `add`, by the Triton kernels (lora_triton.py) on x's device."""
-        from verifier.model import lora_triton          # imports triton: only where it serves
+        # lazy: triton is Linux-only; importing the kernels fixes TRITON_INTERPRET (the tests set it first)
+        from verifier.model import lora_triton
         if self._stacks_version != self.version:
             self._stacks = lora_triton.build_stacks(self._adapters, self.max_loras, self._device, self.dtype)
             self._stacks_version = self.version

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from verifier.model.config import ModelConfig
 
@@ -108,8 +110,6 @@ def _read_config(path: Path) -> dict:
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     if not file.is_file():
         raise ValueError(f"{file.parent} is not a LoRA adapter: no {file.name}")
     try:

@@ -28,6 +28,7 @@ import torch
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import SeqInput
 from verifier.cpu import cpu_ops
+from verifier.model.llama import norm_qk
 from verifier.model.moe import SparseMoeBlock, cpu_moe
 from verifier.quantized.cpu_loop import NativeLayers
 from verifier.quantized.gemma_cpu import gemma_cpu_layers, gemma_forward_rows, gemma_heads
@@ -174,7 +175,6 @@ def _mlp(layer: CpuLayer, h: torch.Tensor, a: torch.Tensor, mm) -> torch.Tensor:
 def _qk_normed(c, layer: CpuLayer, qkv: torch.Tensor) -> torch.Tensor:
     """bf16 [T, (NH + 2 NKV) D] with each q and k head RMS-normed (fp32 statistics, row by row:
     a head's result depends on its own values only)."""
-    from verifier.model.llama import norm_qk
     heads = qkv.view(qkv.shape[0], -1, c.head_dim)
     return norm_qk(heads, layer.q_norm, layer.k_norm, c.num_heads, c.num_kv_heads).view(qkv.shape)
 

@@ -23,7 +23,7 @@ import torch
 
 from verifier.cpu import cpu_ops
 from verifier.sampling.grammar_limits import GrammarLimits
-from verifier.sampling.grammar_worker import GrammarWorker, compile_spec
+from verifier.sampling.grammar_worker import GrammarWorker, compile_spec, load_xgrammar
 from verifier.sampling.structured import StructuredOutputs
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -88,7 +88,7 @@ class GrammarBackend:
     def _check_not_empty(self, compiled) -> None:
         """A grammar whose first mask allows no token and that is not complete has no output:
         refused here, it would otherwise reach a step with nothing to sample."""
-        import xgrammar as xgr
+        xgr = load_xgrammar()
         matcher = xgr.GrammarMatcher(compiled)
         mask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
         matcher.fill_next_token_bitmask(mask)
@@ -97,7 +97,7 @@ class GrammarBackend:
 
     def matcher_of(self, compiled) -> Matcher:
         """A fresh matcher of an already compiled grammar (the server compiles before queueing)."""
-        import xgrammar as xgr
+        xgr = load_xgrammar()
         return Matcher(xgr.GrammarMatcher(compiled), self.vocab_size, self._stop_ids)
 
     def close(self) -> None:
@@ -110,7 +110,7 @@ class GrammarBackend:
     def _xgr_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
+                xgr = load_xgrammar()
                 self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=1,
                                                      cache_limit_bytes=self.limits.xgrammar_cache_bytes)
             return self._compiler
@@ -122,7 +122,7 @@ class GrammarBackend:
             return self._worker
 
     def _tokenizer_info(self):
-        import xgrammar as xgr
+        xgr = load_xgrammar()
         if getattr(self._tokenizer, "vocab", None) is None:
             raise ValueError("this model has no tokenizer files; structured outputs need its vocabulary")
         vocab = [""] * self.vocab_size

@@ -28,6 +28,12 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": 
 START_S = 120.0      # a child that has not loaded xgrammar by then is broken
 
 
+def load_xgrammar():
+    """The xgrammar module, imported on the first constrained request (here and in grammar.py)."""
+    import xgrammar  # lazy: ~0.5 s (with transformers) on top of the serving imports; constraints only
+    return xgrammar
+
+
 def compile_spec(compiler, spec: StructuredOutputs):
     """spec compiled by an xgrammar GrammarCompiler; ValueError naming what is wrong with it."""
     kind, text = spec.key
@@ -53,7 +59,7 @@ def compact_json_contents(tag_text: str) -> str:
     """A structural tag whose JSON Schema contents are written as every other JSON output is
     (JSON_SEPARATORS, no free whitespace): xgrammar's tag format has no such option, so each
     becomes the EBNF of its schema. Done here, where a compile can be timed out."""
-    import xgrammar as xgr
+    xgr = load_xgrammar()
 
     def walk(node):
         if isinstance(node, list):
@@ -76,7 +82,7 @@ def compact_json_contents(tag_text: str) -> str:
 
 def _serve(conn, info_json: str, cache_bytes: int) -> None:
     """The child: load the vocabulary once, then compile what the parent sends, one at a time."""
-    import xgrammar as xgr
+    xgr = load_xgrammar()
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
                                    cache_limit_bytes=cache_bytes)
     conn.send("ready")
@@ -99,7 +105,7 @@ class GrammarWorker:
 
     def compile(self, spec: StructuredOutputs, timeout_s: float, cancel: threading.Event | None):
         """The CompiledGrammar of spec; GrammarTimeout / GrammarCancelled after killing the child."""
-        import xgrammar as xgr
+        xgr = load_xgrammar()
         self._acquire(cancel)
         try:
             conn = self._ready()
