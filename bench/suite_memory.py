@@ -3,7 +3,7 @@ the process's resident and peak memory after it, and at each module's end (its f
 down, a collection run) the engines still alive and the resident memory.
 
     .venv/bin/python -m pytest -q -p bench.suite_memory            # appends to suite_memory.jsonl
-    SUITE_MEMORY=out.jsonl .venv/bin/python -m pytest -q -p bench.suite_memory tests/test_server.py
+    SUITE_MEMORY=out.jsonl .venv/bin/python -m pytest -q -p bench.suite_memory tests/serving/test_server.py
 
 Read it with `python -m bench.suite_memory out.jsonl`: the tests that raised the peak, and the
 slowest modules (docs/performance.md, "Test suite")."""

@@ -3,7 +3,7 @@ its own console script).
 
 The entry lives in serving/, not spec/: it dispatches to the server and to bench, and spec/
 (the engine core) sits below both. It is the one module of serving/ that may import bench/
-(tests/test_layers.py); bench/ never imports serving/, so the folder graph stays acyclic."""
+(tests/project/test_layers.py); bench/ never imports serving/, so the folder graph stays acyclic."""
 from __future__ import annotations
 
 import argparse

@@ -12,7 +12,7 @@ plain decoding from the target's masked, renormalised distribution:
    deterministic drafter (point masses) any candidates are exact.
 3. A sampling drafter's q_u is masked with u's row and renormalised. Masking p and not q
    would accept kept children too rarely: q(x) counts mass on tokens that can never be
-   kept (tests/test_structured_exactness.py breaks this rule on purpose and fails).
+   kept (tests/engine/test_structured_exactness.py breaks this rule on purpose and fails).
 
 Jump-forward: where the grammar forces the next characters, the tokens spelling them are
 a chain drafted for free (`forced_proposal`), with a drafter's tree below it where the

@@ -42,7 +42,7 @@ CPUs"). Which count is faster depends on what else runs, so it is measured, not 
   (`start`; verifier/cpu/cpus.py:free_cpus).
 
 Exactness does not depend on it: every kernel computes each row on one thread in a fixed order,
-so a row's bits are the same on any thread count (tests/test_threads.py runs the engine with
+so a row's bits are the same on any thread count (tests/engine/test_threads.py runs the engine with
 the count changing every step). The engine also checks it at load, with a scratch forward on
 1, all but one and all threads, and keeps the count fixed where they differ.
 """

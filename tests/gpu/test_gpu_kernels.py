@@ -1,6 +1,6 @@
 """The Triton kernels on a CUDA GPU against the torch reference in fp32, in fp32, bf16 and fp16.
 
-Run with `make test-gpu` (a process of its own: tests/test_triton_kernels.py turns the Triton
+Run with `make test-gpu` (a process of its own: tests/kernels/test_triton_kernels.py turns the Triton
 interpreter on for the CPU). Tolerances, on outputs of unit-variance inputs: fp32 1e-4; bf16
 3e-2 (8 mantissa bits: inputs, the P.V product and the output are rounded); fp16 4e-3.
 """
@@ -23,7 +23,7 @@ CUDA = torch.device("cuda")
 
 def triton_backend():
     """Imported when a test runs: without CUDA this file is only collected, and importing Triton's
-    kernels then would fix their mode before tests/test_triton_kernels.py turns the interpreter on."""
+    kernels then would fix their mode before tests/kernels/test_triton_kernels.py turns the interpreter on."""
     from verifier.attention.triton_backend import TritonBackend
     return TritonBackend()
 

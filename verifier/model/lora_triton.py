@@ -10,7 +10,7 @@ invariance). Products and sums are fp32 whatever x, y and the weights are held i
 `LoraSet.add`.
 
 Imported only where the Triton backend serves adapters: TRITON_INTERPRET must be set before
-triton is imported (tests/test_lora_triton.py).
+triton is imported (tests/kernels/test_lora_triton.py).
 """
 from __future__ import annotations
 

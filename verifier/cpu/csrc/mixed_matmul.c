@@ -15,7 +15,7 @@
  *
  * Exactness: every tile is the part's kernel's own tile function over the same quantized
  * activations, so a row's outputs are bitwise what q4_matmul / q8_matmul give for that part,
- * alone or among other rows (tests/test_mixed_matmul.py).
+ * alone or among other rows (tests/kernels/test_mixed_matmul.py).
  */
 #include <omp.h>
 #include <stdint.h>

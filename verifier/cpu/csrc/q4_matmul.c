@@ -29,7 +29,7 @@
  * same integer sums and the same float operations whatever M, the thread count or the
  * instruction set (the integer sums are exact; the float steps are the same IEEE operations
  * in the scalar reference `q4_matmul_ref`, the AVX2 and the AVX-512 paths). A row's output
- * is therefore bitwise the same alone or among others (tests/test_q4.py).
+ * is therefore bitwise the same alone or among others (tests/kernels/test_q4.py).
  */
 #include <math.h>
 #include <omp.h>

@@ -21,7 +21,7 @@
  * Exactness: as q4_matmul.c. Every output is computed by one thread over the sub-blocks in
  * order, with the same integer sums and float operations in the scalar reference, the AVX2 and
  * the AVX-512 paths (fp16 to fp32 is exact everywhere), so a row's output is bitwise the same
- * alone or among others (tests/test_q4k.py).
+ * alone or among others (tests/kernels/test_q4k.py).
  */
 #include <math.h>
 #include <stdint.h>

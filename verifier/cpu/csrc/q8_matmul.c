@@ -32,7 +32,7 @@
  * Exactness: as q4_matmul.c. Every output is computed by one thread, over the blocks in order,
  * with the same integer sums and the same float operations in the scalar reference, the AVX2
  * and the AVX-512 paths, so a row's output is bitwise the same alone or among others
- * (tests/test_q8.py).
+ * (tests/kernels/test_q8.py).
  */
 #include <omp.h>
 #include <stdint.h>

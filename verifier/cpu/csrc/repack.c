@@ -5,7 +5,7 @@
  * fused projection may lie in several tensors of the file) and writes whole tiles of 16
  * channels, channels past `rows` zero. The layouts are the ones the kernels read and the
  * Python packers write (own_kernels/q4x16.py pack_q4, q4k.py pack_q4k, q8x16.py pack_q8),
- * byte for byte (tests/test_model_sizes.py).
+ * byte for byte (tests/model/test_model_sizes.py).
  *
  * Nibble bytes of a block of 32 weights (csrc/q4_nibbles.h): byte 64 g + 4 c + e holds
  * channel c's weights 4 g + e (low nibble) and 16 + 4 g + e (high nibble). */

@@ -6,7 +6,7 @@ several times in numpy and torch; most of a large model's load went there. csrc/
 the same layouts from the file's bytes in one pass: Q4_0 and Q4_1 for q4x16, Q4_K for q4k, Q6_K
 for q8x16 (5 or 6 bits, its own scales), and a fused projection whose parts lie in several of
 these formats for the mixed kernel. The bytes are the same as packing the served form
-(`tests/test_model_sizes.py`).
+(`tests/model/test_model_sizes.py`).
 """
 from __future__ import annotations
 

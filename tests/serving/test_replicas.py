@@ -203,7 +203,7 @@ def test_the_serve_config_file_builds_the_application():
     import yaml
 
     from serving.cluster.replicas import app_builder
-    config = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "serve_config.yaml").read_text())
     (app,) = config["applications"]
     assert app["import_path"] == "serving.cluster.replicas:app_builder"
     assert isinstance(app_builder(app["args"]), serve.Application)

@@ -311,7 +311,7 @@ def test_keys_differ_between_processes():
     """The key is drawn per process: a fresh interpreter keys the same block differently."""
     code = ("from verifier.block_manager import ROOT_DIGEST, _chain_hash; "
             "print(_chain_hash(ROOT_DIGEST, (1, 2, 3, 4)).hex())")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     other = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     here = block_manager_module._chain_hash(block_manager_module.ROOT_DIGEST, (1, 2, 3, 4)).hex()
     assert len(other.stdout.strip()) == len(here) and other.stdout.strip() != here

@@ -3,7 +3,7 @@
 These prove the wiring (the backend's metadata, KV writes, tree masks, prefill chunks beside
 verify trees, the commit of accepted nodes), not the speed: the interpreter runs every
 program instance in Python, so the models are tiny and the runs short. The kernels alone
-are compared with torch in tests/test_triton_kernels.py, and in bf16 / fp16 on a GPU in
+are compared with torch in tests/kernels/test_triton_kernels.py, and in bf16 / fp16 on a GPU in
 tests/gpu/.
 """
 import os
@@ -105,7 +105,7 @@ def test_sampling_at_t_above_zero_keeps_the_target_distribution(target_dir, prom
     (a prefill) and the second (a verify step) each match their law from HF transformers'
     logits by chi-square, p > 0.001; the second's law is the first's mixture of conditionals.
     Rejections are tested on the torch backend, with 10,000 samples of the joint law, in
-    tests/test_speculative_exactness.py."""
+    tests/engine/test_speculative_exactness.py."""
     from transformers import AutoModelForCausalLM
     params = dict(temperature=0.9, top_k=16, max_tokens=3, ignore_eos=True)
     prompt, n = prompts[0], 300

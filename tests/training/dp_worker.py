@@ -1,9 +1,9 @@
-"""One process of tests/test_training.py's data-parallel check, run as a launcher runs it (RANK,
+"""One process of tests/training/test_training.py's data-parallel check, run as a launcher runs it (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT in the environment, or none: one process). A least-squares toy
 trained by training/loop.py:Trainer on this process's shard of 8 examples for one optimiser
 step; writes the gradient the optimiser stepped on and the final weights to argv[1].
 
-    python tests/dp_worker.py OUT GRAD_ACCUM BATCH_TOKENS
+    python tests/training/dp_worker.py OUT GRAD_ACCUM BATCH_TOKENS
 """
 import sys
 from pathlib import Path

@@ -11,7 +11,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # folder -> the folders it may import: each may import any folder below it.
 MAY_IMPORT = {

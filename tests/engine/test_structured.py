@@ -263,7 +263,7 @@ def test_constrained_and_free_requests_share_a_batch(plain, prompts, reference, 
     assert outs[4].token_ids == expected_free
 
 
-# The fuzzer's case (tests/test_fuzz.py): characters of unassigned planes, which xgrammar's
+# The fuzzer's case (tests/serving/test_fuzz.py): characters of unassigned planes, which xgrammar's
 # matcher (pinned) walks into a state allowing no token after the first one's four bytes.
 DEAD_END = "\U000d4f90\U000473ad\U00079fcc\U000251f9q"
 

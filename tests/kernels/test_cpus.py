@@ -14,7 +14,7 @@ import pytest
 from bench.contention import make_cgroup
 from verifier.cpu.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
 V1_MOUNTS = ("32 31 0:29 /kubepods/pod1 /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
              "33 31 0:30 / /sys/fs/cgroup/cpuset rw - cgroup cgroup rw,cpuset\n")

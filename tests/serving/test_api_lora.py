@@ -13,7 +13,7 @@ from serving.flags import LoraServing
 from spec import LLM
 from spec.config import EngineConfig
 from tests.server_util import LiveServer
-from tests.test_lora import ATTN_MLP, make_adapter
+from tests.model.test_lora import ATTN_MLP, make_adapter
 from verifier.sampling.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is"

@@ -108,7 +108,7 @@ def test_a_forward_that_raises_for_one_request_fails_it_alone(llms, prompts, alo
 
 def test_a_fault_no_request_owns_is_raised(llms, prompts, monkeypatch):
     """When every forward fails, the scratch probe included, the step raises: the server then
-    fails every request and reports itself unhealthy (tests/test_server_faults.py)."""
+    fails every request and reports itself unhealthy (tests/serving/test_server_faults.py)."""
     engine = llms["plain"].engine
 
     def broken(batch):

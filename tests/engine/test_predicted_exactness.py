@@ -1,5 +1,5 @@
 """T > 0 exactness of predicted outputs through the whole engine, on the chi-square test of
-tests/test_speculative_exactness.py: 10,000 seeded requests on the 32-token random model, the
+tests/engine/test_speculative_exactness.py: 10,000 seeded requests on the 32-token random model, the
 joint law of their first three tokens against the exact one. Each request predicts the law's
 likeliest three tokens, so its chain is often accepted in part and rejected after, and resyncs
 when the first token leaves it. A lossy rule that a real implementation could adopt (trusting a

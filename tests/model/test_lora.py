@@ -23,7 +23,7 @@ from verifier.sampling.sampling_params import SamplingParams
 
 def _peft():
     """PEFT, imported when a test runs: at collection it would import triton before the Triton
-    tests set TRITON_INTERPRET (tests/test_triton_kernels.py)."""
+    tests set TRITON_INTERPRET (tests/kernels/test_triton_kernels.py)."""
     return pytest.importorskip("peft")
 
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -11,7 +11,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason='PyYAML comes with the cluster extra: pip install -e ".[cluster]"')
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY_ENV = "TERCEL_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 KEY_ARGS = {"api_key", "api-key"}

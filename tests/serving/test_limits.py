@@ -1,6 +1,6 @@
 """The server's per-request limits (serving/limits.py, docs/serving.md): each refuses its
 request with a 4xx before any work, or drops a client that does not read, and each test here
-fails without its limit. Grammar limits: tests/test_grammar_limits.py."""
+fails without its limit. Grammar limits: tests/engine/test_grammar_limits.py."""
 from __future__ import annotations
 
 import socket

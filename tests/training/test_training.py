@@ -100,13 +100,13 @@ def tiny_data(tmp_path_factory):
 
 def _args(tiny_llama_dir, data, out, *extra):
     """fp32 unless `extra` says otherwise: `--dtype auto` picks by timing a probe step in each dtype
-    (tests/test_precision.py), seconds of emulated bf16 where the CPU has no bf16 instructions."""
+    (tests/training/test_precision.py), seconds of emulated bf16 where the CPU has no bf16 instructions."""
     return ["--target", str(tiny_llama_dir), "--data", str(data), "--output", str(out), "--dtype", "fp32",
             "--batch-tokens", "1024", "--checkpoint-every", "2", "--max-len", "200", *extra]
 
 
 def _dp_run(tmp_path, name: str, accum: int, batch_tokens: int, world: int = 1) -> list[dict]:
-    """tests/dp_worker.py in `world` processes, each with a launcher's environment (RANK,
+    """tests/training/dp_worker.py in `world` processes, each with a launcher's environment (RANK,
     WORLD_SIZE, MASTER_ADDR/PORT) when there are several; every process's results."""
     import os
     import subprocess

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_util import LiveServer
 from spec.config import EngineConfig
 
-DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 
 
 @pytest.fixture(scope="module")
