@@ -355,7 +355,7 @@ def test_agent_steps_runs_sessions_offline_and_times_prompt_and_decode_steps(tin
     log = StepLog(timed(llm.engine))
     sent = []
     add = llm.engine.add_request
-    llm.engine.add_request = lambda rid, prompt, params, **kw: sent.append(rid) or add(rid, prompt, params, **kw)
+    llm.engine.add_request = lambda rid, sub: sent.append(rid) or add(rid, sub)
     tokens, wall = run(llm, [tools, edit], 2, 4)
     assert len(sent) == MAX_TOOL_REPLIES + 2 and 0 < tokens <= 4 * len(sent) and wall > 0
     assert any(s.prompt for s in log.steps) and any(not s.prompt for s in log.steps)
