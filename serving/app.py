@@ -175,6 +175,17 @@ class Routes:
                                         f"is {context} tokens", param=param, code="context_length_exceeded")
 
     async def _generate(self, req: ParsedRequest, prompt_ids: list[list[int]], chat: bool):
+        reply, streams = await self.start(req, prompt_ids, chat)
+        if req.stream:
+            return EventSourceResponse(sse_events(reply, streams), ping=15,
+                                       send_timeout=self.config.limits.send_timeout_s)
+        return await full_reply(reply, streams)
+
+    async def start(self, req: ParsedRequest, prompt_ids: list[list[int]],
+                    chat: bool) -> tuple[Reply, list[RequestStream]]:
+        """Submit every choice of every prompt (all or none), after the last refusals: the
+        speculation asked, the constraint compiled, the prediction and each prompt's params
+        checked. The reply's description and one stream per choice; any route renders them."""
         limits = self.bridge.limits
         spec = resolve_speculation(req.speculation, limits.speculation, limits.drafter)
         grammar = await self._compile(req) if req.params.structured is not None else None
@@ -190,10 +201,7 @@ class Routes:
         pieces = self._pieces if req.params.logprobs is not None or req.echo else None
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), lora or self.served.first, chat, req.n,
                       req.include_usage, calls, pieces, req.echo, predicted=prediction is not None)
-        if req.stream:
-            return EventSourceResponse(sse_events(reply, streams), ping=15,
-                                       send_timeout=self.config.limits.send_timeout_s)
-        return await full_reply(reply, streams)
+        return reply, streams
 
     async def _compile(self, req: ParsedRequest):
         """Compile (and cache) the constraint off the event loop: a bad, too large, too slow or
