@@ -34,6 +34,7 @@ from serving.lora_routes import LoraRoutes
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
+from serving.reasoning import ReasoningFormat, ReasoningParser
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, \
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse, VersionResponse
 from serving.streaming import Reply, full_reply, sse_events
@@ -55,6 +56,7 @@ class ServerConfig:
     special_tokens_in_content: bool = False  # parse `<|im_start|>` in messages as a token (unsafe)
     tool_format: ToolFormat = HERMES          # how the model writes tool calls (--tool-call-parser)
     chat_template: str | None = None          # replaces the model's chat template (--chat-template)
+    reasoning: ReasoningFormat | None = None  # splits reasoning from content (--reasoning-parser)
     # what requests that leave sampling fields out get (the model's generation_config.json)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     lora: LoraServing = LoraServing()         # LoRA adapters under their own names (serving/lora_routes.py)
@@ -134,7 +136,7 @@ class Routes:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         check_fields(body, chat=True)
         req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format,
-                         self.bridge.limits.max_model_len)
+                         self.bridge.limits.max_model_len, self.config.reasoning)
         self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
         return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
 
@@ -199,8 +201,11 @@ class Routes:
         streams = self._submit(subs)
         calls = self.config.tool_format if req.tool_choice.mode != "none" else None
         pieces = self._pieces if req.params.logprobs is not None or req.echo else None
+        reasoning = ReasoningParser(self.config.reasoning, self.bridge.tokenizer) \
+            if chat and self.config.reasoning is not None else None
         reply = Reply(new_id("chatcmpl" if chat else "cmpl"), lora or self.served.first, chat, req.n,
-                      req.include_usage, calls, pieces, req.echo, predicted=prediction is not None)
+                      req.include_usage, calls, pieces, req.echo, predicted=prediction is not None,
+                      reasoning=reasoning)
         return reply, streams
 
     async def _compile(self, req: ParsedRequest):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serving.logprobs import TokenPieces, chat_logprobs, completion_logprobs
+from serving.reasoning import ReasoningParser, ReasoningSplitter
 from serving.tools.formats import ToolFormat
 from serving.tools.parser import Arguments, CallStart, Content, ToolCallParser
 from spec.request import RequestOutput
@@ -22,13 +23,17 @@ class ChoiceDeltas:
     tools: ToolFormat | None = None      # chat with tools: deltas come from the call parser
     pieces: TokenPieces | None = None    # logprobs asked for: how tokens are spelled
     echo: bool = False                   # completions: the prompt first
+    reasoning: ReasoningParser | None = None   # chat under --reasoning-parser: reasoning deltas first
     _parser: ToolCallParser | None = field(default=None, init=False)
+    _splitter: ReasoningSplitter | None = field(default=None, init=False)
     _sent: int = field(default=0, init=False)      # logprobs entries already sent
     _started: bool = field(default=False, init=False)
 
     def __post_init__(self):
         if self.tools is not None:
             self._parser = ToolCallParser(self.tools)
+        if self.reasoning is not None:
+            self._splitter = self.reasoning.splitter()
 
     @property
     def called(self) -> bool:
@@ -50,11 +55,21 @@ class ChoiceDeltas:
         if self.echo and not self._started:
             prefix = self.pieces.tokenizer.decode(out.prompt_token_ids) if self.pieces else ""
         self._started = True
+        thought, text = self._split(out)
         if self._parser is None:
-            text = prefix + out.delta_text
-            return [({"content": text} if self.chat else {"text": text}, None)] if text else []
-        events = self._parser.feed(out.delta_text) + (self._parser.finish() if out.finished else [])
-        return [(d, None) for d in tool_deltas(events)]
+            text = prefix + text
+            return thought + ([({"content": text} if self.chat else {"text": text}, None)] if text else [])
+        events = self._parser.feed(text) + (self._parser.finish() if out.finished else [])
+        return thought + [(d, None) for d in tool_deltas(events)]
+
+    def _split(self, out: RequestOutput) -> tuple[list[tuple[dict, None]], str]:
+        """(the reasoning deltas of this output, the content text after them)."""
+        if self._splitter is None:
+            return [], out.delta_text
+        pieces = self._splitter.feed(out.delta_text) + (self._splitter.finish() if out.finished else [])
+        thought = "".join(t for kind, t in pieces if kind == "reasoning")
+        return ([({"reasoning_content": thought}, None)] if thought else []), \
+            "".join(t for kind, t in pieces if kind == "content")
 
     def _entry(self, delta: dict, finish: str | None) -> dict:
         if self.chat:

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from drafters.config import SpecConfig
+from serving.reasoning import ReasoningFormat, after_reasoning
 from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculation, request_field_names
 from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import ToolFormat
@@ -63,9 +64,22 @@ class ParsedRequest:
         return dataclasses.replace(self.params, max_tokens=max_tokens, seed=None if seed is None else seed + choice)
 
 
-def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat, context: int) -> ParsedRequest:
+def parse_chat(body: ChatCompletionRequest, fmt: ToolFormat, context: int,
+               reasoning: ReasoningFormat | None = None) -> ParsedRequest:
     """`fmt`: how the server's model writes tool calls (--tool-call-parser); `context`: the
-    model's context length (max_tokens when the request leaves it out)."""
+    model's context length (max_tokens when the request leaves it out); `reasoning`: the
+    server's reasoning format (--reasoning-parser), whose block the constraint lets come first."""
+    req = _chat(body, fmt, context)
+    if reasoning is None or req.params.structured is None:
+        return req
+    try:
+        held = after_reasoning(reasoning, req.params.structured)
+    except ValueError as e:      # a structural tag that is not JSON
+        raise bad(req.structured_param, f"invalid constraint: {e}") from None
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=held))
+
+
+def _chat(body: ChatCompletionRequest, fmt: ToolFormat, context: int) -> ParsedRequest:
     try:
         messages = chat_messages(body.messages)
         tools, choice = tool_request(body)

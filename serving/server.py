@@ -19,6 +19,7 @@ from serving.flags import (add_lora_args, add_quantization_arg, add_speculation_
                            drafter_name, lora_serving, speculation_from_args)
 from serving.limits import ServerLimits
 from serving.metrics import Metrics
+from serving.reasoning import REASONING_PARSERS
 from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
 from serving.tools.formats import FORMATS
 from spec.adaptive import AdaptiveConfig
@@ -101,6 +102,9 @@ def add_limit_args(p) -> None:
     p.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
                    help="logprobs of the forward's logits (raw, vLLM's default) or of the distribution sampled "
                         "from (processed: penalties, temperature, truncation)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's <think> block out of the reply as reasoning_content (docs/serving.md, "
+                        "\"Reasoning\"); a constraint then holds only what follows the block")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(FORMATS),
                    help="how the model writes tool calls (docs/tools.md); the chat template's own tools "
                         "rendering is used where it has one")
@@ -192,6 +196,7 @@ def server_config(args, limits):
     return ServerConfig(model_names=names, api_key=args.api_key, limits=limits, allowed_origins=origins,
                         special_tokens_in_content=args.allow_special_tokens_in_content,
                         tool_format=FORMATS[args.tool_call_parser], chat_template=chat_template(args.chat_template),
+                        reasoning=REASONING_PARSERS.get(args.reasoning_parser),
                         sampling_defaults=defaults, lora=lora)
 
 

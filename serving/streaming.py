@@ -21,6 +21,7 @@ from serving.deltas import ChoiceDeltas, finish_reason
 from serving.logprobs import TokenPieces, chat_logprobs, completion_logprobs
 from serving.prediction import completion_tokens_details
 from serving.protocol import bad, envelope, tercel_stats, usage
+from serving.reasoning import ReasoningParser
 from serving.tools.formats import ToolFormat
 from serving.tools.parser import parse_reply
 from spec.request import RequestOutput
@@ -38,6 +39,7 @@ class Reply:
     pieces: TokenPieces | None = None  # logprobs asked for: how tokens are spelled
     echo: bool = False                 # completions: the prompt before the text
     predicted: bool = False            # the request carried a prediction: the usage counts its tokens
+    reasoning: ReasoningParser | None = None   # chat under --reasoning-parser: reasoning split from content
 
     @property
     def chunk_object(self) -> str:
@@ -50,7 +52,10 @@ class Reply:
     def token_usage(self, streams: list[RequestStream], outs: list[RequestOutput]) -> dict:
         prompt_tokens = sum(s.num_prompt_tokens for s in streams) // max(1, self.n)   # each prompt once
         counts = usage(prompt_tokens, sum(len(o.token_ids) for o in outs))
-        return {**counts, "completion_tokens_details": completion_tokens_details(outs)} if self.predicted else counts
+        details = completion_tokens_details(outs) if self.predicted else {}
+        if self.reasoning is not None:
+            details["reasoning_tokens"] = sum(self.reasoning.tokens(o.token_ids) for o in outs)
+        return {**counts, "completion_tokens_details": details} if details else counts
 
 
 async def full_reply(reply: Reply, streams: list[RequestStream]) -> dict:
@@ -85,7 +90,8 @@ async def sse_events(reply: Reply, streams: list[RequestStream]) -> AsyncIterato
                 opening = {"role": "assistant", "content": None if reply.tools else ""}
                 yield reply.chunk([{"index": i, "delta": opening,
                                     "logprobs": None, "finish_reason": None}])
-        choices = [ChoiceDeltas(i, reply.chat, reply.tools, reply.pieces, reply.echo) for i in range(len(streams))]
+        choices = [ChoiceDeltas(i, reply.chat, reply.tools, reply.pieces, reply.echo, reply.reasoning)
+                   for i in range(len(streams))]
         while open_streams:
             i, out = await merged.get()
             if isinstance(out, Exception):   # one error event and no [DONE]: the stream failed
@@ -127,9 +133,14 @@ def _choice(i: int, out: RequestOutput, reply: Reply) -> dict:
         return {"index": i, "text": _echoed(reply, out) + out.text, "logprobs": _completion_logprobs(reply, out),
                 "finish_reason": out.finish_reason}
     message = {"role": "assistant", "content": out.text}
+    if reply.reasoning is not None:
+        split = reply.reasoning.split(out.text)
+        # content null where the reply only reasoned (as vLLM); "" stays "" for a reply without a block
+        message.update(reasoning_content=split.reasoning,
+                       content=split.content or (None if split.reasoning is not None else ""))
     finish = out.finish_reason
     if reply.tools is not None:
-        parsed = parse_reply(reply.tools, out.text)
+        parsed = parse_reply(reply.tools, message["content"] or "")
         message["content"] = parsed.content
         if parsed.calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",

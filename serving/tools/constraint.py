@@ -44,7 +44,7 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict] | None, choice: ToolChoic
     if choice.mode == "required":
         return _tag(_calls(fmt, functions, choice.parallel, at_least_one=True))
     if text is not None:
-        return _tag({"type": "or", "elements": [_as_format(text), _calls(fmt, functions, choice.parallel, True)]})
+        return _tag({"type": "or", "elements": [as_format(text), _calls(fmt, functions, choice.parallel, True)]})
     free = {"type": "any_text", "excludes": [fmt.trigger]}
     return _tag({"type": "sequence", "elements": [free, _calls(fmt, functions, choice.parallel, at_least_one=False)]})
 
@@ -54,7 +54,7 @@ def _calls(fmt: ToolFormat, functions: list[dict], parallel: bool, at_least_one:
             "at_least_one": at_least_one, "stop_after_first": not parallel}
 
 
-def _as_format(text: StructuredOutputs) -> dict:
+def as_format(text: StructuredOutputs) -> dict:
     """A text constraint as a structural tag's format."""
     kind, value = text.key
     if kind in ("json", "json_object"):

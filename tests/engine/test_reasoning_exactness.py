@@ -1,0 +1,65 @@
+"""A constraint held after a reasoning block (serving/reasoning.py:after_reasoning) is a grammar
+like any other to the engine: at T=0 every drafter gives plain decoding's tokens across the
+block's end, where the free text turns into the constrained answer. The prompts show earlier
+answers with a `<think>` block, so the default model writes one and closes it."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from conftest import slow_marked, spec_drafters
+from serving.reasoning import DEEPSEEK_R1, QWEN3, after_reasoning, split_reasoning
+from spec import LLM, SamplingParams, StructuredOutputs
+from spec.adaptive import AdaptiveConfig
+
+DRAFTERS = spec_drafters()
+SHOTS = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+         "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n<think>\nOne plus one is two.\n"
+         "</think>\n\n2<|im_end|>\n<|im_start|>user\nWhat is 4+4?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+         "Four plus four is eight.\n</think>\n\n8<|im_end|>\n")
+QUESTIONS = ("What is 2+3?", "What is 3+5?", "What is 10-4?")
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+def prompts(fmt) -> list[str]:
+    opened = "<think>\n" if fmt is DEEPSEEK_R1 else ""
+    return [f"{SHOTS}<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{opened}" for q in QUESTIONS]
+
+
+def params(fmt) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=48, structured=after_reasoning(fmt, StructuredOutputs(json=ANSWER)))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    plain = LLM(max_num_seqs=4, drafter=None)
+    return {fmt.name: plain.generate(prompts(fmt), params(fmt)) for fmt in (QWEN3, DEEPSEEK_R1)}
+
+
+def test_plain_decoding_reasons_then_answers_in_the_schema(reference):
+    for name, outs in reference.items():
+        fmt = QWEN3 if name == "qwen3" else DEEPSEEK_R1
+        for out in outs:
+            split = split_reasoning(fmt, out.text)
+            assert split.reasoning, out.text
+            jsonschema.validate(json.loads(split.content), ANSWER)
+
+
+# `make test` runs the tree (a small model and n-gram merged); each other drafter under `make test-slow`.
+@pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS) - {"tree"}))
+def test_every_drafter_is_token_identical_across_the_block_s_end(name, reference, tmp_path):
+    drafter, spec = DRAFTERS[name]
+    if "{corpus}" in drafter:
+        corpus = tmp_path / "replies.jsonl"
+        corpus.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": "q"},
+                                                                {"role": "assistant", "content": o.text}]}) + "\n"
+                                  for outs in reference.values() for o in outs))
+        drafter = drafter.format(corpus=corpus)
+    llm = LLM(max_num_seqs=4, drafter=drafter, speculation=spec, adaptive=AdaptiveConfig(enabled=False))
+    for fmt in (QWEN3, DEEPSEEK_R1):
+        outs = llm.generate(prompts(fmt), params(fmt))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference[fmt.name]], fmt.name
+        assert sum(o.stats.accepted_tokens + o.stats.forced_tokens for o in outs) > 0
+    assert llm.engine.blocks.num_used_blocks == 0

@@ -1,0 +1,117 @@
+"""Reasoning output through `tercel serve --reasoning-parser` and the official openai client, on
+the default model under stated chat templates that think (a conversation whose earlier answers
+show the `<think>` block leads the model to write one): `reasoning_content` apart from
+`content`, whole and streamed alike, its tokens in the usage; a constraint held only after the
+block; the same replies with speculation on and off; `enable_thinking: false` honoured."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from serving.reasoning import DEEPSEEK_R1, QWEN3
+from server_util import LiveServer
+from spec.adaptive import AdaptiveConfig
+from spec.config import EngineConfig
+
+TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n")
+# deepseek_r1: the template opens the block; qwen3: the model does, or with enable_thinking false
+# the template writes an empty one (as Qwen3's own template does).
+TEMPLATES = {
+    "deepseek_r1": TURNS + "<think>\n{% endif %}",
+    "qwen3": TURNS + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                     "{% endif %}",
+}
+SHOTS = [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "What is 1+1?"},
+         {"role": "assistant", "content": "<think>\nOne plus one is two.\n</think>\n\n2"},
+         {"role": "user", "content": "What is 4+4?"},
+         {"role": "assistant", "content": "<think>\nFour plus four is eight.\n</think>\n\n8"}]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def ask(question: str) -> list[dict]:
+    return [*SHOTS, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module", params=[QWEN3, DEEPSEEK_R1], ids=lambda f: f.name)
+def fmt(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(fmt):
+    # Whole trees verified: whether drafts run does not depend on the machine's load.
+    s = LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False)),
+                   model_name="smol", chat_template=TEMPLATES[fmt.name], reasoning=fmt)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai_client()
+
+
+def chat(client, question: str, **kw):
+    kw = {"max_tokens": 40, **kw}
+    return client.chat.completions.create(model="smol", messages=ask(question), temperature=0, **kw)
+
+
+def streamed(client, question: str, **kw) -> tuple[str, str, dict]:
+    reasoning, content, usage = [], [], None
+    for chunk in chat(client, question, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+            content.append(choice.delta.content or "")
+    return "".join(reasoning), "".join(content), usage
+
+
+def test_the_reasoning_comes_apart_from_the_answer_whole_and_streamed_alike(server, client):
+    for question in ("What is 2+3?", "What is 3+5?"):
+        reply = chat(client, question)
+        message = reply.choices[0].message
+        assert message.reasoning_content and message.content, message
+        assert "<think>" not in message.content + message.reasoning_content
+        assert "</think>" not in message.content + message.reasoning_content
+        details = reply.usage.completion_tokens_details
+        assert 0 < details.reasoning_tokens < reply.usage.completion_tokens
+        assert streamed(client, question)[:2] == (message.reasoning_content, message.content)
+        assert streamed(client, question)[2].completion_tokens_details.reasoning_tokens == details.reasoning_tokens
+    server.wait_idle()
+
+
+def test_a_constraint_holds_only_what_follows_the_reasoning(server, client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    reply = chat(client, "What is 10-4?", response_format=fmt, max_tokens=60)
+    message = reply.choices[0].message
+    assert message.reasoning_content, message         # free text, before the JSON
+    jsonschema.validate(json.loads(message.content), ANSWER)
+    assert reply.choices[0].finish_reason == "stop"
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_speculation_on_and_off_give_the_same_reply(client, constrained):
+    kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+          "max_tokens": 60} if constrained else {}
+    on = chat(client, "What is 3+5?", **kw).choices[0].message
+    off = chat(client, "What is 3+5?", extra_body={"speculation": "off"}, **kw).choices[0].message
+    assert (on.reasoning_content, on.content) == (off.reasoning_content, off.content)
+
+
+def test_enable_thinking_false_is_the_template_s_to_honour(fmt, client):
+    """Qwen3's template writes an empty block into the prompt: the reply is all answer. The
+    deepseek_r1 template here takes no such switch: the reply still starts inside its block."""
+    reply = chat(client, "What is 2+3?", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    if fmt is QWEN3:
+        assert message.reasoning_content is None and message.content and "<think>" not in message.content
+        assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+    else:
+        assert message.reasoning_content
