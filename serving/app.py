@@ -132,18 +132,26 @@ class Routes:
         return {"object": "list", "data": self.served.cards()}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        req = self.parsed_chat(body)
+        return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
+
+    def parsed_chat(self, body: ChatCompletionRequest) -> ParsedRequest:
+        """A chat request checked as far as it can be before tokenizing (the Messages API's
+        bodies, converted to chat requests, pass here too)."""
         check_fields(body, chat=True)
         req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format,
                          self.bridge.limits.max_model_len)
         self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
-        return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
+        return req
 
-    async def _chat(self, req: ParsedRequest, template_kwargs: dict | None):
+    async def chat_ids(self, req: ParsedRequest, template_kwargs: dict | None) -> list[int]:
         try:    # off the event loop: a long prompt takes seconds to tokenize
-            ids = await run_in_threadpool(self.chat_prompt.ids, req.prompts[0], req.tools, True, template_kwargs)
+            return await run_in_threadpool(self.chat_prompt.ids, req.prompts[0], req.tools, True, template_kwargs)
         except ValueError as e:
             raise bad("messages", str(e)) from None
-        return await self._generate(req, [ids], chat=True)
+
+    async def _chat(self, req: ParsedRequest, template_kwargs: dict | None):
+        return await self._generate(req, [await self.chat_ids(req, template_kwargs)], chat=True)
 
     async def completions(self, body: CompletionRequest, request: Request):
         check_fields(body, chat=False)

@@ -99,8 +99,13 @@ def engine_stopped() -> APIError:
 def stream_error(e: Exception) -> dict:
     """The `error` object of the event that ends a stream whose request failed once under way:
     no internal exception text, which stays in the server's log."""
+    return stream_failure(e).body()["error"]
+
+
+def stream_failure(e: Exception) -> APIError:
+    """A stream's failure once under way as the error its event carries (any route's shape)."""
     if isinstance(e, RequestFailed):
-        return request_failed(e).body()["error"]
+        return request_failed(e)
     if isinstance(e, ValueError):
-        return APIError(400, str(e)).body()["error"]
-    return engine_unavailable(e).body()["error"]
+        return APIError(400, str(e))
+    return engine_unavailable(e)
