@@ -173,6 +173,14 @@ def test_an_unknown_model_is_a_404_and_the_openai_routes_keep_their_shape(client
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
+def test_an_unexpected_error_is_a_500_in_anthropics_shape(client, server, monkeypatch):
+    def broken(*_a, **_k):
+        raise RuntimeError("tokenizer exploded")
+    monkeypatch.setattr(server.engine.tokenizer, "apply_chat_template", broken)
+    error = refusal(client, anthropic.InternalServerError)
+    assert error["type"] == "api_error" and "exploded" not in error["message"]
+
+
 def test_the_api_key_may_come_as_x_api_key_on_the_messages_routes_alone():
     server = LiveServer(EngineConfig(max_num_seqs=2), model_name="smol", api_key="sekrit")
     try:
