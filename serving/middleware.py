@@ -3,7 +3,8 @@
 Starlette's own last-resort handler answers 500 but then re-raises the exception, and
 uvicorn, seeing a response already sent, closes the connection: the client's next request on
 that keep-alive connection fails. Here an unexpected exception becomes a 500 with the OpenAI
-error body, logged with the request's id, and the ASGI call returns normally.
+error body (Anthropic's on the Messages routes), logged with the request's id, and the ASGI
+call returns normally.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class ServerErrors:
 
         try:
             await self.app(scope, receive, send_with_id)
-        except Exception:   # noqa: BLE001 - the last resort: logged here, answered as OpenAI does
+        except Exception:   # noqa: BLE001 - the last resort: logged here, answered in the route's shape
             log.exception("request %s (%s %s) failed", rid, scope.get("method"), scope.get("path"))
             if not started:   # a stream already under way ends short; its client sees no [DONE]
                 await _send_500(send, rid, scope.get("path", ""))
