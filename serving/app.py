@@ -24,13 +24,16 @@ from serving.bridge import EngineBridge, EngineUnavailable, QueueFullError, Requ
 from serving.chat_prompt import ChatPrompt
 from serving.defaults import SamplingDefaults
 from serving.disconnect import until_disconnected
-from serving.errors import engine_stopped, engine_unavailable, install_error_handlers, queue_full, refused, \
-    unauthorized, unknown_model
+from serving.errors import BEARER, X_API_KEY, engine_stopped, engine_unavailable, error_response, \
+    install_error_handlers, queue_full, refused, unauthorized, unknown_model
 from serving.fields import check_fields, check_sampling
 from serving.flags import LoraServing
 from serving.limits import BodyLimit, ServerLimits
 from serving.logprobs import TokenPieces
 from serving.lora_routes import LoraRoutes
+from serving.messages.errors import is_messages
+from serving.messages.routes import MessagesRoutes
+from serving.messages.schemas import ErrorResponse as AnthropicError, Message, TokenCount
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
@@ -79,6 +82,11 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))(more.detokenize)
     app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion))(routes.chat)
     app.post("/v1/completions", response_model=None, responses=_responses(Completion))(routes.completions)
+    messages = MessagesRoutes(routes)
+    app.post("/v1/messages", response_model=None,
+             responses=_responses(Message, AnthropicError, MESSAGE_EVENT))(messages.create)
+    app.post("/v1/messages/count_tokens", response_model=TokenCount,
+             responses=_errors(400, 404, model=AnthropicError))(messages.count_tokens)
     if config.lora.allow_runtime:
         lora = LoraRoutes(bridge, routes.served, config.lora)
         app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400))(lora.load)
@@ -108,11 +116,20 @@ class Routes:
         self.chat_prompt = ChatPrompt(tok, config.tool_format, config.special_tokens_in_content)
 
     async def authorize(self, request: Request, call_next):
-        if self._expected is not None and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "").encode("latin-1", "replace")
-            if not hmac.compare_digest(given, self._expected):   # constant time: no key by timing
-                return JSONResponse(unauthorized().body(), status_code=401)
+        path = request.url.path
+        if self._expected is not None and path not in OPEN_PATHS and request.method != "OPTIONS":
+            messages = is_messages(path)
+            if not self._key_matches(request, messages):
+                return error_response(path, unauthorized(X_API_KEY if messages else BEARER))
         return await call_next(request)
+
+    def _key_matches(self, request: Request, messages: bool) -> bool:
+        """`Authorization: Bearer <key>`, or on the Messages routes `x-api-key: <key>` (the
+        anthropic SDK's header). Constant time: no key by timing."""
+        given = [request.headers.get("authorization", "")]
+        if messages:
+            given.append(f"Bearer {request.headers.get('x-api-key', '')}")
+        return any([hmac.compare_digest(g.encode("latin-1", "replace"), self._expected) for g in given])
 
     async def health(self):
         problem = self.bridge.problem
@@ -134,18 +151,26 @@ class Routes:
         return {"object": "list", "data": self.served.cards()}
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        req = self.parsed_chat(body)
+        return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
+
+    def parsed_chat(self, body: ChatCompletionRequest) -> ParsedRequest:
+        """A chat request checked as far as it can be before tokenizing (the Messages API's
+        bodies, converted to chat requests, pass here too)."""
         check_fields(body, chat=True)
         req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format,
                          self.bridge.limits.max_model_len, self.config.reasoning)
         self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
-        return await until_disconnected(request, self._chat(req, body.chat_template_kwargs))
+        return req
 
-    async def _chat(self, req: ParsedRequest, template_kwargs: dict | None):
+    async def chat_ids(self, req: ParsedRequest, template_kwargs: dict | None) -> list[int]:
         try:    # off the event loop: a long prompt takes seconds to tokenize
-            ids = await run_in_threadpool(self.chat_prompt.ids, req.prompts[0], req.tools, True, template_kwargs)
+            return await run_in_threadpool(self.chat_prompt.ids, req.prompts[0], req.tools, True, template_kwargs)
         except ValueError as e:
             raise bad("messages", str(e)) from None
-        return await self._generate(req, [ids], chat=True)
+
+    async def _chat(self, req: ParsedRequest, template_kwargs: dict | None):
+        return await self._generate(req, [await self.chat_ids(req, template_kwargs)], chat=True)
 
     async def completions(self, body: CompletionRequest, request: Request):
         check_fields(body, chat=False)
@@ -259,25 +284,30 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def _errors(*codes: int) -> dict:
-    """OpenAI error bodies for /openapi.json, by status."""
+def _errors(*codes: int, model=ErrorResponse) -> dict:
+    """Error bodies (OpenAI's, unless `model`) for /openapi.json, by status."""
     text = {400: "invalid request", 404: "unknown model"}
-    return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
+    return {code: {"model": model, "description": text[code]} for code in codes}
 
 
-def _responses(ok_model) -> dict:
+CHAT_EVENT = "a chunk as JSON; the last event is [DONE]"
+MESSAGE_EVENT = ("an event as JSON, named by `event`: message_start, content_block_start, content_block_delta, "
+                 "content_block_stop, message_delta, message_stop, or error")
+
+
+def _responses(ok_model, error_model=ErrorResponse, event_data: str = CHAT_EVENT) -> dict:
     """The statuses a generation route answers, for /openapi.json: the 200 body (or an SSE
-    stream when "stream" is true) and the OpenAI error body of every refusal."""
+    stream when "stream" is true) and the error body of every refusal."""
     # Before OpenAPI 3.2 (FastAPI writes 3.1), a text/event-stream schema describes one event.
     event = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"},
+             "properties": {"data": {"type": "string", "description": event_data},
                             "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
     sse = {"text/event-stream": {"schema": event}}
     errors = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
               413: "request body too large", 429: "queue full (Retry-After)", 500: "unexpected server error",
               503: "engine unavailable"}
     return {200: {"model": ok_model, "content": sse},
-            **{code: {"model": ErrorResponse, "description": text} for code, text in errors.items()}}
+            **{code: {"model": error_model, "description": text} for code, text in errors.items()}}
 
 
 def longest_token(tokenizer) -> int | None:

@@ -5,16 +5,18 @@ The statuses, all decided before a reply starts (a stream that fails later ends 
 error event, see serving/streaming.py): 400 a request the server can never run, 401 a
 missing or wrong API key, 404 an unknown model or path, 429 a full queue (Retry-After),
 503 an engine that failed or is stopping, or (behind Ray Serve) a replica that died under the request. Anything else escapes to serving/middleware.py,
-which answers 500.
+which answers 500. The Messages API's routes answer the same statuses in Anthropic's shape
+(serving/messages/errors.py): `error_body` picks the shape by the request's path.
 """
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.bridge import EngineUnavailable, RequestFailed
+from serving.messages.errors import anthropic_body, is_messages, messages_validation_error
 from serving.protocol import APIError, validation_error
 
 
@@ -25,23 +27,37 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
 
 
-async def _api_error(_, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_body(path: str, e: APIError) -> dict:
+    """The body of `e` as the route at `path` writes errors."""
+    return anthropic_body(e) if is_messages(path) else e.body()
 
 
-async def _validation(_, e: RequestValidationError) -> JSONResponse:
-    err = validation_error(e.errors())
-    return JSONResponse(err.body(), status_code=err.status)
+def error_response(path: str, e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(path, e), status_code=e.status, headers=e.headers)
 
 
-async def _http(_, e: StarletteHTTPException) -> JSONResponse:
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return error_response(request.url.path, e)
+
+
+async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+    path = request.url.path
+    return error_response(path, messages_validation_error(e.errors()) if is_messages(path)
+                          else validation_error(e.errors()))
+
+
+async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return JSONResponse(APIError(e.status_code, str(e.detail), type_=kind).body(), status_code=e.status_code)
+    return error_response(request.url.path, APIError(e.status_code, str(e.detail), type_=kind))
 
 
-def unauthorized() -> APIError:
-    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                    type_="authentication_error", code="invalid_api_key")
+BEARER = "Authorization: Bearer <key>"
+X_API_KEY = "x-api-key: <key>, or Authorization: Bearer <key>"     # the Messages routes take either
+
+
+def unauthorized(header: str = BEARER) -> APIError:
+    return APIError(401, f"missing or invalid API key ({header})", type_="authentication_error",
+                    code="invalid_api_key")
 
 
 def unknown_model(name: str, served: str) -> APIError:
@@ -99,8 +115,13 @@ def engine_stopped() -> APIError:
 def stream_error(e: Exception) -> dict:
     """The `error` object of the event that ends a stream whose request failed once under way:
     no internal exception text, which stays in the server's log."""
+    return stream_failure(e).body()["error"]
+
+
+def stream_failure(e: Exception) -> APIError:
+    """A stream's failure once under way as the error its event carries (any route's shape)."""
     if isinstance(e, RequestFailed):
-        return request_failed(e).body()["error"]
+        return request_failed(e)
     if isinstance(e, ValueError):
-        return APIError(400, str(e)).body()["error"]
-    return engine_unavailable(e).body()["error"]
+        return APIError(400, str(e))
+    return engine_unavailable(e)

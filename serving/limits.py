@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from serving.errors import error_body
 from serving.protocol import APIError, bad
 
 MiB = 1 << 20
@@ -55,7 +56,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = _content_length(scope)
         if length is not None and length > self.limit:
-            return await _send_413(send, self.limit)
+            return await _send_413(send, self.limit, scope.get("path", ""))
         chunks, seen, more = [], 0, True
         while more:
             message = await receive()
@@ -64,7 +65,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             if seen > self.limit:
-                return await _send_413(send, self.limit)
+                return await _send_413(send, self.limit, scope.get("path", ""))
             more = message.get("more_body", False)
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
@@ -92,8 +93,8 @@ def _content_length(scope) -> int | None:
     return None
 
 
-async def _send_413(send, limit: int) -> None:
-    body = json.dumps(too_large(limit).body()).encode()
+async def _send_413(send, limit: int, path: str) -> None:
+    body = json.dumps(error_body(path, too_large(limit))).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -255,37 +255,41 @@ EXPECTED = {
 TEXT_ERRORS = ("value_error", "string_unicode")     # our lone-surrogate check, pydantic's own
 
 
-def validation_error(errors: list[dict]) -> APIError:
-    """FastAPI's validation errors as one OpenAI-style 400 naming the first field at fault."""
+def validation_error(errors: list[dict], names: frozenset[str] = FIELD_NAMES,
+                     expected: dict[str, str] | None = None) -> APIError:
+    """FastAPI's validation errors as one OpenAI-style 400 naming the first field at fault;
+    `names`: the field names of the body's models, `expected`: what their unions take (another
+    route's body, the Messages API's, has its own)."""
+    expected = EXPECTED if expected is None else expected
     first = errors[0]
     if first["type"] == "json_invalid":
         return bad(None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
     if tuple(first["loc"]) == ("body",):
         return bad(None, "the request body must be a JSON object")
-    best = min(errors, key=lambda e: (e["type"] not in TEXT_ERRORS, -len(_path(e["loc"]))))
-    param = _param(best["loc"])
+    best = min(errors, key=lambda e: (e["type"] not in TEXT_ERRORS, -len(_path(e["loc"], names))))
+    param = _param(best["loc"], names)
     if best["type"] == "missing":
         return bad(param, f"'{param}' is required")
     if best["type"] in TEXT_ERRORS:
         return bad(param, f"'{param}' holds a lone surrogate (a UTF-16 half, not text)"
                    if best["type"] == "string_unicode" else f"'{param}' {best['msg'].removeprefix('Value error, ')}")
-    siblings = [e for e in errors if _param(e["loc"]) == param]
-    field = _path(best["loc"])[-1]
-    if len(siblings) > 1 and field in EXPECTED:        # no branch of a union matched
-        return bad(param, f"'{param}' must be {EXPECTED[field]}")
+    siblings = [e for e in errors if _param(e["loc"], names) == param]
+    field = _path(best["loc"], names)[-1]
+    if len(siblings) > 1 and field in expected:        # no branch of a union matched
+        return bad(param, f"'{param}' must be {expected[field]}")
     return bad(param, f"'{param}' {best['msg'].removeprefix('Input ')}")
 
 
-def _path(loc) -> list:
+def _path(loc, names: frozenset[str]) -> list:
     """The field names and indices of a pydantic location, without "body" and union-branch tags
     (a discriminated union's tag can be a field's name too: response_format.json_schema)."""
-    path = [x for x in loc[1:] if isinstance(x, int) or x in FIELD_NAMES]
+    path = [x for x in loc[1:] if isinstance(x, int) or x in names]
     return [x for i, x in enumerate(path) if i == 0 or x != path[i - 1]]
 
 
-def _param(loc) -> str | None:
+def _param(loc, names: frozenset[str]) -> str | None:
     out = ""
-    for x in _path(loc):
+    for x in _path(loc, names):
         out += f"[{x}]" if isinstance(x, int) else f".{x}" if out else x
     return out or None
 

@@ -102,4 +102,4 @@ class Emission:
             queue_time=None if req.admit_time is None else req.admit_time - req.arrival_time,
             num_cached_tokens=req.num_cached_prompt_tokens, stats=req.spec, error=req.error,
             logprobs=None if req.params.logprobs is None else list(req.logprobs),
-            prompt_logprobs=req.prompt_logprobs)
+            prompt_logprobs=req.prompt_logprobs, stop_string=req.detok.stopped_by)

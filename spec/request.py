@@ -156,3 +156,6 @@ class RequestOutput:
     # per output token (params.logprobs set): a verifier.sampling.logprobs.TokenLogprob, aligned with token_ids
     logprobs: list | None = None
     prompt_logprobs: list | None = None   # per prompt token (params.prompt_logprobs set), the first None
+    # the stop string that ended the text (finish_reason "stop"; vLLM's stop_reason): the text
+    # is cut before it, so a caller could not tell which of several it was
+    stop_string: str | None = None

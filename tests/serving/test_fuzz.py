@@ -18,8 +18,8 @@ from server_util import LiveServer
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
 
-ROUTES = ("/v1/chat/completions", "/v1/completions")
-EXAMPLES = 50                  # per route and mode: 200 requests
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+EXAMPLES = 50                  # per route and mode: 300 requests
 MAX_TOKENS, MAX_N = 4, 2       # caps on in-range values, so that a fuzzed request stays short
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
