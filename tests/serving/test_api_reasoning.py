@@ -115,3 +115,21 @@ def test_enable_thinking_false_is_the_template_s_to_honour(fmt, client):
         assert reply.usage.completion_tokens_details.reasoning_tokens == 0
     else:
         assert message.reasoning_content
+
+
+def test_the_messages_api_returns_the_block_as_a_thinking_block(server, client):
+    """/v1/messages: the chat reply's reasoning as a `thinking` block first, its content as the
+    text block, whole and through the SDK's stream alike."""
+    anthropic = pytest.importorskip("anthropic")
+    api = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    system, turns = SHOTS[0]["content"], ask("What is 3+5?")[1:]
+    chat_message = chat(client, "What is 3+5?").choices[0].message
+    kw = dict(model="smol", max_tokens=40, system=system, messages=turns, extra_body={"temperature": 0})
+    whole = api.messages.create(**kw)
+    with api.messages.stream(**kw) as stream:
+        streamed_message = stream.get_final_message()
+    for message in (whole, streamed_message):
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == chat_message.reasoning_content
+        assert message.content[1].text == chat_message.content
+    server.wait_idle()
