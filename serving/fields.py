@@ -63,13 +63,7 @@ _logged: set[str] = set()
 
 def check_fields(body, chat: bool) -> None:
     """Refuse what the request asks and Tercel does not do; log the unknown names."""
-    table = {**BOTH, **(CHAT if chat else COMPLETIONS)}
-    for name, value in (body.model_extra or {}).items():
-        rule = table.get(name)
-        if rule is None:
-            _log_unknown(name)
-        elif not any(value == v and type(value) is type(v) for v in rule.inert):
-            raise bad(name, f"'{name}' {rule.why}")
+    check_extra(body.model_extra, {**BOTH, **(CHAT if chat else COMPLETIONS)})
     n = body.n or 1
     if body.best_of not in (None, 1, n):
         raise bad("best_of", f"'best_of' is {body.best_of}: only 1 or n ({n}) is supported, "
@@ -77,6 +71,21 @@ def check_fields(body, chat: bool) -> None:
     if not chat and body.suffix:
         raise bad("suffix", "'suffix' is not supported (no fill-in-the-middle)")
     check_template_kwargs(getattr(body, "chat_template_kwargs", None))
+
+
+def check_extra(extra: dict | None, table: dict[str, Unsupported]) -> None:
+    """Unknown fields: refuse each `table` names unless its value is inert; log the rest once per name."""
+    for name, value in (extra or {}).items():
+        rule = table.get(name)
+        if rule is None:
+            _log_unknown(name)
+        elif not inert(value, rule):
+            raise bad(name, f"'{name}' {rule.why}")
+
+
+def inert(value, rule: Unsupported) -> bool:
+    """The value asks for what Tercel does anyway (`false` is not 0: the type must match too)."""
+    return any(value == v and type(value) is type(v) for v in rule.inert)
 
 
 def check_template_kwargs(kwargs: dict | None) -> None:
