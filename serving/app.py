@@ -34,6 +34,9 @@ from serving.lora_routes import LoraRoutes
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
+from serving.responses.routes import ResponsesRoutes
+from serving.responses.schemas import DeletedResponse, ResponseObject
+from serving.responses.store import ResponseStore, StoreLimits
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, \
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse, VersionResponse
 from serving.streaming import Reply, full_reply, sse_events
@@ -58,6 +61,7 @@ class ServerConfig:
     # what requests that leave sampling fields out get (the model's generation_config.json)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     lora: LoraServing = LoraServing()         # LoRA adapters under their own names (serving/lora_routes.py)
+    responses: StoreLimits = StoreLimits()    # stored responses (--responses-max-stored, --responses-ttl)
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -77,6 +81,13 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
     app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404))(more.detokenize)
     app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion))(routes.chat)
     app.post("/v1/completions", response_model=None, responses=_responses(Completion))(routes.completions)
+    responses = ResponsesRoutes(routes, ResponseStore(config.responses))
+    app.post("/v1/responses", response_model=None, responses=_responses(ResponseObject, RESPONSES_EVENT))(
+        responses.create)
+    stored = {200: {"model": ResponseObject}, 404: {"model": ErrorResponse, "description": "no stored response"}}
+    app.get("/v1/responses/{response_id}", response_model=None, responses=stored)(responses.get)
+    app.delete("/v1/responses/{response_id}", response_model=None,
+               responses={**stored, 200: {"model": DeletedResponse}})(responses.delete)
     if config.lora.allow_runtime:
         lora = LoraRoutes(bridge, routes.served, config.lora)
         app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400))(lora.load)
@@ -260,12 +271,17 @@ def _errors(*codes: int) -> dict:
     return {code: {"model": ErrorResponse, "description": text[code]} for code in codes}
 
 
-def _responses(ok_model) -> dict:
+CHUNK_EVENT = "a chunk as JSON; the last event is [DONE]"
+RESPONSES_EVENT = ("an event as JSON, its `type` also the SSE event's name (response.created, "
+                   "response.output_text.delta, ..., response.completed); no [DONE]")
+
+
+def _responses(ok_model, event_data: str = CHUNK_EVENT) -> dict:
     """The statuses a generation route answers, for /openapi.json: the 200 body (or an SSE
     stream when "stream" is true) and the OpenAI error body of every refusal."""
     # Before OpenAPI 3.2 (FastAPI writes 3.1), a text/event-stream schema describes one event.
     event = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last event is [DONE]"},
+             "properties": {"data": {"type": "string", "description": event_data},
                             "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
     sse = {"text/event-stream": {"schema": event}}
     errors = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
