@@ -208,6 +208,41 @@ def test_speculation_on_and_off_give_the_same_response(client, server):
     server.wait_idle()
 
 
+def test_a_request_that_fails_under_way_ends_with_response_failed(client, server, monkeypatch):
+    """A forward that fails on this request's rows alone: the stream ends with `response.failed`
+    (no exception text), a whole response is a 500; the next request is served, the pool whole."""
+    target, real = server.engine.target, server.engine.target.forward
+    poison = server.bridge.tokenizer.encode(" zebra", add_special_tokens=False)[-1]
+
+    def forward(batch):
+        if any(poison in s.token_ids for s in batch.seqs):
+            raise RuntimeError("secret kernel detail")
+        return real(batch)
+
+    monkeypatch.setattr(target, "forward", forward)
+    events = list(create(client, input="Tell me about the zebra.", stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error" and "secret" not in failed.error.message
+    with pytest.raises(openai.InternalServerError) as e:
+        create(client, input="Tell me about the zebra.")
+    assert "secret" not in str(e.value.body)
+    monkeypatch.undo()
+    assert create(client, input=QUESTION, max_output_tokens=4).status == "incomplete"
+    server.wait_idle()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks_and_stores_nothing(server):
+    body = {"model": "smol", "input": QUESTION, "max_output_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        next(line for line in lines if "response.output_text.delta" in line)
+    server.wait_idle()
+    rid = json.loads(first[6:])["response"]["id"]
+    assert httpx.get(f"{server.url}/v1/responses/{rid}").status_code == 404
+
+
 def test_openapi_documents_the_routes(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
     create_op = doc["paths"]["/v1/responses"]["post"]
