@@ -38,6 +38,9 @@ from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
 from serving.reasoning import ReasoningFormat, ReasoningParser
+from serving.responses.routes import ResponsesRoutes
+from serving.responses.schemas import DeletedResponse, ResponseObject
+from serving.responses.store import ResponseStore, StoreLimits
 from serving.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, \
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse, VersionResponse
 from serving.streaming import Reply, full_reply, sse_events
@@ -63,6 +66,7 @@ class ServerConfig:
     # what requests that leave sampling fields out get (the model's generation_config.json)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     lora: LoraServing = LoraServing()         # LoRA adapters under their own names (serving/lora_routes.py)
+    responses: StoreLimits = StoreLimits()    # stored responses (--responses-max-stored, --responses-ttl)
 
 
 def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
@@ -87,6 +91,13 @@ def build_app(bridge: EngineBridge, config: ServerConfig) -> FastAPI:
              responses=_responses(Message, AnthropicError, MESSAGE_EVENT))(messages.create)
     app.post("/v1/messages/count_tokens", response_model=TokenCount,
              responses=_errors(400, 404, model=AnthropicError))(messages.count_tokens)
+    responses = ResponsesRoutes(routes, ResponseStore(config.responses))
+    app.post("/v1/responses", response_model=None, responses=_responses(ResponseObject, event_data=RESPONSES_EVENT))(
+        responses.create)
+    stored = {200: {"model": ResponseObject}, 404: {"model": ErrorResponse, "description": "no stored response"}}
+    app.get("/v1/responses/{response_id}", response_model=None, responses=stored)(responses.get)
+    app.delete("/v1/responses/{response_id}", response_model=None,
+               responses={**stored, 200: {"model": DeletedResponse}})(responses.delete)
     if config.lora.allow_runtime:
         lora = LoraRoutes(bridge, routes.served, config.lora)
         app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400))(lora.load)
@@ -291,6 +302,8 @@ def _errors(*codes: int, model=ErrorResponse) -> dict:
 
 
 CHAT_EVENT = "a chunk as JSON; the last event is [DONE]"
+RESPONSES_EVENT = ("an event as JSON, its `type` also the SSE event's name (response.created, "
+                   "response.output_text.delta, ..., response.completed); no [DONE]")
 MESSAGE_EVENT = ("an event as JSON, named by `event`: message_start, content_block_start, content_block_delta, "
                  "content_block_stop, message_delta, message_stop, or error")
 

@@ -81,8 +81,13 @@ def check_extra(extra: dict | None, table: dict[str, Unsupported], accepted: fro
         if rule is None:
             if name not in accepted:
                 _log_unknown(name)
-        elif not any(value == v and type(value) is type(v) for v in rule.inert):
+        elif not inert(value, rule):
             raise bad(name, f"'{name}' {rule.why}")
+
+
+def inert(value, rule: Unsupported) -> bool:
+    """The value asks for what Tercel does anyway (`false` is not 0: the type must match too)."""
+    return any(value == v and type(value) is type(v) for v in rule.inert)
 
 
 def check_template_kwargs(kwargs: dict | None) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from drafters.config import SpecConfig
 from serving.reasoning import ReasoningFormat, after_reasoning
+from serving.responses.schemas import responses_field_names
 from serving.schemas import ChatCompletionRequest, CompletionRequest, Speculation, request_field_names
 from serving.tools.constraint import ToolChoice, tool_constraint
 from serving.tools.formats import ToolFormat
@@ -20,7 +21,7 @@ from serving.tools.request import Refused, chat_messages, tool_request
 from verifier.sampling.sampling_params import SamplingParams
 from verifier.sampling.structured import StructuredOutputs
 
-FIELD_NAMES = request_field_names()
+FIELD_NAMES = request_field_names() | responses_field_names()
 
 
 class APIError(Exception):
@@ -251,6 +252,8 @@ EXPECTED = {
     "speculation": '"auto", "off" or an object {"drafter", "gamma", "topk", "budget"}',
     "stop": "a non-empty string or an array of non-empty strings",
     "content": "a string or an array of text parts",
+    "input": "a non-empty string or an array of items",
+    "output": "a string or an array of text parts",
 }
 TEXT_ERRORS = ("value_error", "string_unicode")     # our lone-surrogate check, pydantic's own
 

@@ -20,6 +20,7 @@ from serving.flags import (add_lora_args, add_quantization_arg, add_speculation_
 from serving.limits import ServerLimits
 from serving.metrics import Metrics
 from serving.reasoning import REASONING_PARSERS
+from serving.responses.store import StoreLimits
 from serving.shutdown import BACKSTOP_S, GracefulServer, signals_resent_as_no_ops
 from serving.tools.formats import FORMATS
 from spec.adaptive import AdaptiveConfig
@@ -110,6 +111,11 @@ def add_limit_args(p) -> None:
                         "rendering is used where it has one")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins browser clients may call from (CORS); '*' for any; off by default")
+    r = StoreLimits()
+    p.add_argument("--responses-max-stored", type=int, default=r.max_stored,
+                   help="responses kept in memory for previous_response_id and GET /v1/responses/{id}, the oldest "
+                        "dropped first (0: none)")
+    p.add_argument("--responses-ttl", type=float, default=r.ttl_s, help="seconds a stored response is kept")
 
 
 def grammar_limits(args):
@@ -197,7 +203,8 @@ def server_config(args, limits):
                         special_tokens_in_content=args.allow_special_tokens_in_content,
                         tool_format=FORMATS[args.tool_call_parser], chat_template=chat_template(args.chat_template),
                         reasoning=REASONING_PARSERS.get(args.reasoning_parser),
-                        sampling_defaults=defaults, lora=lora)
+                        sampling_defaults=defaults, lora=lora,
+                        responses=StoreLimits(args.responses_max_stored, args.responses_ttl))
 
 
 def chat_template(path: str | None) -> str | None:

@@ -133,3 +133,21 @@ def test_the_messages_api_returns_the_block_as_a_thinking_block(server, client):
         assert message.content[0].thinking == chat_message.reasoning_content
         assert message.content[1].text == chat_message.content
     server.wait_idle()
+
+
+def test_the_responses_api_returns_the_block_as_a_reasoning_item(server, client):
+    """/v1/responses: the chat reply's reasoning as a `reasoning` item before the message, its
+    tokens counted as the chat route counts them, whole and streamed alike."""
+    chat_reply = chat(client, "What is 3+5?")
+    kw = dict(model="smol", instructions=SHOTS[0]["content"], input=ask("What is 3+5?")[1:], max_output_tokens=40,
+              temperature=0)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        streamed_response = stream.get_final_response()
+    for response in (whole, streamed_response):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == chat_reply.choices[0].message.reasoning_content
+        assert response.output_text == chat_reply.choices[0].message.content
+        assert response.usage.output_tokens_details.reasoning_tokens == \
+            chat_reply.usage.completion_tokens_details.reasoning_tokens
+    server.wait_idle()
