@@ -261,8 +261,12 @@ class ErrorResponse(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    accepted_prediction_tokens: int = Field(description="tokens of the prediction accepted by verification")
-    rejected_prediction_tokens: int = Field(description="tokens of the prediction verified and not accepted")
+    accepted_prediction_tokens: int | None = Field(None, description="tokens of the prediction accepted by "
+                                                                     "verification (with a prediction)")
+    rejected_prediction_tokens: int | None = Field(None, description="tokens of the prediction verified and not "
+                                                                     "accepted (with a prediction)")
+    reasoning_tokens: int | None = Field(None, description="the reply's tokens up to the end of its reasoning "
+                                                           "block (with --reasoning-parser)")
 
 
 class Usage(BaseModel):
@@ -270,7 +274,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails | None = Field(
-        None, description="present when the request carried a prediction")
+        None, description="present when the request carried a prediction or the server parses reasoning")
 
 
 class TercelStats(BaseModel):

@@ -178,7 +178,7 @@ class CountTokensRequest(_Conversation):
 
 
 # ---- responses (documented in /openapi.json) ------------------------------------------------
-class Usage(BaseModel):
+class MessageUsage(BaseModel):
     input_tokens: int = Field(description="prompt tokens not read from the prefix cache")
     output_tokens: int
     cache_read_input_tokens: int = Field(description="prompt tokens read from the prefix cache")
@@ -211,7 +211,7 @@ class Message(BaseModel):
     content: list[TextContent | ToolUseContent | ThinkingContent]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
-    usage: Usage
+    usage: MessageUsage
     tercel: TercelStats = Field(description="how the speculation went (Tercel's)")
 
 

@@ -117,5 +117,5 @@ def test_openapi_documents_the_prediction_and_its_usage(server):
     assert "prediction" in schemas["CompletionRequest"]["properties"]
     assert schemas["PredictionContent"]["properties"]["type"]["const"] == "content"
     assert set(schemas["CompletionTokensDetails"]["properties"]) == {"accepted_prediction_tokens",
-                                                                      "rejected_prediction_tokens"}
+                                                                      "rejected_prediction_tokens", "reasoning_tokens"}
     assert "completion_tokens_details" in schemas["Usage"]["properties"]
