@@ -2,7 +2,9 @@
 the default model under stated chat templates that think (a conversation whose earlier answers
 show the `<think>` block leads the model to write one): `reasoning_content` apart from
 `content`, whole and streamed alike, its tokens in the usage; a constraint held only after the
-block; the same replies with speculation on and off; `enable_thinking: false` honoured."""
+block; the same replies with speculation on and off; `enable_thinking: false` honoured; the
+Messages and Responses routes' own shapes of it; and a tiny random Qwen3 whose replies are full of
+the markers' pieces, split the same streamed and whole at its real token boundaries."""
 from __future__ import annotations
 
 import json
@@ -151,3 +153,40 @@ def test_the_responses_api_returns_the_block_as_a_reasoning_item(server, client)
         assert response.usage.output_tokens_details.reasoning_tokens == \
             chat_reply.usage.completion_tokens_details.reasoning_tokens
     server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory, smollm2_dir):
+    """A tiny random Qwen3 (the SmolLM2 tokenizer) under a template that opens its block, the
+    deepseek_r1 parser: replies full of the markers' pieces, cut wherever its tokens fall."""
+    from conftest import make_tiny_model
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_dir, model_type="qwen3", head_dim=32)
+    s = LiveServer(EngineConfig(model=str(model), max_num_seqs=8, drafter="ngram",
+                                adaptive=AdaptiveConfig(enabled=False)),
+                   model_name="tiny", chat_template=TEMPLATES["deepseek_r1"], reasoning=DEEPSEEK_R1)
+    yield s
+    s.close()
+
+
+# "<", "</", "think", ">" pushed up: markers whole, cut and broken, in random places
+MARKER_PIECES = {"44": 9, "9617": 11, "17400": 11, "46": 11}
+
+
+def test_a_tiny_random_qwen3_s_replies_split_the_same_streamed_and_whole(tiny_qwen3):
+    client = tiny_qwen3.openai_client()
+    seen = set()
+    for seed in range(6):
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "think"}], max_tokens=48, temperature=1.0,
+                  seed=seed, logit_bias=MARKER_PIECES)
+        whole = client.chat.completions.create(**kw)
+        message = whole.choices[0].message
+        reasoning, content = [], []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for choice in chunk.choices:
+                reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+                content.append(choice.delta.content or "")
+        assert ("".join(reasoning), "".join(content)) == (message.reasoning_content or "", message.content or "")
+        assert "</think>" not in message.reasoning_content
+        seen.add(message.content is not None)
+    assert seen == {True, False}, seen      # some replies closed their block, some did not
+    tiny_qwen3.wait_idle()
