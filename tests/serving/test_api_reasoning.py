@@ -190,3 +190,21 @@ def test_a_tiny_random_qwen3_s_replies_split_the_same_streamed_and_whole(tiny_qw
         seen.add(message.content is not None)
     assert seen == {True, False}, seen      # some replies closed their block, some did not
     tiny_qwen3.wait_idle()
+
+
+ADD = [{"type": "function", "function": {
+    "name": "add", "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def test_tool_calls_are_held_only_after_the_reasoning(server, client):
+    """`tool_choice: required` under a reasoning parser: the block first, free; then the call."""
+    reply = chat(client, "What is 7+8?", tools=ADD, tool_choice="required", max_tokens=80)
+    message = reply.choices[0].message
+    assert message.reasoning_content, message
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), ADD[0]["function"]["parameters"])
+    assert reply.choices[0].finish_reason == "tool_calls"
+    server.wait_idle()
