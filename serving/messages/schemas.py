@@ -57,7 +57,7 @@ def _tag(known: frozenset[str]):
     (it would show in the field a validation error names)."""
     def tag(value) -> str:
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return f"{kind} block" if kind in known else "other block"
+        return f"{kind} block" if isinstance(kind, str) and kind in known else "other block"   # any JSON comes here
     return tag
 
 

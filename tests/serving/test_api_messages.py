@@ -276,3 +276,10 @@ def test_a_failure_under_way_is_one_error_event(error, kind):
     body = json.loads(events[-1]["data"])
     assert body["type"] == "error" and body["error"]["type"] == kind and set(body["error"]) == {"type", "message"}
     assert "engine gone" not in body["error"]["message"] and stream.cancelled
+
+
+def test_a_block_whose_type_is_not_a_string_is_a_400(server):
+    """Found by the fuzz suite: a block `{"type": [...]}` reached the union's tag as a list (a 500)."""
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": "smol", "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": ["text"], "text": "hi"}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text

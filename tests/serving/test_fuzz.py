@@ -18,8 +18,8 @@ from server_util import LiveServer
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
-EXAMPLES = 50                  # per route and mode: 300 requests
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+EXAMPLES = 50                  # per route and mode: 400 requests
 MAX_TOKENS, MAX_N = 4, 2       # caps on in-range values, so that a fuzzed request stays short
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
@@ -94,7 +94,8 @@ def _bound(body) -> None:
     """Shorten in-range lengths and counts; a value outside the schema is left as it is."""
     if not isinstance(body, dict):
         return
-    for key, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_N)):
+    for key, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS),
+                     ("max_output_tokens", MAX_TOKENS), ("n", MAX_N)):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
             body[key] = min(v, cap)
@@ -109,7 +110,8 @@ def _splice(body, text: str) -> bool:
             and isinstance(messages[0].get("content"), str):
         messages[0]["content"] += text
         return True
-    if isinstance(body.get("prompt"), str):
-        body["prompt"] = text + body["prompt"]
-        return True
+    for key in ("prompt", "input"):      # a completion's prompt, a response's text input
+        if isinstance(body.get(key), str):
+            body[key] = text + body[key]
+            return True
     return False
