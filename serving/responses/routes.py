@@ -18,14 +18,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
-from starlette.concurrency import run_in_threadpool
 
 from serving.bridge import RequestFailed, RequestStream
 from serving.deltas import ChoiceDeltas
 from serving.disconnect import until_disconnected
 from serving.errors import engine_unavailable, request_failed, stream_error
-from serving.fields import check_fields as check_chat_fields
-from serving.protocol import APIError, ParsedRequest, bad, parse_chat
+from serving.protocol import APIError, ParsedRequest, bad
 from serving.responses.convert import Turn, renamed, turn
 from serving.responses.policy import check_fields
 from serving.responses.render import OutputItems, ResponseHead, failed_body, final_body, output_messages, settings
@@ -44,12 +42,7 @@ class ResponsesRoutes:
         history = self._history(body.previous_response_id)
         try:
             asked = turn(body, history)
-            check_chat_fields(asked.chat, chat=True)
-            config = self.routes.config
-            req = parse_chat(config.sampling_defaults.apply(asked.chat), config.tool_format,
-                             self.routes.bridge.limits.max_model_len)
-            # Routes' own early refusals, the chat route's: one place decides them for both
-            self.routes._check(req, [m["content"] or "" for m in req.prompts[0]], "input")
+            req = self.routes.parsed_chat(asked.chat)     # the chat route's checks and parse, reasoning's too
         except APIError as e:
             raise renamed(e) from None
         return await until_disconnected(request, self._create(body, asked, req))
@@ -75,12 +68,8 @@ class ResponsesRoutes:
 
     async def _create(self, body: ResponsesRequest, asked: Turn, req: ParsedRequest):
         routes = self.routes
-        try:    # off the event loop: a long conversation takes seconds to tokenize
-            ids = await run_in_threadpool(routes.chat_prompt.ids, req.prompts[0], req.tools, True,
-                                          asked.chat.chat_template_kwargs)
-        except ValueError as e:
-            raise bad("input", str(e)) from None
         try:
+            ids = await routes.chat_ids(req, asked.chat.chat_template_kwargs)     # off the event loop
             reply, streams = await routes.start(req, [ids], chat=True)
         except APIError as e:
             raise renamed(e) from None

@@ -208,3 +208,12 @@ def test_tool_calls_are_held_only_after_the_reasoning(server, client):
         jsonschema.validate(json.loads(call.function.arguments), ADD[0]["function"]["parameters"])
     assert reply.choices[0].finish_reason == "tool_calls"
     server.wait_idle()
+
+
+def test_the_responses_api_holds_text_format_only_after_the_reasoning(server, client):
+    """/v1/responses goes through the chat route's parse: `text.format` is held after the block too."""
+    response = client.responses.create(
+        model="smol", instructions=SHOTS[0]["content"], input=ask("What is 10-4?")[1:], max_output_tokens=60,
+        temperature=0, text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}})
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    jsonschema.validate(json.loads(response.output_text), ANSWER)
