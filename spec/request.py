@@ -37,12 +37,10 @@ class Submission:
     lora: str | None = None                 # the LoRA adapter it runs under (None: the base model)
     prompt: str | None = None               # the prompt's text, kept for the outputs
 
-    @classmethod
-    def of(cls, prompt: str | list[int], params: SamplingParams, **options) -> Submission:
-        """From a text (tokenized by the engine) or token ids, as vLLM's add_request takes either."""
-        if isinstance(prompt, str):
-            return cls(None, params, prompt=prompt, **options)
-        return cls(list(prompt), params, **options)
+    def __post_init__(self):
+        # A text where ids belong would be read as one id per character: refused, named.
+        if isinstance(self.prompt_token_ids, str) or (self.prompt_token_ids is None and self.prompt is None):
+            raise ValueError("a Submission takes prompt_token_ids (a list of ids), or None and the text as prompt=")
 
 
 class Status(enum.Enum):

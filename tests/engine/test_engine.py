@@ -245,3 +245,11 @@ def test_prefix_of_a_finished_one_token_request_is_reused(tiny_llama_dir):
     llm.generate(shared + [5], SamplingParams(temperature=0, max_tokens=1))
     second = llm.generate(shared + [6, 7], SamplingParams(temperature=0, max_tokens=1))[0]
     assert second.num_cached_tokens == 64
+
+
+def test_a_submission_refuses_text_where_ids_belong():
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Submission("hello", GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Submission(None, GREEDY)
+    assert Submission(None, GREEDY, prompt="hello").prompt == "hello"
