@@ -19,8 +19,9 @@ from serving.tools.constraint import as_format
 from verifier.sampling.structured import StructuredOutputs
 
 START, END = "<think>", "</think>"
-# Whitespace the constraint lets come between the block and the answer (the split drops it).
-GAP = {"type": "regex", "pattern": r"\s{0,4}"}
+# Whitespace the constraint lets come between the block and the answer (the split drops it; ASCII
+# only: a small model given `\s` wrote thin spaces there).
+GAP = {"type": "regex", "pattern": r"[ \t\r\n]{0,4}"}
 
 
 @dataclass(frozen=True)
