@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quant_cases import assert_loops_agree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.quantized.cpu_loop import native_layers
 from verifier.target import TargetModel
@@ -46,20 +47,13 @@ def _run_both(target: TargetModel, capture: tuple[int, ...]):
     return results
 
 
-def _assert_same(results) -> None:
-    (logits, taps, k, v), (logits_py, taps_py, k_py, v_py) = results
-    assert torch.equal(logits, logits_py)
-    assert taps.keys() == taps_py.keys() and all(torch.equal(taps[i], taps_py[i]) for i in taps)
-    assert torch.equal(k, k_py) and torch.equal(v, v_py)
-
-
 def test_the_native_loop_is_bitwise_the_python_loop_on_the_int4_gguf(smollm2_dir):
     """SmolLM2 on its Q4_1 blocks: a decode row, a 6-node tree and a 20-token prompt in one
     forward, with layers 0, 7 and the last tapped (as EAGLE-3 taps them)."""
     target = TargetModel(str(smollm2_dir), quantization="int4")
     target.allocate_kv(16, BLOCK)
     assert target.runner.native.has_head          # its Q8_0 head and final norm run natively too
-    _assert_same(_run_both(target, (0, 7, target.config.num_layers)))
+    assert_loops_agree(_run_both(target, (0, 7, target.config.num_layers)))
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
@@ -68,7 +62,7 @@ def test_the_native_loop_is_bitwise_the_python_loop_on_a_checkpoint_quantized_at
     kernel's path through the loop), taps below and at the last layer."""
     target = TargetModel(str(tiny_llama_dir), quantization=mode)
     target.allocate_kv(16, BLOCK)
-    _assert_same(_run_both(target, (1, target.config.num_layers)))
+    assert_loops_agree(_run_both(target, (1, target.config.num_layers)))
 
 
 def test_a_layer_with_a_bias_outside_qkv_stays_on_the_python_loop(tiny_llama_dir):

@@ -1,8 +1,9 @@
 """GGUF files that mix block formats, as llama.cpp's K-quant files do (Q4_K_M: Q4_K beside Q6_K, Q5_0
 and Q8_0), served with `quantization="gguf"`: each tensor on the kernel for its own blocks (int4 for
 Q4_x, q8x16 for Q5_0 / Q6_K / Q8_0), the weights as stored, rows bitwise independent of their batch,
-and T=0 speculation equal to plain decoding. The Q6_K blocks are written here by the format's
-definition (gguf-py has no Q6_K quantizer) and checked against gguf-py's dequantizer."""
+and T=0 speculation equal to plain decoding. The Q6_K blocks are written by the format's
+definition (tests/quant_cases.py: gguf-py has no Q6_K quantizer) and checked here against gguf-py's
+dequantizer."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from quant_cases import assert_loops_agree, q4_k_bytes, q6_k_bytes
 from test_model_families import BLOCK, converted, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
@@ -30,44 +32,6 @@ KINDS = ({"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "
           "ffn_up": "Q4_1", "ffn_down": "Q4_K"})
 
 
-def q4_k_bytes(w: np.ndarray) -> np.ndarray:
-    """[N, K] fp32 (K a multiple of 256) -> Q4_K blocks [N, K / 256 * 144]: per 32 weights a 6-bit
-    scale and min of d and dmin (fp16, per 256), q in 0..15 with w ~ (d * sc) q - dmin * mn."""
-    n, k = w.shape
-    g = w.reshape(n, k // 256, 8, 32)
-    lo = np.minimum(g.min(-1), 0)
-    step, low = (g.max(-1) - lo) / 15, -lo                          # [N, nsb, 8]
-    d, dmin = ((t.max(-1) / 63).astype(np.float16) for t in (step, low))
-    d32, dmin32 = (np.where(t > 0, t.astype(np.float32), 1)[..., None] for t in (d, dmin))
-    sc = np.clip(np.round(step / d32), 1, 63).astype(np.uint8)
-    mn = np.clip(np.round(low / dmin32), 0, 63).astype(np.uint8)
-    q = np.clip(np.round((g + (dmin32 * mn)[..., None]) / (d32 * sc)[..., None]), 0, 15).astype(np.uint8)
-    q = q.reshape(n, k // 256, 4, 2, 32)                            # chunk c: weights 64 c + l, 64 c + 32 + l
-    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n, -1, 128)
-    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
-                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)
-    halves = np.stack([d, dmin], -1).view(np.uint8)
-    return np.concatenate([halves, scales, qs], -1).reshape(n, -1)
-
-
-def q6_k_bytes(w: np.ndarray) -> np.ndarray:
-    """[N, K] fp32 (K a multiple of 256) -> Q6_K blocks [N, K / 256 * 210]: per 16 weights an int8
-    scale of d (fp16, per 256), q in 0..63 with w ~ d * sc * (q - 32)."""
-    n, k = w.shape
-    g = w.reshape(n, k // 256, 16, 16)
-    group = np.abs(g).max(-1) / 31                                   # [N, nsb, 16]
-    d = (group.max(-1) / 127).astype(np.float16)
-    d32 = np.where(d > 0, d.astype(np.float32), 1)
-    sc = np.clip(np.round(group / d32[..., None]), -128, 127).astype(np.int8)
-    step = d32[..., None] * np.where(sc != 0, sc, 1)
-    q = (np.clip(np.round(g / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)
-    ql = np.concatenate([q[:, :, :, 0] | (q[:, :, :, 2] << 4), q[:, :, :, 1] | (q[:, :, :, 3] << 4)], -1)
-    qh = sum((q[:, :, :, j] >> 4) << (2 * j) for j in range(4)).astype(np.uint8)
-    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8),
-                             d[..., None].view(np.uint8).reshape(n, -1, 2)], -1)
-    return blocks.reshape(n, -1)
-
-
 def test_q5_0_q4_k_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
     import gguf
     from gguf.quants import dequantize, quantize
@@ -77,12 +41,12 @@ def test_q5_0_q4_k_and_q6_k_blocks_read_as_gguf_py_dequantizes_them():
     for kind, data in (("Q5_0", quantize(w, gguf.GGMLQuantizationType.Q5_0)), ("Q6_K", q6_k_bytes(w)),
                        ("Q4_K", q4_k_bytes(w))):
         want = dequantize(data, getattr(gguf.GGMLQuantizationType, kind))
-        assert np.abs(want - w).max() < 0.1 * np.abs(w).max(), kind     # the encoders above write the formats
+        assert np.abs(want - w).max() < 0.1 * np.abs(w).max(), kind     # quant_cases' encoders write the formats
         assert np.array_equal(read_block_tensor(kind, data, 8, 512).dequantize().numpy(), want), kind
 
 
 def _blocks(name: str, arr: np.ndarray):
-    """A decoder matrix in its KINDS format (Q4_K and Q6_K by the encoders above, the others by
+    """A decoder matrix in its KINDS format (Q4_K and Q6_K by quant_cases' encoders, the others by
     gguf-py), else None."""
     import gguf
     from gguf.quants import quantize
@@ -176,7 +140,6 @@ def test_one_fused_projection_in_two_formats_takes_the_finer_one():
 def test_the_native_loop_is_bitwise_the_python_loop(mixed_gguf):
     """The q8x16 kernel called from the C++ loop (kind 32) gives what the Python loop's call gives:
     a decode row and a 20-token prompt in one forward, the logits and the KV written."""
-    from test_cpu_loop import _assert_same
     target = TargetModel(str(mixed_gguf), quantization="gguf", load_tokenizer_files=False)
     target.allocate_kv(16, BLOCK)
     target.forward(ForwardBatch([SeqInput(list(range(100, 140)), 0, [0, 1, 2, 3])]))
@@ -189,4 +152,4 @@ def test_the_native_loop_is_bitwise_the_python_loop(mixed_gguf):
         results.append((out.logits.clone(), {k: v.clone() for k, v in out.hidden.items()},
                         target.kv.k.clone(), target.kv.v.clone()))
     target.runner.native = native
-    _assert_same(results)
+    assert_loops_agree(results)

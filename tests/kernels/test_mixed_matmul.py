@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_q4 import _activations
-from test_q8 import _weights as _int8_weights
+from quant_cases import activations, int8_weights
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4Weight, Int8Weight, StackedWeight, concat_rows, quantize_int4
 from verifier.quantized.own_kernels import mixed, q4x16, q8x16
@@ -26,8 +25,8 @@ def _int4_weights(n: int, k: int, seed: int = 0) -> Int4Weight:
 def _stack(k: int) -> StackedWeight:
     """int4 (q4x16), 5 bits in 32s, 6 bits in 16s, 8 bits in 32s: every layout, with part
     rows that end inside a tile (40 = 2.5 tiles)."""
-    return StackedWeight((_int4_weights(48, k), _int8_weights(40, k, 5, 32, seed=1),
-                          _int8_weights(24, k, 6, 16, seed=2), _int8_weights(40, k, 8, 32, seed=3)))
+    return StackedWeight((_int4_weights(48, k), int8_weights(40, k, 5, 32, seed=1),
+                          int8_weights(24, k, 6, 16, seed=2), int8_weights(40, k, 8, 32, seed=3)))
 
 
 def _own(part, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +42,7 @@ def test_each_part_gets_its_own_kernels_bits(k):
     w = _stack(k)
     packed, table = mixed.pack_parts(w)
     assert table.tolist() == [[48, 4, 0], [40, 5, 32], [24, 6, 16], [40, 8, 32]]
-    x = _activations(17, k)             # two full passes of 8 rows and one of 1
+    x = activations(17, k)             # two full passes of 8 rows and one of 1
     got = cpu_ops.mixed_matmul(packed, table, 152, x)
     assert torch.equal(got, cpu_ops.mixed_matmul(packed, table, 152, x, reference=True))
     assert torch.equal(got, torch.cat([_own(p, x) for p in w.parts], 1))
@@ -52,7 +51,7 @@ def test_each_part_gets_its_own_kernels_bits(k):
 def test_a_row_is_the_same_alone_and_among_others():
     w = _stack(576)
     packed, table = mixed.pack_parts(w)
-    x = _activations(17, 576)
+    x = activations(17, 576)
     full = cpu_ops.mixed_matmul(packed, table, 152, x)
     for i in range(17):
         assert torch.equal(cpu_ops.mixed_matmul(packed, table, 152, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
@@ -70,28 +69,28 @@ def test_bad_tables_are_refused():
 
 
 def test_the_loader_keeps_parts_apart_only_where_layouts_differ():
-    q, k = _int8_weights(64, 128, 5, 32, seed=1), _int8_weights(32, 128, 5, 32, seed=2)
-    v = _int8_weights(32, 128, 8, 32, seed=3)
+    q, k = int8_weights(64, 128, 5, 32, seed=1), int8_weights(32, 128, 5, 32, seed=2)
+    v = int8_weights(32, 128, 8, 32, seed=3)
     # a Q4_K_M's Q5_0 q and k beside a Q8_0 v: two parts, q and k stacked as one
     fused = _fused([q, k, v])
     assert isinstance(fused, StackedWeight) and [p.shape[0] for p in fused.parts] == [96, 32]
     lin = QuantLinear(fused, None, None)
     assert lin.own_paths() == ("mixed",) and lin.kind == "mixed"
-    x = _activations(3, 128)
+    x = activations(3, 128)
     assert torch.equal(lin.run_own(x), torch.cat([_own(concat_rows([q, k]), x), _own(v, x)], 1))
     # as served, the weight is the parts' weights in order
     assert torch.equal(served_weights(fused).dequantize(), torch.cat([p.dequantize() for p in (q, k, v)]))
     # one layout: one weight, as before
-    same = _fused([q, k, _int8_weights(32, 128, 5, 32, seed=4)])
+    same = _fused([q, k, int8_weights(32, 128, 5, 32, seed=4)])
     assert isinstance(same, Int8Weight) and same.shape == (128, 128)
     # int4 beside int8 (Q4_K beside Q6_K): the int4 parts stay int4, not int8
-    mixed_forms = _fused([_int4_weights(64, 128), _int8_weights(32, 128, 6, 16)])
+    mixed_forms = _fused([_int4_weights(64, 128), int8_weights(32, 128, 6, 16)])
     assert [type(p) for p in mixed_forms.parts] == [Int4Weight, Int8Weight]
 
 
 def test_without_the_mixed_kernel_parts_share_the_finer_form(monkeypatch):
     monkeypatch.setattr(mixed, "offered", lambda w: False)
-    q, v = _int8_weights(64, 128, 5, 32, seed=1), _int8_weights(32, 128, 8, 32, seed=3)
+    q, v = int8_weights(64, 128, 5, 32, seed=1), int8_weights(32, 128, 8, 32, seed=3)
     fused = _fused([q, v])
     assert isinstance(fused, Int8Weight) and q8x16.q8_bits(fused) == 8
     assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), v.dequantize()]))

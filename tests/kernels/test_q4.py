@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quant_cases import activations, extreme_activations
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4Weight, quantize_int4
 from verifier.quantized.own_kernels.q4x16 import offered as q4_offered, pack_q4
@@ -21,20 +22,11 @@ def _weights(n: int, k: int, group: int = 32, seed: int = 0):
     return w, pack_q4(w)
 
 
-def _activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
-    """bf16 rows of mixed scale, with an all-zero block and an outlier (as after a norm)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]
-    x[0, :32] = 0
-    x[-1, 5] = 40.0
-    return x.to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("n, k, group", [(16, 32, 32), (40, 576, 32), (960, 576, 32), (72, 1536, 64),
                                          (48, 256, 128)])
 def test_vector_path_is_bitwise_the_scalar_reference(n, k, group):
     w, packed = _weights(n, k, group)
-    x = _activations(17, k)                 # two full passes of 8 rows and one of 1
+    x = activations(17, k)                 # two full passes of 8 rows and one of 1
     assert torch.equal(cpu_ops.q4_matmul(packed, n, x), cpu_ops.q4_matmul(packed, n, x, reference=True))
 
 
@@ -42,7 +34,7 @@ def test_a_row_is_the_same_alone_and_among_others():
     """Alone, inside 2- to 17-row calls, at every place (before, across and after the 8-row
     passes): the same bits, the property T=0 speculation relies on."""
     w, packed = _weights(960, 576)
-    x = _activations(17, 576)
+    x = activations(17, 576)
     full = cpu_ops.q4_matmul(packed, 960, x)
     for i in range(17):
         assert torch.equal(cpu_ops.q4_matmul(packed, 960, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
@@ -57,7 +49,7 @@ def test_result_is_the_served_weights_product(group):
     kernel reads differently from `pack_q4` (nibbles, channels or scales swapped) is far off."""
     n, k = 200, 576
     w, packed = _weights(n, k, group)
-    x = _activations(6, k)
+    x = activations(6, k)
     want = x.double() @ w.dequantize().double().t()
     got = cpu_ops.q4_matmul(packed, n, x).double()
     assert got.shape == (6, n)
@@ -111,7 +103,7 @@ def test_the_avx2_build_gives_the_same_bits():
     computes exactly what this machine's build does: the paths differ in instructions only."""
     run = _avx2_q4_matmul()
     w, packed = _weights(72, 1536, 64)
-    x = _activations(11, 1536)
+    x = activations(11, 1536)
     assert torch.equal(run(packed, 72, x), cpu_ops.q4_matmul(packed, 72, x))
 
 
@@ -127,25 +119,6 @@ def test_the_avx2_sums_hold_at_the_extremes():
     w = served_weights(Int4Weight(q, scale, torch.zeros_like(scale)))
     packed, x = pack_q4(w), extreme_activations(k)
     assert torch.equal(run(packed, n, x), cpu_ops.q4_matmul(packed, n, x, reference=True))
-
-
-def assert_near_product(got: torch.Tensor, want: torch.Tensor) -> None:
-    """`got` (a kernel's bf16 output) against x @ W.T in float64: within the 15-bit activations'
-    error, where a layout read wrongly (a scale of another block or channel) is far off."""
-    got, want = got.double(), want.double()
-    rel = (got - want).abs() / want.abs().clamp_min(1e-3 * want.abs().max())
-    assert rel.median() < 2 ** -9 and ((got - want).norm() / want.norm()) < 3e-3
-
-
-def extreme_activations(k: int) -> torch.Tensor:
-    """4 bf16 rows whose digits sit at their extremes: the integer sums' worst cases."""
-    x = torch.empty(4, k)
-    x[0] = 1.0                                       # X = 32512 everywhere: hi digits 127
-    x[1] = -1.0                                      # hi digits -127
-    x[2] = -128 / 32512                              # lo digits -128 under one maximum
-    x[2, ::32] = 1.0
-    x[3] = torch.tensor([1.0, -1.0]).repeat(k // 2)  # alternating signs
-    return x.to(torch.bfloat16)
 
 
 def test_the_isa_cap_runs_this_machine_as_an_avx2_one():

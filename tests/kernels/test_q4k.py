@@ -10,8 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from test_q4 import _activations, assert_near_product, extreme_activations
-from test_q8 import _weights as _int8_weights
+from quant_cases import activations, assert_near_product, extreme_activations, int8_weights, q4_k_weights
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int4KWeight, Int4Weight, StackedWeight
 from verifier.quantized import own_kernels
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="q4k is built for AVX2 or AVX-512 VNNI")
 
 
-def k_weights(n: int, k: int, seed: int = 0, q_max: int = 16, sc_max: int = 64) -> Int4KWeight:
-    """Random Q4_K weights: nibbles, 6-bit scales and mins, fp16 d and dmin (values as a file's)."""
-    g = torch.Generator().manual_seed(seed)
-    byte = lambda hi, cols: torch.randint(0, hi, (n, cols), generator=g, dtype=torch.uint8)  # noqa: E731
-    half = lambda: (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()              # noqa: E731
-    return Int4KWeight(byte(q_max, k), byte(sc_max, k // 32), byte(sc_max, k // 32), half(), half())
-
-
 def _run(w: Int4KWeight, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
     packed, parts, n = q4k.pack(w).args
     return cpu_ops.mixed_matmul(packed, parts, n, x, reference=reference)
@@ -38,12 +29,12 @@ def _run(w: Int4KWeight, x: torch.Tensor, reference: bool = False) -> torch.Tens
 
 @pytest.mark.parametrize("n, k", [(16, 256), (40, 512), (200, 1536)])
 def test_vector_path_is_bitwise_the_scalar_reference(n, k):
-    w, x = k_weights(n, k), _activations(17, k)             # two full passes of 8 rows and one of 1
+    w, x = q4_k_weights(n, k), activations(17, k)             # two full passes of 8 rows and one of 1
     assert torch.equal(_run(w, x), _run(w, x, reference=True))
 
 
 def test_a_row_is_the_same_alone_and_among_others():
-    w, x = k_weights(96, 768), _activations(17, 768)
+    w, x = q4_k_weights(96, 768), activations(17, 768)
     full = _run(w, x)
     for i in range(17):
         assert torch.equal(_run(w, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
@@ -55,12 +46,12 @@ def test_result_is_the_files_weights_product():
     """Against x @ W.T in float64 on the file's weights (d * sc exact, nothing rounded to bf16):
     within the 15-bit activations' error. A layout read differently from `pack_q4k` (scales of
     another sub-block or channel, d and dmin swapped, the mins' sign) is far off."""
-    w, x = k_weights(200, 512, seed=3), _activations(6, 512)
+    w, x = q4_k_weights(200, 512, seed=3), activations(6, 512)
     assert_near_product(_run(w, x), x.double() @ w.dequantize().double().t())
 
 
 def test_the_int4_form_holds_the_same_weights():
-    w = k_weights(32, 512)
+    w = q4_k_weights(32, 512)
     assert torch.equal(w.as_grouped().dequantize(), w.dequantize())
 
 
@@ -87,42 +78,42 @@ def _run_avx2(lib: ctypes.CDLL, w: Int4KWeight, x: torch.Tensor) -> torch.Tensor
 
 def test_the_avx2_build_gives_the_same_bits():
     lib = _avx2_library()
-    w, x = k_weights(72, 1536, seed=5), _activations(11, 1536)
+    w, x = q4_k_weights(72, 1536, seed=5), activations(11, 1536)
     assert torch.equal(_run_avx2(lib, w, x), _run(w, x))
     # the integer sums' worst cases: every code 15 (and 0), activation digits at their extremes
-    w = k_weights(32, 256, q_max=1, sc_max=1)
+    w = q4_k_weights(32, 256, q_max=1, sc_max=1)
     w.q[:16] = 15
     x = extreme_activations(256)
     assert torch.equal(_run_avx2(lib, w, x), _run(w, x, reference=True))
 
 
 def test_a_linear_serves_q4_k_on_its_own_kernel():
-    w = k_weights(64, 512)
+    w = q4_k_weights(64, 512)
     lin = QuantLinear(w, None, None)
     assert lin.own_paths() == ("q4k",) and lin.kind == "int4"
-    x = _activations(3, 512)
+    x = activations(3, 512)
     assert torch.equal(lin.run_own(x), _run(w, x))
 
 
 def test_where_q4k_is_not_built_q4_k_takes_the_int4_form(monkeypatch):
     monkeypatch.setitem(own_kernels.KERNELS, "q4k", dataclasses.replace(q4k.KERNEL, offered=lambda w: False))
     monkeypatch.setattr(mixed, "offered", lambda w: False)
-    w = k_weights(64, 512)
+    w = q4_k_weights(64, 512)
     served, owns = own_kernels.kernels_for(w)
     assert isinstance(served, Int4Weight) and "q4k" not in [k.name for k in owns]
     assert torch.equal(served.dequantize(), w.dequantize())
     # in a fused projection beside Q6_K: the int4 form, then (no mixed kernel) the finer int8 one
-    assert all(not isinstance(p, Int4KWeight) for p in _one_form([w, _int8_weights(32, 512, 6, 16)]))
+    assert all(not isinstance(p, Int4KWeight) for p in _one_form([w, int8_weights(32, 512, 6, 16)]))
 
 
 def test_q4_k_beside_q6_k_in_one_fused_projection():
     """A downloaded Q4_K_M's qkv (Q4_K q and k, a Q6_K v): each part on its own kernel's bits."""
-    q, k, v = k_weights(64, 512, seed=1), k_weights(32, 512, seed=2), _int8_weights(32, 512, 6, 16, seed=3)
+    q, k, v = q4_k_weights(64, 512, seed=1), q4_k_weights(32, 512, seed=2), int8_weights(32, 512, 6, 16, seed=3)
     fused = _fused([q, k, v])
     assert isinstance(fused, StackedWeight) and [type(p) for p in fused.parts] == [Int4KWeight, type(v)]
     packed, table = mixed.pack_parts(fused)
     assert table.tolist() == [[96, 4, 256], [32, 6, 16]]
-    x = _activations(9, 512)
+    x = activations(9, 512)
     got = cpu_ops.mixed_matmul(packed, table, 128, x)
     assert torch.equal(got, cpu_ops.mixed_matmul(packed, table, 128, x, reference=True))
     v_alone = cpu_ops.q8_matmul(q8x16.pack_q8(v, 6), 6, 16, 32, x)
@@ -133,7 +124,7 @@ def test_q4_k_beside_q6_k_in_one_fused_projection():
 
 def test_q4x16_nibbles_are_q4ks():
     """The two layouts share csrc/q4_nibbles.h: the same packing of q."""
-    w = k_weights(40, 512)
+    w = q4_k_weights(40, 512)
     nib = q4x16.pack_nibbles(w.q)                               # [tiles, 16, 256]
     packed = q4k.pack_q4k(w)                                    # [tiles, 2, 2368]
     assert torch.equal(packed[..., 320:].reshape(nib.shape), nib)

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from test_q4 import _activations, assert_near_product, extreme_activations
-from test_q8 import _avx2_q8_matmul
+from quant_cases import activations, assert_near_product, avx2_q8_matmul, extreme_activations, q6_k_weights
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int8KWeight, Int8Weight
 from verifier.quantized import own_kernels
@@ -23,27 +22,18 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
                                 reason="q8x16 is built for AVX2 or AVX-512 VNNI")
 
 
-def k_weights(n: int, k: int, seed: int = 0) -> Int8KWeight:
-    """Random Q6_K weights: q in -32..31 (both ends present), int8 scales, fp16 d (values as a file's)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
-    q[0, :2] = torch.tensor([-32, 31])
-    sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
-    return Int8KWeight(q, sc, (torch.rand(n, k // 256, generator=g) * 1e-3).half().float())
-
-
 def _run(w: Int8KWeight, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
     return cpu_ops.q8_matmul(pack_q8(w), 6, 256, w.shape[0], x, reference=reference)
 
 
 @pytest.mark.parametrize("n, k", [(16, 256), (40, 512), (200, 1536)])
 def test_vector_path_is_bitwise_the_scalar_reference(n, k):
-    w, x = k_weights(n, k), _activations(17, k)
+    w, x = q6_k_weights(n, k), activations(17, k)
     assert torch.equal(_run(w, x), _run(w, x, reference=True))
 
 
 def test_a_row_is_the_same_alone_and_among_others():
-    w, x = k_weights(96, 768), _activations(17, 768)
+    w, x = q6_k_weights(96, 768), activations(17, 768)
     full = _run(w, x)
     for i in range(17):
         assert torch.equal(_run(w, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
@@ -52,19 +42,19 @@ def test_a_row_is_the_same_alone_and_among_others():
 def test_result_is_the_files_weights_product():
     """Against x @ W.T in float64 on the file's weights (d * sc exact). A layout read differently
     from `pack_q8` (a d of another super-block, scales of another half or channel) is far off."""
-    w, x = k_weights(200, 768, seed=3), _activations(6, 768)
+    w, x = q6_k_weights(200, 768, seed=3), activations(6, 768)
     assert_near_product(_run(w, x), x.double() @ w.dequantize().double().t())
 
 
 def test_the_bytes_are_the_files_and_the_int8_form_the_same_weights():
-    w = k_weights(40, 512)
+    w = q6_k_weights(40, 512)
     assert pack_q8(w).shape == (3, 2, 32 + 8 * (256 + 128 + 32))      # 6.56 bits a weight, as the file's
     assert torch.equal(w.as_grouped().dequantize(), w.dequantize())
 
 
 def test_the_avx2_build_gives_the_same_bits():
-    run = _avx2_q8_matmul()
-    w, x = k_weights(72, 1536, seed=5), _activations(11, 1536)
+    run = avx2_q8_matmul()
+    w, x = q6_k_weights(72, 1536, seed=5), activations(11, 1536)
     assert torch.equal(run(pack_q8(w, masks=False), 6, 256, 72, x), _run(w, x))
     x = extreme_activations(256)                          # the integer sums' worst cases
     w = Int8KWeight(torch.full((32, 256), 31, dtype=torch.int8), torch.full((32, 16), 127, dtype=torch.int8),
@@ -74,10 +64,10 @@ def test_the_avx2_build_gives_the_same_bits():
 
 
 def test_a_linear_serves_q6_k_on_its_own_scales_and_the_int8_form_elsewhere(monkeypatch):
-    w = k_weights(64, 512)
+    w = q6_k_weights(64, 512)
     lin = QuantLinear(w, None, None)
     assert lin.own_paths() == ("q8x16",) and lin.kind == "int8" and lin.loop_fields().group == 256
-    x = _activations(3, 512)
+    x = activations(3, 512)
     assert torch.equal(lin.run_own(x), _run(w, x))
     no_kernel = dataclasses.replace(q8x16.KERNEL, offered=lambda w: False)
     monkeypatch.setitem(own_kernels.KERNELS, "q8x16", no_kernel)
@@ -87,6 +77,6 @@ def test_a_linear_serves_q6_k_on_its_own_scales_and_the_int8_form_elsewhere(monk
 
 def test_a_q6_k_embedding_is_held_in_the_int8_form():
     """The C lookup and rescoring take int8 groups: the table is the same weights in that form."""
-    w = k_weights(64, 256)
+    w = q6_k_weights(64, 256)
     table = _table(w, torch.zeros(64, 256))
     assert isinstance(table, Int8Weight) and torch.equal(table.dequantize(), w.dequantize())

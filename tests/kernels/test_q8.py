@@ -3,12 +3,10 @@ code is bitwise its scalar reference (this machine's build and the AVX2 one), a 
 not depend on the other rows of the call, and the result is x @ W.T on the weights as served."""
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
-from test_q4 import _activations, extreme_activations
+from quant_cases import activations, avx2_q8_matmul, extreme_activations, int8_weights
 from verifier.cpu import cpu_ops
 from verifier.model.quant import Int8Weight, quantize_int8
 from verifier.quantized.own_kernels.q8x16 import offered as q8_offered, pack_q8, q8_bits
@@ -20,26 +18,19 @@ pytestmark = pytest.mark.skipif(not cpu_ops.available() or not cpu_ops.q4_isa(),
 FORMATS = [(5, 32), (6, 16), (8, 32), (5, 16), (6, 32), (8, 16)]     # Q5_0, Q6_K, Q8_0, then the other groupings
 
 
-def _weights(n: int, k: int, bits: int, group: int, seed: int = 0) -> Int8Weight:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), generator=g, dtype=torch.int8)
-    q[0, :2] = torch.tensor([-(1 << (bits - 1)), (1 << (bits - 1)) - 1])      # both ends of the range
-    return served_weights(Int8Weight(q, torch.rand(n, k // group, generator=g) * 0.01))
-
-
 @pytest.mark.parametrize("bits,group", FORMATS)
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 576), (200, 1536)])
 def test_vector_path_is_bitwise_the_scalar_reference(bits, group, n, k):
-    w = _weights(n, k, bits, group)
+    w = int8_weights(n, k, bits, group)
     assert q8_bits(w) == bits
-    packed, x = pack_q8(w), _activations(17, k)        # two full passes of 8 rows and one of 1
+    packed, x = pack_q8(w), activations(17, k)        # two full passes of 8 rows and one of 1
     assert torch.equal(cpu_ops.q8_matmul(packed, bits, group, n, x), cpu_ops.q8_matmul(packed, bits, group, n, x, reference=True))
 
 
 @pytest.mark.parametrize("bits,group", FORMATS)
 def test_a_row_is_the_same_alone_and_among_others(bits, group):
-    w = _weights(96, 576, bits, group)
-    packed, x = pack_q8(w), _activations(17, 576)
+    w = int8_weights(96, 576, bits, group)
+    packed, x = pack_q8(w), activations(17, 576)
     full = cpu_ops.q8_matmul(packed, bits, group, 96, x)
     for i in range(17):
         assert torch.equal(cpu_ops.q8_matmul(packed, bits, group, 96, x[i:i + 1].contiguous())[0], full[i]), f"row {i}"
@@ -53,8 +44,8 @@ def test_result_is_the_served_weights_product(bits, group):
     layout the kernel reads differently from `pack_q8` (a plane, a half's scale or a channel
     swapped) is far off."""
     n, k = 200, 576
-    w = _weights(n, k, bits, group)
-    x = _activations(6, k)
+    w = int8_weights(n, k, bits, group)
+    x = activations(6, k)
     want = x.double() @ w.dequantize().double().t()
     got = cpu_ops.q8_matmul(pack_q8(w), bits, group, n, x).double()
     assert got.shape == (6, n)
@@ -64,11 +55,11 @@ def test_result_is_the_served_weights_product(bits, group):
 
 
 def test_padded_channels_and_bad_arguments():
-    w = _weights(40, 64, 6, 16)
+    w = int8_weights(40, 64, 6, 16)
     packed = pack_q8(w)
     assert packed.shape == (3, 2, 256 + 2 * 64 + 64)        # 40 channels -> 3 tiles of 16
-    assert pack_q8(_weights(40, 64, 5, 32)).shape == (3, 2, 256 + 64 + 32)     # Q5_0's 22 bytes per 32
-    assert pack_q8(_weights(40, 64, 8, 32)).shape == (3, 2, 512 + 32)          # Q8_0's 34 bytes per 32
+    assert pack_q8(int8_weights(40, 64, 5, 32)).shape == (3, 2, 256 + 64 + 32)     # Q5_0's 22 bytes per 32
+    assert pack_q8(int8_weights(40, 64, 8, 32)).shape == (3, 2, 512 + 32)          # Q8_0's 34 bytes per 32
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_ops.q8_matmul(packed, 6, 16, 40, torch.zeros(1, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="5, 6 or 8 bits"):
@@ -88,31 +79,11 @@ def test_quant_linear_serves_blocks_on_q8x16_and_channels_on_torch_int8():
     assert channels.own_paths() == ("int8",)
 
 
-def _avx2_q8_matmul():
-    """q8_matmul from the same source built without AVX-512 (the AVX2 path)."""
-    if "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
-    path = cpu_ops.compile_library(cpu_ops.INTEGER_MATMULS,
-                                   [*cpu_ops.FLAGS, "-mno-avx512f", "-lm"], ("CC", "cc", "gcc"), salt="avx2",
-                                   headers=cpu_ops.HEADERS)
-    lib = ctypes.CDLL(str(path))
-    lib.q4_isa.restype = lib.q8_matmul.restype = ctypes.c_int64
-    lib.q8_matmul.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    assert lib.q4_isa() == 256
-
-    def run(packed: torch.Tensor, bits: int, group: int, n: int, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-        assert lib.q8_matmul(packed.data_ptr(), bits, group, n, x.shape[1], x.data_ptr(), x.shape[0],
-                             out.data_ptr()) == 0
-        return out
-    return run
-
-
 @pytest.mark.parametrize("bits,group", FORMATS)
 def test_the_avx2_build_gives_the_same_bits(bits, group):
-    run = _avx2_q8_matmul()
-    w = _weights(72, 1536, bits, group)
-    x = _activations(11, 1536)
+    run = avx2_q8_matmul()
+    w = int8_weights(72, 1536, bits, group)
+    x = activations(11, 1536)
     assert torch.equal(run(pack_q8(w, masks=False), bits, group, 72, x), cpu_ops.q8_matmul(pack_q8(w), bits, group, 72, x))
 
 
@@ -122,7 +93,7 @@ def test_the_avx2_sums_hold_at_the_extremes(bits, group):
     bits, four of each nibble for 8): with every weight at the top or bottom of its range and the
     activation digits at their extremes (hi = +-127, lo = -128) the sums come closest to
     overflowing, and must still equal the scalar reference's."""
-    run = _avx2_q8_matmul()
+    run = avx2_q8_matmul()
     n, k = 32, 64
     q = torch.full((n, k), (1 << (bits - 1)) - 1, dtype=torch.int8)
     q[16:] = -(1 << (bits - 1))

@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_kquants import q6_k_bytes
-from test_q4 import _activations
+from quant_cases import activations, q4_k_weights, q6_k_bytes, q6_k_weights
 from verifier.model.gguf_blocks import FORMATS, INT4_NATIVE, read_block_tensor
-from test_q4k import k_weights
-from test_q6k import k_weights as q6_k_weights
 from verifier.model.quant import (Int4KWeight, Int4Weight, Int8KWeight, Int8Weight, StackedWeight, quantize_int4,
                                   quantize_int8)
 from verifier.quantized.own_kernels import KERNELS, kernels_for
@@ -72,7 +69,7 @@ def _weights() -> list:
     w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.05
     six_bit = quantize_int8(w, 16)
     six_bit = Int8Weight(six_bit.q.clamp(-32, 31), six_bit.scale)
-    q4_k, q6_k = k_weights(24, 256), q6_k_weights(24, 256)
+    q4_k, q6_k = q4_k_weights(24, 256), q6_k_weights(24, 256)
     stacked = StackedWeight((quantize_int4(w[:16], 32), quantize_int8(w[16:], 32), q4_k, q6_k))  # every part kind
     return [quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32), six_bit, q4_k, q6_k, stacked]
 
@@ -83,7 +80,7 @@ def test_every_registered_kernel_is_row_invariant_and_computes_its_weights_produ
     taken = [w for w in _weights() if isinstance(w, kernel.form) and kernel.offered(w)]
     if not taken:
         pytest.skip(f"{name} takes none of these weights on this machine")
-    x = _activations(7, 256)
+    x = activations(7, 256)
     for w in taken:
         served = served_weights(w)
         args = kernel.pack(served).args
