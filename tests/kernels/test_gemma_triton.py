@@ -67,8 +67,8 @@ def test_a_windowed_tree_node_has_the_bits_of_its_token_decoded_after_its_ancest
 
 def test_gemma2_through_the_triton_backend_matches_hf(tmp_path):
     """A tiny Gemma 2 (sliding layers, capped scores and logits) served on the Triton backend."""
-    from test_gemma import PROMPT, make_gemma
-    from test_model_parity import hf_logits, own_logits_chunked
+    from gemma_cases import PROMPT, make_gemma
+    from model_cases import hf_logits, own_logits_chunked
     from verifier.target import TargetModel
     d = make_gemma(tmp_path / "gemma2", "gemma2")
     target = TargetModel(str(d), device="cpu", backend="triton", load_tokenizer_files=False)

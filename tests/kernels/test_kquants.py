@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from model_cases import BLOCK, converted, logits, write_gguf
 from quant_cases import assert_loops_agree, q4_k_bytes, q6_k_bytes
-from test_model_families import BLOCK, converted, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
 from verifier.batch import ForwardBatch, SeqInput

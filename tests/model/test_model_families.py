@@ -7,21 +7,15 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import make_tiny_model
+from model_cases import BLOCK, FAMILIES, TINY_FIELDS, converted, hf_logits, jitter_norms, logits, write_gguf
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from test_model_parity import jitter_norms
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel
-
-BLOCK = 16
-
-
-FAMILIES = {"qwen3": dict(model_type="qwen3", head_dim=32), "phi3": dict(model_type="phi3", pad_token_id=0)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -32,15 +26,6 @@ def family_dir(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     return jitter_norms(make_tiny_model(tmp_path_factory.mktemp("qwen3"), None, **FAMILIES["qwen3"]))
-
-
-def logits(target, ids, beside=None):
-    """Logits of every position of ids, alone or in one forward beside another sequence."""
-    target.allocate_kv(8, BLOCK)
-    seqs = [SeqInput(ids, 0, [0, 1], logits_indices=list(range(len(ids))))]
-    if beside:
-        seqs.append(SeqInput(beside, 0, [2, 3], logits_indices=[len(beside) - 1]))
-    return target.forward(ForwardBatch(seqs)).logits[:len(ids)]
 
 
 @pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("int4", 0.3)])
@@ -71,62 +56,6 @@ def test_greedy_speculation_gives_plain_decoding_tokens(family_dir, quantization
     assert sum(o.stats.verify_steps for o in outs) > 0
 
 
-def write_gguf(path, arch: str, tensors: dict, fields: dict, q8_0: bool = False, blocks=None):
-    """A GGUF of `arch` (written with gguf-py) holding HF-named `tensors` under their GGUF names, the
-    decoder's matrices as Q8_0 blocks if `q8_0`, or as `blocks(gguf_name, array)` encodes them
-    ((bytes, GGMLQuantizationType), or None: F32); `fields` are `{arch}.*` integers (floats where
-    given as floats)."""
-    import gguf
-    from gguf.quants import quantize
-
-    from verifier.model.gguf_names import _FUSED_LAYER_NAMES, _LAYER_NAMES, _TOP_NAMES
-    layer = {hf: g for g, hf in {**_LAYER_NAMES, **_FUSED_LAYER_NAMES.get(arch, {})}.items()}
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in fields.items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
-    w.add_token_list([f"t{i}" for i in range(256)])
-    for name, t in tensors.items():
-        base, kind = name.rsplit(".", 1)
-        if base.startswith("model.layers."):
-            idx, part = base[len("model.layers."):].split(".", 1)
-            g = f"blk.{idx}.{layer[part]}"
-        else:
-            g = next(k for k, v in _TOP_NAMES.items() if v == base)
-        arr = t.numpy().astype(np.float32)
-        encoded = blocks(g, arr) if blocks and arr.ndim == 2 else None
-        if encoded is not None:
-            w.add_tensor(f"{g}.{kind}", encoded[0], raw_dtype=encoded[1])
-        elif q8_0 and g.startswith("blk.") and arr.ndim == 2:
-            w.add_tensor(f"{g}.{kind}", quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(f"{g}.{kind}", arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return gguf.GGUFReader(str(path))
-
-
-def converted(reader, path, out):
-    """The converted checkpoint directory convert_gguf writes, less the tokenizer files."""
-    from safetensors.torch import save_file
-
-    from verifier.model.gguf_convert import gguf_config, gguf_tensors
-    from verifier.model.gguf_quant import INDEX_FILE, block_index
-    cfg = gguf_config(reader)
-    out.mkdir()
-    save_file(gguf_tensors(reader, cfg), str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg))
-    (out / INDEX_FILE).write_text(json.dumps(block_index(reader, path)))
-    return out
-
-
-TINY_FIELDS = {"block_count": 2, "context_length": 1024, "embedding_length": 64, "feed_forward_length": 128,
-               "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,
-               "rope.freq_base": 10000.0}
-
-
 def test_a_qwen3_gguf_loads_by_its_own_names(qwen3_dir, tmp_path):
     """A GGUF of architecture qwen3 (head size in attention.key_length, q/k norms as attn_q_norm /
     attn_k_norm) gives back the checkpoint's config and tensors."""
@@ -147,7 +76,6 @@ def test_a_phi3_gguf_serves_its_fused_q8_0_blocks(tmp_path):
     by those names, the int8 path serves the file's blocks, and the logits stay close to HF's."""
     from safetensors.torch import load_file
 
-    from test_model_parity import hf_logits
     from verifier.model.gguf_convert import gguf_config
     from verifier.model.gguf_quant import INDEX_FILE, read_quantized
     hf_dir = jitter_norms(make_tiny_model(tmp_path / "hf", None, **FAMILIES["phi3"]))

@@ -7,46 +7,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from verifier.batch import ForwardBatch, SeqInput
+from model_cases import hf_logits, jitter_norms, own_logits_chunked
 from verifier.target import TargetModel
-
-
-def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
-
-
-def own_logits_chunked(target: TargetModel, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Run ids through the paged cache in chunks (prefill, then decode-sized pieces), with a
-    shuffled block table so physical order differs from logical order; logits at every position."""
-    bs = 4
-    nblocks = (len(ids) + bs - 1) // bs
-    target.allocate_kv(nblocks + 3, bs)
-    table = random.Random(0).sample(range(nblocks + 3), nblocks)
-    out, start = [], 0
-    for n in chunks:
-        piece = ids[start:start + n]
-        fwd = target.forward(ForwardBatch([SeqInput(piece, start, table, logits_indices=list(range(n)))]))
-        out.append(fwd.logits)
-        start += n
-    assert start == len(ids)
-    return torch.cat(out)
-
-
-def jitter_norms(model_dir):
-    """Every norm weight drawn from [0.5, 1.5] instead of HF's ones: a norm applied to the wrong
-    tensor, or not at all, then moves the logits."""
-    from safetensors.torch import load_file, save_file
-    path = model_dir / "model.safetensors"
-    tensors = load_file(str(path))
-    gen = torch.Generator().manual_seed(5)
-    for name, t in tensors.items():
-        if t.dim() == 1 and "norm" in name:
-            tensors[name] = torch.rand(t.shape, generator=gen) + 0.5
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return model_dir
 
 
 TINY_VARIANTS = {

@@ -16,10 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_cases import BLOCK, TINY_FIELDS, converted, hf_logits, jitter_norms, logits, own_logits_chunked
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from test_model_families import BLOCK, TINY_FIELDS, converted, logits
-from test_model_parity import hf_logits, jitter_norms, own_logits_chunked
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.model import moe
 from verifier.model.config import ModelConfig
