@@ -16,13 +16,13 @@ import torch
 import spec.acceptance as acceptance_module
 from conftest import slow_marked
 from drafters.config import SpecConfig
+from exactness_cases import (EOS, N_SAMPLES, V, exact_joint_for, other_draft_dir,  # noqa: F401 (fixtures)
+                             prompt, tiny_vocab_dir)
 from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
-from test_speculative_exactness import N_SAMPLES, V, other_draft_dir, prompt, tiny_vocab_dir  # noqa: F401 (fixtures)
 from tree.token_tree import TokenTree
-from verifier.sampling.sampler import target_probs, transform_logits
+from verifier.sampling.sampler import transform_logits
 
-EOS = 2                       # the tiny model's eos_token_id
 BASE = dict(temperature=0.9, top_k=12, top_p=0.9, max_tokens=3)
 CHAIN = SpecConfig(num_speculative_tokens=2)
 
@@ -38,25 +38,6 @@ def biased(prompt) -> SamplingParams:
 def held() -> SamplingParams:
     """EOS made likely (bias +3), and held back for the first two tokens: the third may be EOS."""
     return SamplingParams(min_tokens=2, logit_bias={EOS: 3.0}, **BASE)
-
-
-def exact_joint(model_dir, prompt, params: SamplingParams, hf=None) -> torch.Tensor:
-    """P(t1, t2, t3) flattened to V**3: each row's transform sees the output before it (`hf`: the
-    model whose law it is, default model_dir's)."""
-    from transformers import AutoModelForCausalLM
-    hf = hf or AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
-    ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-    with torch.no_grad():
-        logits = hf(ids).logits
-    finishing = params.finishing_ids({EOS})
-
-    def probs(x: torch.Tensor, output: list[int]) -> torch.Tensor:
-        return target_probs(transform_logits(x, params, prompt, output, finishing)[None], params)[0]
-    p1 = probs(logits[0, -3], [])
-    p2 = torch.stack([probs(logits[a * V, -2], [a]) for a in range(V)])
-    p3 = torch.stack([probs(logits[i, -1], [i // V, i % V]) for i in range(V * V)]).view(V, V, V)
-    return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
 def sample_counts(model_dir, prompt, drafter: str, params: SamplingParams) -> tuple[torch.Tensor, int]:
@@ -77,7 +58,7 @@ def _fields(params: SamplingParams) -> dict:
 
 
 def fit(tiny_vocab_dir, prompt, drafter: str, params: SamplingParams, label: str) -> tuple[float, int]:
-    law = exact_joint(tiny_vocab_dir, prompt, params)
+    law = exact_joint_for(tiny_vocab_dir, prompt, params)
     counts, accepted = sample_counts(tiny_vocab_dir, prompt, drafter, params)
     p = chi_square_pvalue(counts, law)
     print(f"{label}: chi-square p = {p:.3g}, TV = {total_variation(counts, law):.3f}, accepted {accepted}")

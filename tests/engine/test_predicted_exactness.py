@@ -12,10 +12,10 @@ import torch
 import spec.rejection as rejection
 from conftest import slow_marked
 from drafters.config import SpecConfig
+from exactness_cases import (N_SAMPLES, PARAMS, V, exact_joint, other_draft_dir,  # noqa: F401 (fixtures)
+                             prompt, tiny_vocab_dir)
 from spec import LLM, Prediction, SamplingParams
 from stats import chi_square_pvalue, total_variation
-from test_speculative_exactness import (N_SAMPLES, PARAMS, V, exact_joint, other_draft_dir,  # noqa: F401 (fixtures)
-                                        prompt, tiny_vocab_dir)
 
 # Four tokens, so that the first decode step verifies a chain of two (γ = 2) below the first;
 # the law tested is the first three tokens'.

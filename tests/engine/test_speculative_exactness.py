@@ -16,29 +16,12 @@ import torch
 import spec.rejection as rejection
 from conftest import make_random_eagle_head, make_tiny_model, slow_marked
 from drafters.config import SpecConfig
+from exactness_cases import (N_SAMPLES, PARAMS, V, exact_joint, other_draft_dir,  # noqa: F401 (fixtures)
+                             prompt, tiny_vocab_dir)
 from pinned import WHOLE_TREES
 from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
 from verifier.sampling.sampler import target_probs
-
-V = 32
-N_SAMPLES = 10_000
-PARAMS = dict(temperature=0.9, top_k=12, top_p=0.9, max_tokens=3, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_dir(tmp_path_factory):
-    # Larger weights than the defaults give peaked, model-like distributions.
-    return make_tiny_model(tmp_path_factory.mktemp("v32"), None, vocab_size=V, hidden_size=32,
-                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, seed=3)
-
-
-@pytest.fixture(scope="module")
-def other_draft_dir(tmp_path_factory):
-    """A different random model with the same vocabulary: q differs from p, so rejections
-    and residual sampling happen often."""
-    return make_tiny_model(tmp_path_factory.mktemp("v32draft"), None, vocab_size=V, hidden_size=32,
-                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -53,43 +36,6 @@ def int4_dir(tmp_path_factory):
     """The same vocabulary with head size 16, which the fused int4 decode kernels take."""
     return make_tiny_model(tmp_path_factory.mktemp("v32int4"), None, vocab_size=V, hidden_size=64,
                            intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, seed=3)
-
-
-@pytest.fixture(scope="module")
-def prompt(tiny_vocab_dir) -> list[int]:
-    return make_prompt(tiny_vocab_dir)
-
-
-def make_prompt(model_dir) -> list[int]:
-    """A prompt [y, x, t, z, y, x] whose likeliest next token is t: the n-gram drafter then
-    proposes (t, z) after the repeated (y, x), and the model often accepts it."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    y, x, t, z = torch.randint(0, V, (4, 4096), generator=g)
-    cand = torch.stack([y, x, t, z, y, x], 1)
-    with torch.no_grad():
-        probs = torch.softmax(hf(cand).logits[:, -1], -1)
-    p_t = probs.gather(1, t[:, None])[:, 0]
-    best = int(torch.where(probs.argmax(-1) == t, p_t, torch.zeros_like(p_t)).argmax())
-    assert probs[best].argmax() == t[best]
-    return cand[best].tolist()
-
-
-@pytest.fixture(scope="module")
-def exact_joint(tiny_vocab_dir, prompt) -> torch.Tensor:
-    """P(t1, t2, t3) flattened to V**3, from HF logits of every 2-token continuation."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_vocab_dir), dtype=torch.float32).eval()
-    t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
-    ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-    with torch.no_grad():
-        logits = hf(ids).logits
-    params = SamplingParams(**PARAMS)
-    p1 = target_probs(logits[0, -3][None], params)[0]                       # [V]
-    p2 = target_probs(logits[::V, -2], params)                              # [V(t1), V]
-    p3 = target_probs(logits[:, -1], params).view(V, V, V)                  # [t1, t2, t3]
-    return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
 @pytest.fixture(scope="module")

@@ -195,8 +195,7 @@ def law_case(tmp_path_factory):
     """The 32-token model of the exactness tests, an adapter of it, the prompt, the adapted
     model's exact law of three tokens, and the base's."""
     import transformers
-    from test_logit_controls_exactness import exact_joint
-    from test_speculative_exactness import PARAMS, V, make_prompt
+    from exactness_cases import PARAMS, V, exact_joint_for, make_prompt
     root = tmp_path_factory.mktemp("lora_law")
     base = make_tiny_model(root / "v32", None, vocab_size=V, hidden_size=32, intermediate_size=64,
                            num_attention_heads=4, num_key_value_heads=2, seed=3)
@@ -204,8 +203,8 @@ def law_case(tmp_path_factory):
     prompt = make_prompt(base)
     params = SamplingParams(**PARAMS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
-    base_law = exact_joint(base, prompt, params, hf)
-    law = exact_joint(base, prompt, params, _peft().PeftModel.from_pretrained(hf, str(adapter)).eval())
+    base_law = exact_joint_for(base, prompt, params, hf)
+    law = exact_joint_for(base, prompt, params, _peft().PeftModel.from_pretrained(hf, str(adapter)).eval())
     return base, adapter, prompt, params, law, base_law
 
 
@@ -214,7 +213,7 @@ def _adapted_counts(case) -> tuple[torch.Tensor, int]:
     drafting for it (`small:`), and the drafts it accepted."""
     from dataclasses import replace
 
-    from test_speculative_exactness import N_SAMPLES, V
+    from exactness_cases import N_SAMPLES, V
     base, adapter, prompt, params, _, _ = case
     llm = LLM(str(base), max_model_len=64, num_kv_blocks=2048, block_size=4, max_num_seqs=500,
               drafter=f"small:{base}", speculation=CHAIN, lora_modules={"x": str(adapter)}, adaptive=WHOLE_TREES)
