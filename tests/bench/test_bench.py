@@ -154,7 +154,7 @@ def test_bench_runs_every_request_under_a_lora_adapter(tmp_path, tiny_llama_dir,
     """`tercel bench speed --lora NAME=PATH`: the engine serves the adapter and every request names
     it (the journal records it); an HF baseline beside it is refused."""
     from spec.llm import LLM as Engine
-    from tests.model.test_lora import ATTN_MLP, make_adapter
+    from lora_cases import ATTN_MLP, make_adapter
     adapter = make_adapter(tiny_llama_dir, tmp_path / "adapter", ATTN_MLP)
     asked, generate = [], Engine.generate
     monkeypatch.setattr(Engine, "generate", lambda self, *a, lora=None, **kw: (asked.append(lora),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from lora_cases import ATTN_MLP, PROMPTS, make_adapter
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from test_lora import ATTN_MLP, PROMPTS, make_adapter
 from verifier.model.lora import PROJECTIONS, LoraSet
 from verifier.target import load_config
 

@@ -11,10 +11,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed, so its kernels cannot be tested")
 
+from conftest import make_tiny_model  # noqa: E402
+from lora_cases import ATTN_MLP, GREEDY, PROMPTS, make_adapter  # noqa: E402
+from pinned import WHOLE_TREES  # noqa: E402
 from spec import LLM  # noqa: E402
-from test_lora import ATTN_MLP, GREEDY, PROMPTS, make_adapter  # noqa: E402
-from tests.conftest import make_tiny_model  # noqa: E402
-from tests.pinned import WHOLE_TREES  # noqa: E402
 from verifier.model import lora_triton  # noqa: E402
 from verifier.model.lora import PROJECTIONS, LoraSet  # noqa: E402
 from verifier.target import load_config  # noqa: E402

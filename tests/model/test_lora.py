@@ -2,8 +2,8 @@
 model's tokens, whichever rows share a step and whichever drafter drafts; prefix caches kept
 apart per adapter; adapters that do not fit refused with the file and the field named.
 
-Adapters are made in the test with PEFT (`init_lora_weights=False`: A and B both random, so the
-adapter changes the model) over tiny random models built with transformers' own classes."""
+Adapters are made with PEFT (tests/lora_cases.py; `init_lora_weights=False`: A and B both random, so
+the adapter changes the model) over tiny random models built with transformers' own classes."""
 from __future__ import annotations
 
 import json
@@ -12,37 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from spec import LLM
-from tests.conftest import make_tiny_model
+from conftest import make_tiny_model
 from drafters.base import Prediction
 from drafters.config import SpecConfig
-from tests.pinned import WHOLE_TREES
+from lora_cases import ATTN_MLP, GREEDY, PROMPTS, import_peft, make_adapter
+from pinned import WHOLE_TREES
+from spec import LLM
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.sampling.sampling_params import SamplingParams
 
-
-def _peft():
-    """PEFT, imported when a test runs: at collection it would import triton before the Triton
-    tests set TRITON_INTERPRET (tests/kernels/test_triton_kernels.py)."""
-    return pytest.importorskip("peft")
-
-ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FUSED = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CHAIN = SpecConfig(num_speculative_tokens=2)
-PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [7, 7, 7, 100, 200], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [250, 13]]
-
-
-def make_adapter(base: Path, out: Path, targets: list[str], r: int = 8, seed: int = 1, **config) -> Path:
-    """A PEFT LoRA adapter of `base` with random A and B, saved to `out`."""
-    import transformers
-    peft = _peft()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    torch.manual_seed(seed)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
-                                                      init_lora_weights=False, **config))
-    lora.save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +62,7 @@ def test_adapted_greedy_tokens_are_hf_peft_models(tmp_path, model_type):
     plain = _tokens(llm.generate(PROMPTS, GREEDY))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
     assert plain == _hf_greedy(hf, PROMPTS, GREEDY.max_tokens)
-    adapted = _peft().PeftModel.from_pretrained(hf, str(path)).eval()
+    adapted = import_peft().PeftModel.from_pretrained(hf, str(path)).eval()
     assert ours == _hf_greedy(adapted, PROMPTS, GREEDY.max_tokens)
     assert ours != plain
 
@@ -204,7 +184,7 @@ def law_case(tmp_path_factory):
     params = SamplingParams(**PARAMS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
     base_law = exact_joint_for(base, prompt, params, hf)
-    law = exact_joint_for(base, prompt, params, _peft().PeftModel.from_pretrained(hf, str(adapter)).eval())
+    law = exact_joint_for(base, prompt, params, import_peft().PeftModel.from_pretrained(hf, str(adapter)).eval())
     return base, adapter, prompt, params, law, base_law
 
 
@@ -260,7 +240,7 @@ def test_the_int4_base_with_an_adapter_passes_the_quality_gate(smollm2_dir, tmp_
     heldout = shared_data("heldout/gsm8k_test.jsonl")
     cfg = transformers.AutoConfig.from_pretrained(str(smollm2_dir))
     torch.manual_seed(0)
-    lora = _peft().get_peft_model(transformers.LlamaForCausalLM(cfg), _peft().LoraConfig(
+    lora = import_peft().get_peft_model(transformers.LlamaForCausalLM(cfg), import_peft().LoraConfig(
         r=16, lora_alpha=32, target_modules=ATTN_MLP, init_lora_weights=False))
     with torch.no_grad():
         for name, p in lora.named_parameters():
@@ -285,8 +265,7 @@ def test_the_int4_base_under_an_adapter_is_close_to_hf_peft(tmp_path, model_type
     logits within the int4 tolerance of HF PeftModel's with the same adapter (test_model_families'),
     and far nearer them than the base's; a row under it is bitwise the same beside a base row."""
     import transformers
-    from test_model_families import FAMILIES, logits
-    from test_model_parity import jitter_norms
+    from model_cases import FAMILIES, jitter_norms
     from verifier.target import TargetModel
     base = jitter_norms(make_tiny_model(tmp_path / "base", None, **FAMILIES[model_type]))
     path = make_adapter(base, tmp_path / "adapter", FUSED.get(model_type, ATTN_MLP))
@@ -294,7 +273,7 @@ def test_the_int4_base_under_an_adapter_is_close_to_hf_peft(tmp_path, model_type
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
     with torch.no_grad():
         plain = hf(torch.tensor([ids])).logits[0]
-        want = _peft().PeftModel.from_pretrained(hf, str(path)).eval()(torch.tensor([ids])).logits[0]
+        want = import_peft().PeftModel.from_pretrained(hf, str(path)).eval()(torch.tensor([ids])).logits[0]
     target = TargetModel(str(base), quantization="int4")
     slot = target.enable_lora(1, 16).load("x", path)
     target.allocate_kv(8, 16)

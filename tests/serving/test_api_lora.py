@@ -9,11 +9,11 @@ import os
 import httpx
 import pytest
 
+from lora_cases import ATTN_MLP, make_adapter
+from server_util import LiveServer
 from serving.flags import LoraServing
 from spec import LLM
 from spec.config import EngineConfig
-from tests.server_util import LiveServer
-from tests.model.test_lora import ATTN_MLP, make_adapter
 from verifier.sampling.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is"
