@@ -1,6 +1,7 @@
 """A live Tercel server on a loopback port, run by uvicorn in a background thread."""
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -33,6 +34,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def raw_request(url: str, body: dict) -> socket.socket:
+    """A client that sends its request and then never reads (a small receive buffer)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def metric_count(server, name: str) -> float:
+    """`server.metric(name)`, 0 before the series has a sample."""
+    try:
+        return server.metric(name)
+    except KeyError:           # a labelled series appears with its first count
+        return 0.0
 
 
 class LiveServer:

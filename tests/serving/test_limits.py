@@ -10,9 +10,8 @@ import httpx
 import pytest
 
 from serving.limits import ServerLimits
-from server_util import LiveServer
+from server_util import LiveServer, metric_count, raw_request
 from spec.config import EngineConfig
-from test_poison import count, raw_request
 
 
 def tiny_server(tiny_llama_dir, **limits) -> LiveServer:
@@ -64,15 +63,15 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(server, monk
 def test_a_non_streamed_client_that_leaves_is_cancelled(server):
     """The request is aborted soon after its client closes, long before its max_tokens."""
     cancelled = 'tercel_request_errors_total{reason="cancelled"}'
-    before = count(server, cancelled)
+    before = metric_count(server, cancelled)
     sock = raw_request(server.url, {"model": "tiny", "messages": [{"role": "user", "content": "go"}],
                                     "max_tokens": 900, "ignore_eos": True})
     time.sleep(0.5)
     sock.close()
     deadline = time.monotonic() + 20
-    while count(server, cancelled) == before and time.monotonic() < deadline:
+    while metric_count(server, cancelled) == before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert count(server, cancelled) == before + 1
+    assert metric_count(server, cancelled) == before + 1
     server.wait_idle()
 
 
@@ -87,9 +86,9 @@ def test_a_streamed_client_that_never_reads_is_dropped(tiny_llama_dir, limits):
         sock = raw_request(live.url, {"model": "tiny", "messages": [{"role": "user", "content": "go"}],
                                       "max_tokens": 900, "ignore_eos": True, "stream": True, "n": 4})
         deadline = time.monotonic() + 60
-        while count(live, cancelled) == 0 and time.monotonic() < deadline:
+        while metric_count(live, cancelled) == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert count(live, cancelled) >= 1
+        assert metric_count(live, cancelled) >= 1
         sock.shutdown(socket.SHUT_RDWR)
         sock.close()
         live.wait_idle()

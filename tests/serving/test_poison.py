@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
-import socket
 import time
 
 import httpx
 import pytest
 
 from serving.limits import ServerLimits
-from server_util import LiveServer
+from server_util import LiveServer, metric_count, raw_request
 from spec.config import EngineConfig
 from verifier.sampling.grammar_limits import GrammarLimits
 
@@ -69,18 +67,6 @@ BAD = {   # kind -> (path, body, the status it must get)
 }
 
 
-def raw_request(url: str, body: dict) -> socket.socket:
-    """A client that sends its request and then never reads (a small receive buffer)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
 async def send_all(server, client, statuses) -> list[str]:
     """The good requests, the bad ones and the rude clients at once; the good texts back."""
     async def good(text):
@@ -102,20 +88,13 @@ async def send_all(server, client, statuses) -> list[str]:
     return (await asyncio.gather(*jobs))[:len(GOOD)]
 
 
-def count(server, name: str) -> float:
-    try:
-        return server.metric(name)
-    except KeyError:           # a labelled series appears with its first count
-        return 0.0
-
-
 def test_no_bad_client_hurts_a_good_request(server):
     """Good T=0 requests beside every bad input give exactly their texts alone; each bad input
     gets its status; both rude clients are cancelled; the pool is whole afterwards."""
     alone = [httpx.post(f"{server.url}/v1/chat/completions", json=good_body(t), timeout=60)
              .json()["choices"][0]["message"]["content"] for t in GOOD]
     cancelled = 'tercel_request_errors_total{reason="cancelled"}'
-    before = count(server, cancelled)
+    before = metric_count(server, cancelled)
     statuses = collections.defaultdict(list)
 
     async def run():
@@ -131,9 +110,9 @@ def test_no_bad_client_hurts_a_good_request(server):
     assert statuses["good"] == [200] * len(GOOD)
     assert {k: statuses[k] for k in BAD} == {k: [v[2]] for k, v in BAD.items()}
     deadline = time.monotonic() + 60
-    while count(server, cancelled) < before + 2 and time.monotonic() < deadline:
+    while metric_count(server, cancelled) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert count(server, cancelled) >= before + 2      # the leaver, and the reader still connected
+    assert metric_count(server, cancelled) >= before + 2      # the leaver, and the reader still connected
     reader.close()
     server.wait_idle()
     asyncio.run(server.bridge.call(lambda engine: engine.check_integrity()))
