@@ -11,10 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# Test modules import helpers from one another by basename (`from test_model_parity import
-# hf_logits`), across the folders of tests/ too: each folder goes on the path, after everything
-# else, so any test module imports as it did when they all sat in tests/ (basenames are unique).
-sys.path += [str(d) for d in sorted(Path(__file__).resolve().parent.iterdir()) if d.is_dir() and any(d.glob("*.py"))]
 # The public prompt sets and conversations (README, "Benchmark data"): outside the repository.
 SHARED_DATA = Path(os.environ.get("TERCEL_DATA", ROOT.parent / "shared" / "data"))
 FIXTURES = ROOT / "tests" / "data"          # the few prompts every test may read (tests/data/README.md)
