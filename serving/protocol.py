@@ -117,10 +117,9 @@ def parse_completion(body: CompletionRequest, context: int) -> ParsedRequest:
 def _parsed(body, prompts: list, max_tokens: int | None, logprobs: int | None, context: int) -> ParsedRequest:
     opts = body.stream_options
     param, structured = _structured(body)
-    min_tokens = _or(body.min_tokens, 0)
-    check_min_tokens(min_tokens, max_tokens or context)
-    params = _params(max_tokens=max_tokens or context, **_sampling(body), **_output_controls(body),
-                     logprobs=logprobs)
+    controls = _output_controls(body)
+    check_min_tokens(controls["min_tokens"], max_tokens or context)     # named, before SamplingParams' own check
+    params = _params(max_tokens=max_tokens or context, **_sampling(body), **controls, logprobs=logprobs)
     return ParsedRequest(prompts, _constrained(params, structured, param), max_tokens, _or(body.n, 1),
                          bool(body.stream), bool(opts and opts.include_usage), body.speculation, body.model, param,
                          prediction=_prediction(body))

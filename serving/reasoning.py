@@ -130,12 +130,20 @@ def split_reasoning(fmt: ReasoningFormat, text: str) -> Split:
 def reasoning_tokens(fmt: ReasoningFormat, tokenizer, token_ids: list[int]) -> int:
     """How many of a reply's tokens are its reasoning, the closing marker's included: the fewest
     whose text has closed the block (a reply that never closes it: all of them; none without one)."""
-    def closed(n: int) -> bool:
+    def read(n: int) -> ReasoningSplitter:
         s = ReasoningSplitter(fmt)
         s.feed(tokenizer.decode(token_ids[:n]))
-        return s.state in ("gap", "content") and s.reasoned
-    if not closed(len(token_ids)):
-        return len(token_ids) if split_reasoning(fmt, tokenizer.decode(token_ids)).reasoning is not None else 0
+        return s
+
+    def closed(n: int) -> bool:
+        s = read(n)
+        return s.reasoned and s.state in ("gap", "content")
+    whole = read(len(token_ids))
+    whole.finish()                        # the reply has ended: an opening held back is settled
+    if not whole.reasoned:
+        return 0
+    if whole.state == "reasoning":        # never closed
+        return len(token_ids)
     lo, hi = 0, len(token_ids)            # closed(hi) holds, closed(lo) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2

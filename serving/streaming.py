@@ -41,6 +41,10 @@ class Reply:
     predicted: bool = False            # the request carried a prediction: the usage counts its tokens
     reasoning: ReasoningParser | None = None   # chat under --reasoning-parser: reasoning split from content
 
+    def deltas(self, index: int) -> ChoiceDeltas:
+        """Choice `index`'s deltas as this reply writes them (every route renders from these)."""
+        return ChoiceDeltas(index, self.chat, self.tools, self.pieces, self.echo, self.reasoning)
+
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
@@ -90,8 +94,7 @@ async def sse_events(reply: Reply, streams: list[RequestStream]) -> AsyncIterato
                 opening = {"role": "assistant", "content": None if reply.tools else ""}
                 yield reply.chunk([{"index": i, "delta": opening,
                                     "logprobs": None, "finish_reason": None}])
-        choices = [ChoiceDeltas(i, reply.chat, reply.tools, reply.pieces, reply.echo, reply.reasoning)
-                   for i in range(len(streams))]
+        choices = [reply.deltas(i) for i in range(len(streams))]
         while open_streams:
             i, out = await merged.get()
             if isinstance(out, Exception):   # one error event and no [DONE]: the stream failed

@@ -24,8 +24,7 @@ from serving.deltas import ChoiceDeltas
 from serving.errors import stream_failure
 from serving.messages.errors import anthropic_body
 from serving.protocol import tercel_stats
-from serving.reasoning import ReasoningParser
-from serving.tools.formats import ToolFormat
+from serving.streaming import Reply
 from spec.request import RequestOutput
 
 
@@ -33,12 +32,14 @@ from spec.request import RequestOutput
 class MessageReply:
     """One Messages reply under way: what its events and body say besides the outputs."""
     id: str                          # msg_...
-    model: str                       # the model name reported
-    tools: ToolFormat | None         # tools offered: calls are read out of the text in this format
-    reasoning: ReasoningParser | None = None   # --reasoning-parser: the block becomes a thinking block
+    chat: Reply                      # the chat route's description of it: model, tools' format, reasoning parser
+
+    @property
+    def model(self) -> str:
+        return self.chat.model
 
     def deltas(self) -> ChoiceDeltas:
-        return ChoiceDeltas(0, chat=True, tools=self.tools, reasoning=self.reasoning)
+        return self.chat.deltas(0)
 
 
 @dataclass

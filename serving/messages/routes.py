@@ -36,7 +36,7 @@ class MessagesRoutes:
             reply, streams = await self.routes.start(req, [ids], chat=True)
         except APIError as e:
             raise renamed(e) from None
-        message = MessageReply(f"msg_{uuid.uuid4().hex[:24]}", reply.model, reply.tools, reply.reasoning)
+        message = MessageReply(f"msg_{uuid.uuid4().hex[:24]}", reply)
         if req.stream:
             return EventSourceResponse(message_events(message, streams[0]), ping=15,
                                        send_timeout=self.routes.config.limits.send_timeout_s)

@@ -45,10 +45,6 @@ class OutputItems:
         events = [] if self.items else self._open_item("message")
         return events + self._close("completed" if complete else "incomplete")
 
-    @property
-    def reasoning_text(self) -> str:
-        return "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
-
     def _text(self, kind: str, text: str) -> list[dict]:
         events = []
         if self._open is None or self._open["type"] != kind:

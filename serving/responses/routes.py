@@ -20,7 +20,6 @@ from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
 from serving.bridge import RequestFailed, RequestStream
-from serving.deltas import ChoiceDeltas
 from serving.disconnect import until_disconnected
 from serving.errors import engine_unavailable, request_failed, stream_error
 from serving.protocol import APIError, ParsedRequest, bad
@@ -87,7 +86,7 @@ class Run:
     def __init__(self, owner: ResponsesRoutes, body: ResponsesRequest, asked: Turn, reply: Reply,
                  stream: RequestStream, head: ResponseHead):
         self.owner, self.body, self.asked, self.stream, self.head = owner, body, asked, stream, head
-        self.deltas = ChoiceDeltas(0, chat=True, tools=reply.tools, reasoning=reply.reasoning)
+        self.deltas = reply.deltas(0)
         self.reasoning = reply.reasoning
         self.items = OutputItems()
 

@@ -13,13 +13,13 @@ import httpx
 import jsonschema
 import pytest
 
-from server_util import LiveServer
+from server_util import LiveServer, ngram_server
 from serving.bridge import RequestFailed
 from serving.limits import ServerLimits
 from serving.messages.convert import chat_request
 from serving.messages.render import ContentBlocks, MessageReply, message_events
 from serving.messages.schemas import MessagesRequest
-from spec.adaptive import AdaptiveConfig
+from serving.streaming import Reply
 from spec.config import EngineConfig
 from spec.faults import RequestError
 from spec.request import RequestOutput
@@ -36,16 +36,14 @@ ADD = {"name": "add", "description": TOOLS[1]["function"]["description"],
 
 @pytest.fixture(scope="module")
 def server():
-    # Whole trees verified: whether drafts run does not depend on the machine's load.
-    s = LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False)),
-                   model_name="smol")
+    s = ngram_server()
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return server.anthropic_client(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +267,7 @@ class FailingStream:
                                          (RequestFailed(RequestError("bad", True)), "invalid_request_error")])
 def test_a_failure_under_way_is_one_error_event(error, kind):
     async def collect():
-        return [e async for e in message_events(MessageReply("msg_1", "m", None), stream)]
+        return [e async for e in message_events(MessageReply("msg_1", Reply("chatcmpl-1", "m", True, 1, False)), stream)]
     stream = FailingStream(error)
     events = asyncio.run(collect())
     assert [e["event"] for e in events] == ["message_start", "content_block_start", "content_block_delta", "error"]
