@@ -14,6 +14,8 @@ from serving.app import ServerConfig, build_app
 from serving.bridge import EngineBridge
 from serving.limits import ServerLimits
 from serving.metrics import Metrics
+from spec.adaptive import AdaptiveConfig
+from spec.config import EngineConfig
 from spec.engine import LLMEngine
 
 
@@ -28,6 +30,13 @@ def metric_value(text: str, name: str) -> float:
             if sample.name == base and wanted.items() <= sample.labels.items():
                 return sample.value
     raise KeyError(name)
+
+
+def ngram_server(**app_options) -> LiveServer:
+    """The default model as "smol" with the n-gram drafter verifying whole trees: whether drafts run
+    does not depend on the machine's load. `app_options`: more ServerConfig fields."""
+    return LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False)),
+                      model_name="smol", **app_options)
 
 
 def free_port() -> int:
@@ -89,6 +98,11 @@ class LiveServer:
         """The official openai client on this server (no retries: a refusal is the test's answer)."""
         import openai
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def anthropic_client(self, timeout: float = 600):
+        """The official anthropic client on this server, as openai_client."""
+        import anthropic
+        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, timeout=timeout)
 
     def metric(self, name: str, headers: dict | None = None) -> float:
         """A sample's value: `name`, or `name{label="value",...}` for the series with those labels."""

@@ -6,17 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_util import LiveServer
-from spec.adaptive import AdaptiveConfig
-from spec.config import EngineConfig
+from server_util import ngram_server
 
 ASK = [{"role": "user", "content": "List the first five prime numbers, then explain why 9 is not one."}]
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False)),
-                   model_name="smol")
+    s = ngram_server()
     yield s
     s.close()
 

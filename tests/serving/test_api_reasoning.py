@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from serving.reasoning import DEEPSEEK_R1, QWEN3
-from server_util import LiveServer
+from server_util import LiveServer, ngram_server
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
 
@@ -46,9 +46,7 @@ def fmt(request):
 
 @pytest.fixture(scope="module")
 def server(fmt):
-    # Whole trees verified: whether drafts run does not depend on the machine's load.
-    s = LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False)),
-                   model_name="smol", chat_template=TEMPLATES[fmt.name], reasoning=fmt)
+    s = ngram_server(chat_template=TEMPLATES[fmt.name], reasoning=fmt)
     yield s
     s.close()
 
@@ -122,8 +120,7 @@ def test_enable_thinking_false_is_the_template_s_to_honour(fmt, client):
 def test_the_messages_api_returns_the_block_as_a_thinking_block(server, client):
     """/v1/messages: the chat reply's reasoning as a `thinking` block first, its content as the
     text block, whole and through the SDK's stream alike."""
-    anthropic = pytest.importorskip("anthropic")
-    api = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    api = server.anthropic_client()
     system, turns = SHOTS[0]["content"], ask("What is 3+5?")[1:]
     chat_message = chat(client, "What is 3+5?").choices[0].message
     kw = dict(model="smol", max_tokens=40, system=system, messages=turns, extra_body={"temperature": 0})

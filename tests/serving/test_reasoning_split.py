@@ -4,7 +4,6 @@ formats; the tokens counted as reasoning; and the constraint moved past the bloc
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 
