@@ -32,11 +32,13 @@ def metric_value(text: str, name: str) -> float:
     raise KeyError(name)
 
 
-def ngram_server(**app_options) -> LiveServer:
+def ngram_server(quantization: str = "auto", **app_options) -> LiveServer:
     """The default model as "smol" with the n-gram drafter verifying whole trees: whether drafts run
-    does not depend on the machine's load. `app_options`: more ServerConfig fields."""
-    return LiveServer(EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False)),
-                      model_name="smol", **app_options)
+    does not depend on the machine's load. `quantization="none"`: dense weights, so the text does
+    not depend on the int4 kernel a load's timings chose. `app_options`: more ServerConfig fields."""
+    config = EngineConfig(max_num_seqs=8, drafter="ngram", adaptive=AdaptiveConfig(enabled=False),
+                          quantization=quantization)
+    return LiveServer(config, model_name="smol", **app_options)
 
 
 def free_port() -> int:

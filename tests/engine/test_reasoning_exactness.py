@@ -1,7 +1,7 @@
 """A constraint held after a reasoning block (serving/reasoning.py:after_reasoning) is a grammar
 like any other to the engine: at T=0 every drafter gives plain decoding's tokens across the
 block's end, where the free text turns into the constrained answer. The prompts show earlier
-answers with a `<think>` block, so the default model writes one and closes it."""
+answers with a `<think>` block, so the default model (its dense weights) writes one and closes it."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,9 @@ SHOTS = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
          "</think>\n\n2<|im_end|>\n<|im_start|>user\nWhat is 4+4?<|im_end|>\n<|im_start|>assistant\n<think>\n"
          "Four plus four is eight.\n</think>\n\n8<|im_end|>\n")
 QUESTIONS = ("What is 2+3?", "What is 3+5?", "What is 10-4?")
+# Dense weights: that the model writes and closes a block must not depend on which int4 kernel this
+# machine's timings chose (the drafters' own weights may be anything: they only propose).
+DENSE = "none"
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
@@ -34,7 +37,7 @@ def params(fmt) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def reference():
-    plain = LLM(max_num_seqs=4, drafter=None)
+    plain = LLM(max_num_seqs=4, drafter=None, quantization=DENSE)
     return {fmt.name: plain.generate(prompts(fmt), params(fmt)) for fmt in (QWEN3, DEEPSEEK_R1)}
 
 
@@ -57,7 +60,8 @@ def test_every_drafter_is_token_identical_across_the_block_s_end(name, reference
                                                                 {"role": "assistant", "content": o.text}]}) + "\n"
                                   for outs in reference.values() for o in outs))
         drafter = drafter.format(corpus=corpus)
-    llm = LLM(max_num_seqs=4, drafter=drafter, speculation=spec, adaptive=AdaptiveConfig(enabled=False))
+    llm = LLM(max_num_seqs=4, drafter=drafter, speculation=spec, adaptive=AdaptiveConfig(enabled=False),
+              quantization=DENSE)
     for fmt in (QWEN3, DEEPSEEK_R1):
         outs = llm.generate(prompts(fmt), params(fmt))
         assert [o.token_ids for o in outs] == [o.token_ids for o in reference[fmt.name]], fmt.name
