@@ -248,6 +248,9 @@ def test_llamacpp_baseline_without_the_extra_exits_2_with_the_install_hint(monke
     assert rc == 2 and 'pip install -e ".[llamacpp]"' in err
 
 
+# Under `make test-slow` (about 20 s: a grid per quantization); `bench speed` itself runs in
+# `make test` (test_speed_compares_with_hf_generate_and_prompt_lookup).
+@pytest.mark.slow
 def test_speed_measures_each_quantization_against_the_first(tmp_path, tiny_llama_dir):
     out = tmp_path / "speed.json"
     rc = tercel(["bench", "speed", "--model", str(tiny_llama_dir), *TINY_GRID, "--quantization", "int4,none",

@@ -67,6 +67,9 @@ def dry_data(tmp_path):
     return data
 
 
+# The whole run under `make test-slow` (about 40 s: an install, the GPU suite's collection, a training run);
+# the install's own check, below, stays in `make test`.
+@pytest.mark.slow
 def test_dry_run_installs_the_parts_skips_the_gpu_suite_and_trains(tmp_path, tiny_llama_dir, dry_data):
     train = "--limit-per-source 4 --regen-max-tokens 8 --max-tokens 300 --eval-prompts 2 --eval-tokens 8 " \
             "--regen-batch 4 --draft-vocab 4096 --max-len 200 --batch-tokens 1024"

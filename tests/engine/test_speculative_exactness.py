@@ -160,6 +160,8 @@ def random_cuts(cands, decoding, base_rows, prompt_rows=0, rng=__import__("rando
     return [rng.randint(0, len(c.depths)) for c in cands]
 
 
+# Under `make test-slow`: the batch guard's test below cuts every proposal at random too.
+@pytest.mark.slow
 def test_proposals_cut_by_the_adaptive_controller_keep_the_distribution(tiny_vocab_dir, other_draft_dir, prompt,
                                                                         exact_joint):
     """Sampled chains from a different model (frequent rejections), each cut to a length of

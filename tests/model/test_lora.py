@@ -228,6 +228,9 @@ def test_verifying_trees_without_the_adapter_fails_the_same_test(law_case, monke
     assert chi_square_pvalue(counts, law_case[4]) < 1e-3
 
 
+# Under `make test-slow` (about 20 s, two models of the default's size); in `make test` the int4
+# base under an adapter is held to HF PEFT on tiny models (below) and the base to its own gate.
+@pytest.mark.slow
 def test_the_int4_base_with_an_adapter_passes_the_quality_gate(smollm2_dir, tmp_path):
     """The default model in int4 under an adapter against its fp32 weights under the same adapter
     (the dense path, PEFT's model on the tiny ones above), teacher-forced on 8 held-out replies:

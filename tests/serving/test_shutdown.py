@@ -142,7 +142,9 @@ def test_sigterm_past_the_grace_aborts_running_requests_as_normal_replies_and_ex
     assert "Cancel" not in s.log()       # uvicorn's backstop did not have to cancel a handler
 
 
-@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGINT, the same path as a second SIGTERM, under `make test-slow`
+@pytest.mark.parametrize("second", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_during_the_grace_aborts_at_once_and_exits_0(serve, tiny_llama_dir, second):
     """SIGTERM, then another signal, with a grace of 10 minutes: the second signal aborts the
     running requests at once instead of waiting out the grace. The replies end with "abort"

@@ -15,12 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from conftest import slow_marked
 from server_util import LiveServer
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
 
 SEED = 17
-NUM_REQUESTS = 260      # valid ones; the malformed bodies come on top
+# Valid requests (the malformed bodies come on top): the whole soak under `make test-slow`, a
+# third of it in `make test` (still 16 clients on a pool that queues and preempts them).
+NUM_REQUESTS = {"whole": 260, "short": 96}
 GREEDY_VARIANTS = 24    # distinct T=0 bodies among them
 NUM_CLIENTS = 16
 # 32 blocks of 16 tokens: 16 running requests of ~40-100 tokens each (x2 with n=2) do not fit,
@@ -108,15 +111,15 @@ def server(tiny_llama_dir):
     s.close()
 
 
-def make_jobs(rng: random.Random) -> list[dict]:
-    """The request mix, shuffled: NUM_REQUESTS valid requests drawn from rng and every malformed
+def make_jobs(rng: random.Random, num_requests: int) -> list[dict]:
+    """The request mix, shuffled: `num_requests` valid requests drawn from rng and every malformed
     body once. A job is {kind, endpoint, body}, plus `drop_after` (content chunks) for a client
     that hangs up mid-stream and `status` for a malformed body. The T=0 requests repeat
     GREEDY_VARIANTS bodies (streamed or not), so that running each alone afterwards stays cheap
     and identical prompts meet in the prefix cache under load."""
     greedy = [random_body(rng, "greedy") for _ in range(GREEDY_VARIANTS)]
     jobs = [{"kind": "malformed", "endpoint": e, "body": b, "status": s} for e, b, s in MALFORMED]
-    for _ in range(NUM_REQUESTS):
+    for _ in range(num_requests):
         kind = rng.choices(["greedy", "seeded", "sampled", "drop"], [45, 20, 20, 15])[0]
         endpoint, body = rng.choice(greedy) if kind == "greedy" else random_body(rng, kind)
         body = dict(body, stream=kind == "drop" or rng.random() < 0.5)
@@ -288,12 +291,13 @@ def counts_sent(jobs: list[dict]) -> Counter:
     return sent
 
 
-def test_soak_mixed_load(server, monkeypatch):
-    """~300 seeded requests from 16 threads: no 5xx and no error event; malformed bodies get
+@pytest.mark.parametrize("length", slow_marked(NUM_REQUESTS, {"whole"}))
+def test_soak_mixed_load(server, monkeypatch, length):
+    """~100 or ~300 seeded requests from 16 threads: no 5xx and no error event; malformed bodies get
     their 4xx with an OpenAI error body; every stream read to the end ends with [DONE]; T=0
     replies equal the same requests run alone afterwards; then the KV pool is whole (the block
     manager's integrity check on the engine thread), no block used, nothing running or queued."""
-    jobs = make_jobs(random.Random(SEED))
+    jobs = make_jobs(random.Random(SEED), NUM_REQUESTS[length])
     seen = watch_scheduler(monkeypatch, server.engine.scheduler)
     start = time.monotonic()
     clients, opened = threading.local(), []

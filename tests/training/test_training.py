@@ -126,19 +126,35 @@ def _dp_run(tmp_path, name: str, accum: int, batch_tokens: int, world: int = 1) 
     return [torch.load(o) for o in outs]
 
 
-def test_accumulated_and_data_parallel_steps_take_the_whole_batchs_gradient(tmp_path):
-    """On accelerate: one optimiser step over 8 examples taken as one batch, as two accumulated
-    micro-batches, and as two processes' shards (averaged over the processes) steps on the same
-    gradient, the mean over all 8, and ends at the same weights in every process. Unscaled
-    accumulation (twice the gradient) or unaveraged shards (each its own) would differ."""
-    (whole,) = _dp_run(tmp_path, "whole", accum=1, batch_tokens=32)
-    (accumulated,) = _dp_run(tmp_path, "accum", accum=2, batch_tokens=16)
-    shards = _dp_run(tmp_path, "dp", accum=1, batch_tokens=16, world=2)
+@pytest.fixture(scope="module")
+def whole_batch_step(tmp_path_factory) -> dict:
+    """One optimiser step over 8 examples taken as one batch (tests/training/dp_worker.py)."""
+    (whole,) = _dp_run(tmp_path_factory.mktemp("whole"), "whole", accum=1, batch_tokens=32)
     assert whole["steps"] == 1 and len(whole["grads"]) == 1 and whole["tokens"] == 32
-    for run in (accumulated, *shards):
+    return whole
+
+
+def _same_step(runs: list[dict], whole: dict) -> None:
+    for run in runs:
         assert run["steps"] == 1 and len(run["grads"]) == 1 and run["tokens"] == 32
         assert torch.allclose(run["grads"][0], whole["grads"][0], atol=1e-6)
         assert torch.allclose(run["w"], whole["w"], atol=1e-6)
+
+
+def test_accumulated_steps_take_the_whole_batchs_gradient(tmp_path, whole_batch_step):
+    """On accelerate: the 8 examples as two accumulated micro-batches step on the same gradient
+    as the whole batch, the mean over all 8. Unscaled accumulation (twice the gradient) would differ."""
+    _same_step(_dp_run(tmp_path, "accum", accum=2, batch_tokens=16), whole_batch_step)
+
+
+# Under `make test-slow` (two more processes, about 10 s); the accumulation above stays in `make test`.
+@pytest.mark.slow
+def test_data_parallel_steps_take_the_whole_batchs_gradient(tmp_path, whole_batch_step):
+    """The 8 examples as two processes' shards (averaged over the processes) step on the whole
+    batch's gradient and end at the same weights in every process. Unaveraged shards (each its
+    own) would differ."""
+    shards = _dp_run(tmp_path, "dp", accum=1, batch_tokens=16, world=2)
+    _same_step(shards, whole_batch_step)
     assert [r["world"] for r in shards] == [2, 2] and torch.equal(shards[0]["w"], shards[1]["w"])
 
 
