@@ -10,6 +10,7 @@ and its own state.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import threading
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from serving.messages.schemas import ErrorResponse as AnthropicError, Message, T
 from serving.middleware import ServerErrors
 from serving.prediction import check_predictions, tokenized
 from serving.protocol import APIError, ParsedRequest, bad, new_id, parse_chat, parse_completion, resolve_speculation
-from serving.reasoning import ReasoningFormat, ReasoningParser
+from serving.reasoning import ReasoningFormat, ReasoningParser, thinking_budget
 from serving.responses.routes import ResponsesRoutes
 from serving.responses.schemas import DeletedResponse, ResponseObject
 from serving.responses.store import ResponseStore, StoreLimits
@@ -172,7 +173,17 @@ class Routes:
         req = parse_chat(self.config.sampling_defaults.apply(body), self.config.tool_format,
                          self.bridge.limits.max_model_len, self.config.reasoning)
         self._check(req, [m["content"] or "" for m in req.prompts[0]], "messages")
-        return req
+        return self._budgeted(req, body.thinking_token_budget)
+
+    def _budgeted(self, req: ParsedRequest, tokens: int | None) -> ParsedRequest:
+        """`req` with its thinking budget (`thinking_token_budget`), which needs the server's reasoning format."""
+        if tokens is None:
+            return req
+        if self.config.reasoning is None:
+            raise bad("thinking_token_budget", "'thinking_token_budget' needs a reasoning format: this server was "
+                                               "started without --reasoning-parser")
+        budget = thinking_budget(self.config.reasoning, self.bridge.tokenizer, tokens)
+        return dataclasses.replace(req, params=dataclasses.replace(req.params, thinking=budget))
 
     async def chat_ids(self, req: ParsedRequest, template_kwargs: dict | None) -> list[int]:
         try:    # off the event loop: a long prompt takes seconds to tokenize

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from serving.tools.constraint import as_format
 from verifier.sampling.structured import StructuredOutputs
+from verifier.sampling.thinking import ThinkingBudget
 
 START, END = "<think>", "</think>"
 # Whitespace the constraint lets come between the block and the answer (the split drops it; ASCII
@@ -149,6 +150,14 @@ def reasoning_tokens(fmt: ReasoningFormat, tokenizer, token_ids: list[int]) -> i
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if closed(mid) else (mid, hi)
     return hi
+
+
+def thinking_budget(fmt: ReasoningFormat, tokenizer, tokens: int) -> ThinkingBudget:
+    """At most `tokens` tokens of the block, then its closing marker forced: the markers as the
+    tokenizer writes them alone (the reasoning models' own special tokens)."""
+    def ids(marker: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(marker, add_special_tokens=False))
+    return ThinkingBudget(tokens, end_ids=ids(END), start_ids=None if fmt.opened_by_template else ids(START))
 
 
 def after_reasoning(fmt: ReasoningFormat, constraint: StructuredOutputs) -> StructuredOutputs:

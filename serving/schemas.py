@@ -214,6 +214,9 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default: "auto" with tools, "none" without')
     parallel_tool_calls: bool | None = Field(True, description="false: one call at most")
+    thinking_token_budget: whole(ge=1) | None = Field(
+        None, description="at most this many tokens of the reasoning block, then its end is forced and the answer "
+                          "follows (vLLM; needs the server's --reasoning-parser; the block counts in max_tokens)")
     chat_template_kwargs: ChatTemplateKwargs | None = Field(
         None, description="extra variables for the chat template's render (vLLM); not messages, tools, "
                           "add_generation_prompt, bos_token, eos_token or the template's functions")

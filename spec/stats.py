@@ -39,6 +39,9 @@ class EngineLimits:
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
+        marks = () if params.thinking is None else (*params.thinking.end_ids, *(params.thinking.start_ids or ()))
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in marks):
+            raise ValueError(f"the thinking budget's marker ids must be ints in [0, {self.vocab_size})")
         total = len(ids) + params.max_tokens
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "

@@ -7,7 +7,8 @@ refusals and the fault isolation are then the chat route's own (serving/app.py:R
     assistant text, tool_use        an assistant message with `tool_calls` ({"id", "name", input as JSON})
     assistant thinking blocks       left out: the template is given the replies, not their thinking
     tools, tool_choice              OpenAI's tools; auto/any/tool/none -> auto/required/named/none
-    stop_sequences, thinking        stop; the template's enable_thinking (enabled: true, disabled: false)
+    stop_sequences, thinking        stop; the template's enable_thinking (enabled: true, disabled: false),
+                                    budget_tokens as thinking_token_budget under a reasoning parser
     output_config.format            response_format json_schema
 
 What the body asks and Tercel does not do is a 400 naming the field, before any work: a block
@@ -37,11 +38,12 @@ DROPPED = ("thinking", "redacted_thinking")     # an assistant's earlier thinkin
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request `body` asks for; APIError (400) naming the Messages field for what it cannot."""
+def chat_request(body: MessagesRequest | CountTokensRequest, budgets: bool = False) -> ChatCompletionRequest:
+    """The chat request `body` asks for; APIError (400) naming the Messages field for what it cannot.
+    `budgets`: the server parses reasoning, so thinking.budget_tokens is held (not only accepted)."""
     check_extra(body.model_extra, UNSUPPORTED, ACCEPTED)
     fields = {"model": body.model, "messages": [*_system(body.system), *_turns(body.messages)],
-              **_tools(body), **_output(body)}
+              **_tools(body), **_output(body, budgets)}
     if isinstance(body, MessagesRequest):
         fields.update(_sampling(body))
     try:
@@ -172,11 +174,13 @@ def _tool(i: int, tool) -> dict:
     return {"type": "function", "function": function}
 
 
-def _output(body) -> dict:
-    """The template's thinking switch, and the text's JSON Schema."""
+def _output(body, budgets: bool) -> dict:
+    """The template's thinking switch and budget, and the text's JSON Schema."""
     out = {}
     if isinstance(body.thinking, (ThinkingEnabled, ThinkingDisabled)):
         out["chat_template_kwargs"] = {"enable_thinking": isinstance(body.thinking, ThinkingEnabled)}
+    if isinstance(body.thinking, ThinkingEnabled) and budgets:
+        out["thinking_token_budget"] = body.thinking.budget_tokens
     config = body.output_config
     if config is not None and config.format is not None:
         out["response_format"] = {"type": "json_schema",

@@ -41,7 +41,8 @@ RENAMES = [(re.compile(r"'stop(?=['\[])"), "'stop_sequences"),
            (re.compile(r"'tool_choice\.function\.name"), "'tool_choice.name"),
            (re.compile(r"'response_format\.json_schema\.schema"), "'output_config.format.schema"),
            (re.compile(r"'response_format"), "'output_config.format"),
-           (re.compile(r"'chat_template_kwargs[^']*"), "'thinking")]
+           (re.compile(r"'chat_template_kwargs[^']*"), "'thinking"),
+           (re.compile(r"'thinking_token_budget"), "'thinking.budget_tokens")]
 
 
 def renamed(e: APIError) -> APIError:

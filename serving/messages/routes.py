@@ -24,7 +24,7 @@ class MessagesRoutes:
 
     async def create(self, body: MessagesRequest, request: Request):
         try:
-            chat = chat_request(body)
+            chat = chat_request(body, budgets=self.routes.config.reasoning is not None)
             req = self.routes.parsed_chat(chat)
         except APIError as e:
             raise renamed(e) from None

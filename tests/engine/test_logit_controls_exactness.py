@@ -1,12 +1,13 @@
-"""T > 0 exactness of logit_bias and min_tokens through the whole engine, as
+"""T > 0 exactness of logit_bias, min_tokens and a thinking budget through the whole engine, as
 test_speculative_exactness.py: 10,000 seeded requests of three tokens on the 32-token tiny
 model, drafted by a sampling drafter, against the exact law computed from HF logits with the
 same transform (`transform_logits`); a broken rule must fail the same test.
 
 The broken controls: the bias left out of the target's p at tree nodes (plain sampling of the
-first token keeps it), and min_tokens masking every node by the root's output length instead
-of its own depth. (Leaving the bias out of the drafter's q alone is no control: acceptance is
-exact for any q that is what the drafter sampled from, so it only costs acceptance.)
+first token keeps it); min_tokens, and the thinking budget, ruling every node by the root's
+output length instead of its own depth. (Leaving the bias out of the drafter's q alone is no
+control: acceptance is exact for any q that is what the drafter sampled from, so it only costs
+acceptance.)
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from spec import LLM, SamplingParams
 from stats import chi_square_pvalue, total_variation
 from tree.token_tree import TokenTree
 from verifier.sampling.sampler import transform_logits
+from verifier.sampling.thinking import ThinkingBudget
 
 BASE = dict(temperature=0.9, top_k=12, top_p=0.9, max_tokens=3)
 CHAIN = SpecConfig(num_speculative_tokens=2)
@@ -100,4 +102,29 @@ def test_min_tokens_at_the_roots_depth_fails_the_same_test(tiny_vocab_dir, promp
     the root were not output yet), so EOS is never accepted as a drafted third token."""
     monkeypatch.setattr(TokenTree, "path_tokens", lambda tree, node: [tree.tokens[0]])
     p, _ = fit(tiny_vocab_dir, prompt, f"small:{tiny_vocab_dir}", held, "broken: min_tokens at the root's depth")
+    assert p < 1e-3
+
+
+@pytest.fixture(scope="module")
+def budgeted(prompt) -> SamplingParams:
+    """A block the reply opens with the prompt's likeliest next token s (as often as not), one
+    token of budget, then its one-token end e forced; e pushed up, so that the block often closes
+    within its budget and the third token is free again."""
+    s = prompt[2]
+    e = (s + 5) % V
+    return SamplingParams(ignore_eos=True, logit_bias={e: 2.0},
+                          thinking=ThinkingBudget(1, end_ids=(e,), start_ids=(s,)), **BASE)
+
+
+def test_a_thinking_budget_keeps_the_targets_law(tiny_vocab_dir, prompt, budgeted):
+    p, accepted = fit(tiny_vocab_dir, prompt, f"small:{tiny_vocab_dir}", budgeted, "thinking budget, self")
+    assert accepted >= 300 and p > 1e-3
+
+
+@pytest.mark.slow
+def test_a_thinking_budget_at_the_roots_depth_fails_the_same_test(tiny_vocab_dir, prompt, budgeted, monkeypatch):
+    """The control: every node's row sees the root's output only, so a drafted third token is never
+    forced to the block's end."""
+    monkeypatch.setattr(TokenTree, "path_tokens", lambda tree, node: [tree.tokens[0]])
+    p, _ = fit(tiny_vocab_dir, prompt, f"small:{tiny_vocab_dir}", budgeted, "broken: budget at the root's depth")
     assert p < 1e-3

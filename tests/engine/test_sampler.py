@@ -8,8 +8,9 @@ import itertools
 import pytest
 import torch
 
-from verifier.sampling.sampler import sample_token, target_probs
+from verifier.sampling.sampler import sample_token, target_probs, transform_logits
 from verifier.sampling.sampling_params import SamplingParams
+from verifier.sampling.thinking import ThinkingBudget
 
 
 def logits(seed: int = 0, vocab: int = 512) -> torch.Tensor:
@@ -53,3 +54,20 @@ def test_the_strongest_penalties_still_give_a_token(temperature, penalty):
 def test_a_repetition_penalty_below_the_floor_is_refused():
     with pytest.raises(ValueError, match="repetition_penalty must be >= 0.01"):
         SamplingParams(max_tokens=1, repetition_penalty=5e-324)
+
+
+def test_a_thinking_budget_forces_the_blocks_end_once_spent():
+    """Two tokens of a block opened by (7, 8), then its end (5, 6) one token at a time; nothing
+    where the reply answered without a block, closed it in time, or has its end written."""
+    b = ThinkingBudget(2, end_ids=(5, 6), start_ids=(7, 8))
+    assert [b.forced(out) for out in ([7, 8], [7, 8, 1], [7, 8, 1, 2], [7, 8, 1, 2, 5], [7, 8, 1, 2, 5, 6])] \
+        == [None, None, 5, 6, None]
+    assert b.forced([7, 9, 1, 2]) is None and b.forced([1, 2, 3, 4]) is None      # no block opened
+    assert b.forced([7, 8, 5, 6]) is None                                         # closed within the budget
+    opened = ThinkingBudget(2, end_ids=(5,))                                      # the template opened it
+    assert [opened.forced(out) for out in ([1], [1, 2], [1, 2, 5])] == [None, 5, None]
+    row = transform_logits(torch.randn(10), SamplingParams(thinking=opened), [3], [1, 2])
+    assert row.argmax() == 5 and torch.isinf(row).sum() == 9
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="thinking_token_budget"):
+            ThinkingBudget(bad, end_ids=(5,))

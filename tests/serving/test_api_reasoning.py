@@ -2,7 +2,8 @@
 the default model under stated chat templates that think (a conversation whose earlier answers
 show the `<think>` block leads the model to write one): `reasoning_content` apart from
 `content`, whole and streamed alike, its tokens in the usage; a constraint held only after the
-block; the same replies with speculation on and off; `enable_thinking: false` honoured; the
+block; a thinking budget closing it early; the same replies with speculation on and off;
+`enable_thinking: false` honoured; the
 Messages and Responses routes' own shapes of it; and a tiny random Qwen3 whose replies are full of
 the markers' pieces, split the same streamed and whole at its real token boundaries."""
 from __future__ import annotations
@@ -33,6 +34,7 @@ SHOTS = [{"role": "system", "content": "You are a helpful assistant."},
          {"role": "assistant", "content": "<think>\nFour plus four is eight.\n</think>\n\n8"}]
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
           "additionalProperties": False}
+BRIEF = {**ANSWER, "properties": {"answer": {"type": "string", "maxLength": 12}}}    # an answer cut short of a loop
 
 
 def ask(question: str) -> list[dict]:
@@ -137,6 +139,30 @@ def test_the_messages_api_returns_the_block_as_a_thinking_block(server, client):
         assert [b.type for b in message.content] == ["thinking", "text"]
         assert message.content[0].thinking == chat_message.reasoning_content
         assert message.content[1].text == chat_message.content
+    server.wait_idle()
+
+
+def test_a_thinking_budget_closes_the_block_and_the_answer_follows(fmt, server, client):
+    """thinking_token_budget: the block's first BUDGET tokens, then `</think>` forced, then the answer
+    in its schema; the reasoning tokens count the markers, as the usage does. /v1/messages holds
+    thinking.budget_tokens to the same reply."""
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": BRIEF}}
+    free = chat(client, "What is 10-4?", max_tokens=60).choices[0].message
+    reply = chat(client, "What is 10-4?", response_format=schema, max_tokens=60, extra_body={"thinking_token_budget": 3})
+    message = reply.choices[0].message
+    markers = len(server.engine.tokenizer.encode("</think>", add_special_tokens=False))
+    opening = 0 if fmt.opened_by_template else len(server.engine.tokenizer.encode("<think>", add_special_tokens=False))
+    assert reply.usage.completion_tokens_details.reasoning_tokens == opening + 3 + markers
+    assert message.reasoning_content and free.reasoning_content.startswith(message.reasoning_content)
+    assert len(message.reasoning_content) < len(free.reasoning_content)
+    jsonschema.validate(json.loads(message.content), BRIEF)
+    budgeted = chat(client, "What is 10-4?", max_tokens=60, extra_body={"thinking_token_budget": 3}).choices[0].message
+    api = server.anthropic_client()
+    anthropic = api.messages.create(model="smol", max_tokens=60, system=SHOTS[0]["content"],
+                                    messages=ask("What is 10-4?")[1:], thinking={"type": "enabled", "budget_tokens": 3},
+                                    extra_body={"temperature": 0})
+    assert [b.type for b in anthropic.content] == ["thinking", "text"]
+    assert (anthropic.content[0].thinking, anthropic.content[1].text) == (budgeted.reasoning_content, budgeted.content)
     server.wait_idle()
 
 

@@ -130,6 +130,15 @@ def test_bad_output_controls_are_a_400_naming_the_field(server, fields, param):
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("budget", [8, 0])
+def test_a_thinking_budget_without_a_reasoning_parser_is_a_400_naming_it(server, budget):
+    """The budget needs the block's markers, which --reasoning-parser names; 0 is no budget at all."""
+    r = post(server, "/v1/chat/completions", chat_body(thinking_token_budget=budget))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "thinking_token_budget"
+    assert budget == 0 or "--reasoning-parser" in r.json()["error"]["message"]
+
+
 # ---- chat template, its variables, the names, the defaults ---------------------------------------
 def test_the_servers_chat_template_and_its_variables(server):
     """--chat-template's template renders the chat; chat_template_kwargs reach it; /tokenize

@@ -1,10 +1,10 @@
 """The logits transform and plain sampling. Speculative acceptance reuses `target_probs`,
 so the distribution it preserves is exactly the one sampled here.
 
-Order of operations (as vLLM v1): logit_bias and min_tokens on raw logits -> penalties ->
-temperature -> top-k -> top-p -> min-p -> renormalise. The first three depend on the tokens
-before the row (`transform_logits`); a tree node's row is transformed with its own path, so
-speculative acceptance and plain sampling see one function.
+Order of operations (as vLLM v1): logit_bias and min_tokens on raw logits -> penalties -> a
+spent thinking budget's forced token -> temperature -> top-k -> top-p -> min-p -> renormalise.
+The first four depend on the tokens before the row (`transform_logits`); a tree node's row is
+transformed with its own path, so speculative acceptance and plain sampling see one function.
 """
 from __future__ import annotations
 
@@ -48,7 +48,13 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: l
             logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
         if early:
             logits[sorted(held_back)] = float("-inf")
-    return apply_penalties(logits, params, prompt_ids, output_ids)
+    logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    forced = params.thinking.forced(output_ids) if params.thinking is not None else None
+    if forced is None:
+        return logits
+    only = torch.full_like(logits, float("-inf"))      # the thinking budget is spent: its end, one-hot
+    only[forced] = 0.0
+    return only
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from verifier.checks import positive_int
 from verifier.sampling.structured import StructuredOutputs
+from verifier.sampling.thinking import ThinkingBudget
 
 
 GREEDY_BELOW = 1e-5               # temperatures below this sample the argmax
@@ -42,6 +43,8 @@ class SamplingParams:
     # per prompt token the same with `prompt_logprobs` (verifier/sampling/logprobs.py)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # At most this many tokens of a reasoning block, then its end forced (verifier/sampling/thinking.py)
+    thinking: ThinkingBudget | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples.
@@ -54,6 +57,8 @@ class SamplingParams:
             check(self)
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             raise ValueError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingBudget):
+            raise ValueError(f"thinking must be a ThinkingBudget, got {type(self.thinking).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -68,8 +73,8 @@ class SamplingParams:
 
     @property
     def has_logit_transform(self) -> bool:
-        """Whether `transform_logits` changes a row: a bias, min_tokens or a penalty is set."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.has_penalties
+        """Whether `transform_logits` changes a row: a bias, min_tokens, a penalty or a thinking budget is set."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.has_penalties or self.thinking is not None
 
     def finishing_ids(self, eos_ids) -> frozenset[int]:
         """The token ids that end this request when sampled: its stop tokens, and EOS unless
