@@ -123,7 +123,8 @@ ToolChoice = Annotated[Union[AutoChoice, AnyChoice, NamedChoice, NoChoice], Fiel
 class ThinkingEnabled(_Model):
     type: Literal["enabled"]
     budget_tokens: whole(ge=1) = Field(description="the thinking block's tokens at most, then its end is forced "
-                                                "(with the server's --reasoning-parser; accepted, not held, without one); the thinking counts in max_tokens")
+                                                "(under the server's --reasoning-parser; accepted, not held, "
+                                                "without one); the thinking counts in max_tokens")
 
 
 class ThinkingDisabled(_Model):

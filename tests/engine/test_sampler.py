@@ -71,3 +71,6 @@ def test_a_thinking_budget_forces_the_blocks_end_once_spent():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="thinking_token_budget"):
             ThinkingBudget(bad, end_ids=(5,))
+    masked = torch.randn(10)
+    masked[5] = float("-inf")                                                     # a grammar left it out
+    assert torch.equal(transform_logits(masked, SamplingParams(thinking=opened), [3], [1, 2]), masked)

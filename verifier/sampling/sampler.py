@@ -50,7 +50,7 @@ def transform_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: l
             logits[sorted(held_back)] = float("-inf")
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
     forced = params.thinking.forced(output_ids) if params.thinking is not None else None
-    if forced is None:
+    if forced is None or logits[forced] == float("-inf"):     # a constraint's mask outranks the budget
         return logits
     only = torch.full_like(logits, float("-inf"))      # the thinking budget is spent: its end, one-hot
     only[forced] = 0.0

@@ -9,7 +9,8 @@ with it or without it change only speed. Counting in tokens (not text) keeps it 
 opens with `start_ids` as the reply's first tokens (None: the template opened it, the reply starts
 inside) and has closed where `end_ids` appear in order. Reasoning models write their markers as
 one special token each; a model that spells them in pieces is matched only where it writes the
-pieces the tokenizer gives the marker alone.
+pieces the tokenizer gives the marker alone. Where a constraint's mask leaves the forced token
+out, the mask stands (the rule then forces nothing at that row).
 """
 from __future__ import annotations
 
