@@ -19,7 +19,8 @@ from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
-EXAMPLES = 50                  # per route and mode: 400 requests
+EXAMPLES = 35                  # per route and mode in `make test`: 280 requests
+SLOW_EXAMPLES = 500            # per route and mode under `make test-slow`, fresh cases each run
 MAX_TOKENS, MAX_N = 4, 2       # caps on in-range values, so that a fuzzed request stays short
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
@@ -62,7 +63,7 @@ def test_fuzzed_bodies_get_documented_answers_and_never_a_5xx(server, schema, se
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("route", ROUTES)
 def test_longer_fuzz_with_fresh_cases(server, schema, seen, route, mode):
-    fuzz(server, schema[route]["POST"], seen, mode, 10 * EXAMPLES, derandomize=False)
+    fuzz(server, schema[route]["POST"], seen, mode, SLOW_EXAMPLES, derandomize=False)
 
 
 def fuzz(server, op, seen, mode: GenerationMode, examples: int, derandomize: bool) -> None:

@@ -67,7 +67,9 @@ def corpus(tmp_path_factory, plain, reference):
                               [o.token_ids for o in reference])
 
 
-@pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS) - {"tree"}))
+# Under `make test-slow`, every drafter: in `make test` the tree drafter under a structural tag is
+# tests/engine/test_reasoning_exactness.py's (the tools' grammar is one too), the calls' parse is above.
+@pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS)))
 def test_every_drafter_calls_tools_token_identically(name, prompts, reference, corpus):
     drafter, spec = DRAFTERS[name]
     llm = LLM(max_num_seqs=8, drafter=drafter.format(corpus=corpus), speculation=spec)
