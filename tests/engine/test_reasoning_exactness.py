@@ -38,6 +38,20 @@ def params(fmt) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=48, structured=after_reasoning(fmt, StructuredOutputs(json=ANSWER)))
 
 
+def drafting_llm(name: str, replies: list, tmp_path) -> LLM:
+    """The default model's dense weights with drafter `name` verifying whole trees; a datastore
+    drafter's corpus is `replies` (outputs), written under tmp_path."""
+    drafter, spec = DRAFTERS[name]
+    if "{corpus}" in drafter:
+        corpus = tmp_path / "replies.jsonl"
+        corpus.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": "q"},
+                                                                {"role": "assistant", "content": o.text}]}) + "\n"
+                                  for o in replies))
+        drafter = drafter.format(corpus=corpus)
+    return LLM(max_num_seqs=4, drafter=drafter, speculation=spec, adaptive=AdaptiveConfig(enabled=False),
+               quantization=DENSE)
+
+
 @pytest.fixture(scope="module")
 def reference():
     plain = LLM(max_num_seqs=4, drafter=None, quantization=DENSE)
@@ -56,15 +70,7 @@ def test_plain_decoding_reasons_then_answers_in_the_schema(reference):
 # `make test` runs the tree (a small model and n-gram merged); each other drafter under `make test-slow`.
 @pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS) - {"tree"}))
 def test_every_drafter_is_token_identical_across_the_block_s_end(name, reference, tmp_path):
-    drafter, spec = DRAFTERS[name]
-    if "{corpus}" in drafter:
-        corpus = tmp_path / "replies.jsonl"
-        corpus.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": "q"},
-                                                                {"role": "assistant", "content": o.text}]}) + "\n"
-                                  for outs in reference.values() for o in outs))
-        drafter = drafter.format(corpus=corpus)
-    llm = LLM(max_num_seqs=4, drafter=drafter, speculation=spec, adaptive=AdaptiveConfig(enabled=False),
-              quantization=DENSE)
+    llm = drafting_llm(name, [o for outs in reference.values() for o in outs], tmp_path)
     for fmt in (QWEN3, DEEPSEEK_R1):
         outs = llm.generate(prompts(fmt), params(fmt))
         assert [o.token_ids for o in outs] == [o.token_ids for o in reference[fmt.name]], fmt.name
@@ -100,15 +106,7 @@ def test_a_spent_thinking_budget_ends_the_block_and_the_answer_follows_in_the_sc
 # `make test` runs the tree; each other drafter under `make test-slow`.
 @pytest.mark.parametrize("name", slow_marked(DRAFTERS, set(DRAFTERS) - {"tree"}))
 def test_every_drafter_is_token_identical_under_a_thinking_budget(name, budget_reference, tmp_path):
-    drafter, spec = DRAFTERS[name]
-    if "{corpus}" in drafter:
-        corpus = tmp_path / "replies.jsonl"
-        corpus.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": "q"},
-                                                                {"role": "assistant", "content": o.text}]}) + "\n"
-                                  for o in budget_reference[0]))
-        drafter = drafter.format(corpus=corpus)
-    llm = LLM(max_num_seqs=4, drafter=drafter, speculation=spec, adaptive=AdaptiveConfig(enabled=False),
-              quantization=DENSE)
+    llm = drafting_llm(name, budget_reference[0], tmp_path)
     outs = llm.generate(prompts(DEEPSEEK_R1), budget_reference[1])
     assert [o.token_ids for o in outs] == [o.token_ids for o in budget_reference[0]]
     assert sum(o.stats.accepted_tokens + o.stats.forced_tokens for o in outs) > 0
