@@ -4,6 +4,11 @@ with the forward's cost curve (spec/step_cost.py); a test that asserts drafting 
 verifies whole trees or states a machine's curve, which the controller keeps as stated."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
 from spec.adaptive import AdaptiveConfig
 from spec.step_cost import CostCurve
 
@@ -31,3 +36,15 @@ def stated(curve: CostCurve) -> AdaptiveConfig:
 
 CHEAP_ROWS = stated(MACHINES["amx"])          # the controller on, where drafting pays
 WHOLE_TREES = AdaptiveConfig(enabled=False)   # every proposal verified whole, whatever a row costs
+
+
+@contextmanager
+def untuned_dense_linears() -> Iterator[None]:
+    """Dense CPU targets loaded meanwhile keep the untuned split of their matmuls (MKL below
+    `verifier.model.linear.ONEDNN_MIN_ROWS` rows, oneDNN from there) instead of the row count this
+    machine's timings chose (verifier/model/linear_tuning.py): a test that needs the model to write
+    a given text must not owe it to which library a load picked."""
+    import verifier.runner as runner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "tune_linear", lambda *args, **kwargs: None)
+        yield

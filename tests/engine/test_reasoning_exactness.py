@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from conftest import slow_marked, spec_drafters
+from pinned import untuned_dense_linears
 from serving.reasoning import DEEPSEEK_R1, END, QWEN3, after_reasoning, split_reasoning
 from spec import LLM, SamplingParams, StructuredOutputs
 from spec.adaptive import AdaptiveConfig
@@ -23,10 +24,17 @@ SHOTS = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
          "</think>\n\n2<|im_end|>\n<|im_start|>user\nWhat is 4+4?<|im_end|>\n<|im_start|>assistant\n<think>\n"
          "Four plus four is eight.\n</think>\n\n8<|im_end|>\n")
 QUESTIONS = ("What is 2+3?", "What is 3+5?", "What is 10-4?")
-# Dense weights: that the model writes and closes a block must not depend on which int4 kernel this
-# machine's timings chose (the drafters' own weights may be anything: they only propose).
+# Dense weights on their untuned matmul split: that the model writes and closes a block must not depend
+# on which int4 kernel or matmul library this machine's timings chose (the drafters' own weights may
+# be anything: they only propose).
 DENSE = "none"
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _untuned_dense_linears():
+    with untuned_dense_linears():
+        yield
 
 
 def prompts(fmt) -> list[str]:

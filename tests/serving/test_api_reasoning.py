@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from serving.reasoning import DEEPSEEK_R1, QWEN3
+from pinned import untuned_dense_linears
 from server_util import LiveServer, ngram_server
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
@@ -52,9 +53,10 @@ def fmt(request):
 
 @pytest.fixture(scope="module")
 def server(fmt):
-    # Dense weights: the tests below need the model to write and close a block, which its text
-    # must not owe to the int4 kernel this machine's timings picked.
-    s = ngram_server(quantization="none", chat_template=TEMPLATES[fmt.name], reasoning=fmt)
+    # Dense weights on their untuned matmul split: the tests below need the model to write and close
+    # a block, which its text must not owe to the int4 kernel or matmul library a load's timings picked.
+    with untuned_dense_linears():
+        s = ngram_server(quantization="none", chat_template=TEMPLATES[fmt.name], reasoning=fmt)
     yield s
     s.close()
 
