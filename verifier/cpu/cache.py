@@ -14,14 +14,19 @@ def cache_root() -> Path:
 
 def build_once(out: Path, build: Callable[[Path], None]) -> Path:
     """`out`, built by `build(tmp)` into a temporary sibling folder and renamed into place: a
-    half-built folder is never picked up, and a failed build leaves nothing behind."""
+    half-built folder is never picked up, and a failed build leaves nothing behind. Where another
+    process put its build in place first, that one is kept: a folder is only ever renamed in whole,
+    and removing it could pull files from under that process's load."""
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         build(tmp)
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out.is_dir():
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return out
