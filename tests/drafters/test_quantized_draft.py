@@ -8,22 +8,19 @@ from conftest import mtbench_prompts
 from pinned import CHEAP_ROWS
 from spec import LLM, SamplingParams
 
+pytestmark = pytest.mark.heavy_memory    # about 1.0 GB above its worker's own memory at its peak
+
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def dense():
-    return LLM(max_num_seqs=2, quantization="none")
-
-
-def test_a_dense_target_drafts_with_its_int4_self_and_keeps_its_tokens(dense):
+def test_a_dense_target_drafts_with_its_int4_self_and_keeps_its_tokens():
     """The fp32 target verifying its own GGUF's int4 blocks as the draft model: the draft runs
     int4, drafts the chain length the adaptive controller asks each step (up to the default
     8, on an AMX machine's stated cost curve), its chains are almost always accepted, and the
     tokens are plain fp32 decoding's."""
-    prompts = [dense.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(2)]
-    want = [o.token_ids for o in dense.generate(prompts, GREEDY)]
     llm = LLM(max_num_seqs=2, quantization="none", drafter="small:smollm2-135m-instruct", adaptive=CHEAP_ROWS)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(2)]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY, speculate=False)]    # plain fp32 decoding
     engine = llm.engine
     assert engine.drafter.model.quantization == "int4" and engine.target.quantization == "none"
     asked, drafted = [], []
