@@ -28,11 +28,16 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(VENV)/bin/tercel chat $(if $(PROMPT),"$(PROMPT)",)
 
+# Test files spread over pytest-xdist workers, as many as the CPUs and the free memory allow
+# (tests/workers.py); `make test WORKERS=0` runs them in this process.
+WORKERS ?= auto
+XDIST = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow $(XDIST)
 
 # The CUDA suite (tests/gpu), in a process of its own; it skips without a GPU.
 test-gpu: $(STAMP)

@@ -46,6 +46,27 @@ def _glibc():
 _LIBC = _glibc()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (`make test`): one worker per CPU of the budget, as many as the free memory holds."""
+    from verifier.cpu.cpus import cpu_budget
+    from workers import available_memory, worker_count
+    return worker_count(cpu_budget().threads, available_memory())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _heavy_modules_run_alone(request):
+    """Under pytest-xdist, a module marked `heavy_memory` runs while no other module does: its
+    peak beside another's, each on top of its worker's own resident memory, would pass the
+    suite's 6 GB budget (docs/performance.md, "Test suite")."""
+    worker = getattr(request.config, "workerinput", None)      # None: not an xdist worker
+    if worker is None:
+        yield
+        return
+    from workers import module_turn
+    with module_turn(worker["testrunuid"], alone=request.node.get_closest_marker("heavy_memory") is not None):
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _heap_returned_after_each_module():
     """After a module's engines are dropped, glibc keeps their freed heap pages mapped for the
