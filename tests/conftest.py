@@ -53,18 +53,12 @@ def pytest_xdist_auto_num_workers(config):
     return worker_count(cpu_budget().threads, available_memory())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _heavy_modules_run_alone(request):
-    """Under pytest-xdist, a module marked `heavy_memory` runs while no other module does: its
-    peak beside another's, each on top of its worker's own resident memory, would pass the
-    suite's 6 GB budget (docs/performance.md, "Test suite")."""
-    worker = getattr(request.config, "workerinput", None)      # None: not an xdist worker
-    if worker is None:
-        yield
-        return
-    from workers import module_turn
-    with module_turn(worker["testrunuid"], alone=request.node.get_closest_marker("heavy_memory") is not None):
-        yield
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (`make test`): the heavy files first, on one worker (tests/workers.py)."""
+    if config.getoption("dist") == "loadfile":
+        from workers import HeavyFirst
+        return HeavyFirst(config, log)
+    return None
 
 
 @pytest.fixture(autouse=True, scope="module")

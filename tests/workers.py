@@ -1,18 +1,30 @@
-"""`make test` on every CPU of its budget: pytest-xdist workers, one test file each at a time
-(`--dist loadfile`, so a module's fixtures are built once), as many as the CPUs and the free
-memory allow; the modules marked `heavy_memory` run while no other module does
-(docs/performance.md, "Test suite")."""
+"""`make test` on every CPU of its budget: pytest-xdist workers, as many as the CPUs and the free
+memory allow, each running whole test files (`--dist loadfile`, so a module's fixtures are built
+once). The files whose peak memory is largest run one after another on one worker, first, while
+the workers' own resident memory is smallest: two of them side by side, late in the run, would
+pass the suite's 6 GB budget (docs/performance.md, "Test suite")."""
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import tempfile
 from pathlib import Path
 
-# What one worker may hold at its peak: the process's own resident memory after a few hundred
-# tests (about 2 GB) plus the largest module's (about 1.7 GB), with room to spare.
+from xdist.scheduler import LoadFileScheduling
+
+# What one worker may hold at its peak: its own resident memory after a few hundred tests
+# (about 2 GB) plus the largest module's (about 1.7 GB), with room to spare.
 WORKER_MEMORY = 3 << 30
+
+# Each about 1-1.7 GB above its worker's own memory at its peak (measured per module with
+# /proc/self/clear_refs, docs/performance.md, "Test suite"); the others stay under 0.8 GB.
+HEAVY_MODULES = frozenset({
+    "tests/model/test_smollm2_vs_hf.py",          # SmolLM2 in HF transformers beside Tercel's
+    "tests/training/test_training.py",            # the target's features and a head's optimizer
+    "tests/model/test_quantized_model.py",
+    "tests/serving/test_api_reasoning.py",        # dense fp32 SmolLM2 behind a server
+    "tests/engine/test_reasoning_exactness.py",   # dense fp32 SmolLM2, every drafter
+    "tests/drafters/test_eagle3.py",
+    "tests/drafters/test_quantized_draft.py",     # dense fp32 SmolLM2 and its int4 self
+})
+HEAVY = "heavy modules"
 
 
 def available_memory() -> int | None:
@@ -32,18 +44,15 @@ def worker_count(cpus: int, memory: int | None) -> int:
     return max(1, min(cpus, by_memory))
 
 
-@contextlib.contextmanager
-def module_turn(run_id: str, alone: bool):
-    """Held while a module runs: shared by the light modules, whole for a heavy one. A heavy
-    module first takes the turnstile and keeps it while it waits, so that light modules cannot
-    keep coming in ahead of it."""
-    folder = Path(tempfile.gettempdir())
-    with open(folder / f"tercel-tests-{run_id}.turnstile", "a") as turnstile, \
-            open(folder / f"tercel-tests-{run_id}.modules", "a") as modules:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(modules, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(modules, fcntl.LOCK_UN)
+class HeavyFirst(LoadFileScheduling):
+    """Whole files to whichever worker runs short, the heavy ones as a single unit handed out
+    before any other."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = super()._split_scope(nodeid)
+        return HEAVY if path in HEAVY_MODULES else path
+
+    def _assign_work_unit(self, node) -> None:
+        if HEAVY in self.workqueue:
+            self.workqueue.move_to_end(HEAVY, last=False)
+        super()._assign_work_unit(node)

@@ -19,8 +19,6 @@ from training.ttt import Batch, ttt_forward
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.target import TargetModel
 
-pytestmark = pytest.mark.heavy_memory    # about 1.1 GB above its worker's own memory at its peak
-
 
 random_head = random_eagle_head
 

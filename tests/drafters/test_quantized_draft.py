@@ -2,13 +2,9 @@
 in fp32)."""
 from __future__ import annotations
 
-import pytest
-
 from conftest import mtbench_prompts
 from pinned import CHEAP_ROWS
 from spec import LLM, SamplingParams
-
-pytestmark = pytest.mark.heavy_memory    # about 1.0 GB above its worker's own memory at its peak
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 

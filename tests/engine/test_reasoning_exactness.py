@@ -18,8 +18,6 @@ from spec import LLM, SamplingParams, StructuredOutputs
 from spec.adaptive import AdaptiveConfig
 from verifier.sampling.thinking import ThinkingBudget
 
-pytestmark = pytest.mark.heavy_memory    # about 1.2 GB above its worker's own memory at its peak
-
 DRAFTERS = spec_drafters()
 SHOTS = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
          "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n<think>\nOne plus one is two.\n"

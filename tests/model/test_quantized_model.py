@@ -11,8 +11,6 @@ from verifier.batch import ForwardBatch, SeqInput
 from verifier.cpu import cpu_ops
 from verifier.target import TargetModel
 
-pytestmark = pytest.mark.heavy_memory    # about 1.5 GB above its worker's own memory at its peak
-
 BLOCK = 16
 
 

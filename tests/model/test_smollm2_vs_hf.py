@@ -16,8 +16,6 @@ from conftest import mtbench_prompts
 from spec import LLM, SamplingParams
 from verifier.batch import ForwardBatch, SeqInput
 
-pytestmark = pytest.mark.heavy_memory    # about 1.6 GB above its worker's own memory at its peak
-
 NEW_TOKENS = 32
 
 

@@ -1,12 +1,10 @@
-"""`make test`'s workers (tests/workers.py): how many, and a heavy module alone."""
+"""`make test`'s workers (tests/workers.py): how many, and the heavy files first, on one of them."""
 from __future__ import annotations
 
-import fcntl
-import tempfile
-import threading
-import time
+from types import SimpleNamespace
 
-from workers import WORKER_MEMORY, module_turn, worker_count
+from conftest import ROOT
+from workers import HEAVY_MODULES, WORKER_MEMORY, HeavyFirst, worker_count
 
 
 def test_one_worker_per_cpu_as_the_free_memory_allows():
@@ -16,40 +14,36 @@ def test_one_worker_per_cpu_as_the_free_memory_allows():
     assert worker_count(2, None) == 2
 
 
-def _turnstile_taken(folder, run_id) -> bool:
-    with open(folder / f"tercel-tests-{run_id}.turnstile", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
+def test_every_heavy_module_named_is_a_test_file():
+    assert all((ROOT / path).is_file() and path.startswith("tests/") for path in HEAVY_MODULES)
 
 
-def test_a_heavy_module_waits_for_the_light_one_running_and_keeps_newcomers_out(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    order, first_in, first_may_leave = [], threading.Event(), threading.Event()
+class FakeWorker:
+    """What the scheduler calls on an xdist worker: it records the tests it was sent."""
 
-    def module(name, alone, hold=None):
-        with module_turn("run", alone):
-            order.append(f"{name} in")
-            if hold:
-                first_in.set()
-                first_may_leave.wait()
-            order.append(f"{name} out")
+    def __init__(self, name: str):
+        self.sent, self.shutting_down, self.gateway = [], False, SimpleNamespace(id=name)
 
-    light = threading.Thread(target=module, args=("light", False, True))
-    heavy = threading.Thread(target=module, args=("heavy", True))
-    late = threading.Thread(target=module, args=("late", False))
-    light.start()
-    first_in.wait()
-    heavy.start()
-    for _ in range(1000):                             # the heavy module waits, holding the turnstile
-        if _turnstile_taken(tmp_path, "run"):
-            break
-        time.sleep(0.01)
-    late.start()
-    first_may_leave.set()
-    for t in (light, heavy, late):
-        t.join()
-    assert order == ["light in", "light out", "heavy in", "heavy out", "late in", "late out"]
+    def send_runtest_some(self, indexes):
+        self.sent.extend(indexes)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def test_the_heavy_files_go_first_and_together_to_one_worker(pytestconfig, monkeypatch):
+    monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"])         # what `-n 2` sets
+    heavy = sorted(HEAVY_MODULES)[:2]
+    collection = [f"tests/engine/test_{name}.py::test_{i}" for name in ("a", "b", "c") for i in range(4)]
+    collection[2:2] = [f"{heavy[0]}::test_x", f"{heavy[0]}::test_y"]
+    collection.append(f"{heavy[1]}::test_z")
+    scheduler, workers = HeavyFirst(pytestconfig), [FakeWorker("gw0"), FakeWorker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    first, second = ([collection[i] for i in w.sent] for w in workers)
+    assert first[:3] == [f"{heavy[0]}::test_x", f"{heavy[0]}::test_y", f"{heavy[1]}::test_z"]
+    assert not any(nodeid.split("::")[0] in HEAVY_MODULES for nodeid in first[3:] + second)
+    assert {nodeid.split("::")[0] for nodeid in second} <= {"tests/engine/test_a.py", "tests/engine/test_b.py",
+                                                            "tests/engine/test_c.py"}

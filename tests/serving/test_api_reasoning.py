@@ -19,8 +19,6 @@ from server_util import LiveServer, ngram_server
 from spec.adaptive import AdaptiveConfig
 from spec.config import EngineConfig
 
-pytestmark = pytest.mark.heavy_memory    # about 1.2 GB above its worker's own memory at its peak
-
 TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
          "{% if add_generation_prompt %}<|im_start|>assistant\n")
 # deepseek_r1: the template opens the block; qwen3: the model does, or with enable_thinking false

@@ -22,8 +22,6 @@ from training.vocab import select_draft_vocab
 from verifier.model.tokenizer import Tokenizer
 from verifier.target import TargetModel
 
-pytestmark = pytest.mark.heavy_memory    # about 1.7 GB above its worker's own memory at its peak
-
 
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
