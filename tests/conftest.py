@@ -46,6 +46,7 @@ def _glibc():
 _LIBC = _glibc()
 
 
+@pytest.hookimpl(optionalhook=True)         # pytest-xdist's hooks: plain pytest runs without it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (`make test`): one worker per CPU of the budget, as many as the free memory holds."""
     from verifier.cpu.cpus import cpu_budget
@@ -53,6 +54,7 @@ def pytest_xdist_auto_num_workers(config):
     return worker_count(cpu_budget().threads, available_memory())
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (`make test`): the heavy files first, on one worker (tests/workers.py)."""
     if config.getoption("dist") == "loadfile":
