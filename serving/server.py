@@ -30,6 +30,7 @@ from spec.engine import LLMEngine, freeze_loaded_objects
 from spec.profile import load_profile
 from spec.threads import ThreadConfig
 from verifier.model.loader import DEFAULT_MODEL
+from verifier.memory import available_bytes
 from verifier.sampling.grammar_limits import GrammarLimits
 
 log = logging.getLogger("tercel.serve")
@@ -170,9 +171,11 @@ def engine_config(args):
 
 
 def _device_memory() -> int:
+    """Free memory where the pool will live: the GPU's, or on a CPU what the machine and the
+    process's cgroup (a container's limit) leave (`verifier.memory.available_bytes`)."""
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return available_bytes() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def launch_app(args):

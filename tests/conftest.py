@@ -50,8 +50,9 @@ _LIBC = _glibc()
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (`make test`): one worker per CPU of the budget, as many as the free memory holds."""
     from verifier.cpu.cpus import cpu_budget
-    from workers import available_memory, worker_count
-    return worker_count(cpu_budget().threads, available_memory())
+    from verifier.memory import available_bytes
+    from workers import worker_count
+    return worker_count(cpu_budget().threads, available_bytes())
 
 
 @pytest.hookimpl(optionalhook=True)

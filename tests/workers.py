@@ -5,8 +5,6 @@ the workers' own resident memory is smallest: two of them side by side, late in 
 pass the suite's 6 GB budget (docs/performance.md, "Test suite")."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from xdist.scheduler import LoadFileScheduling
 
 # What one worker may hold at its peak: its own resident memory after a few hundred tests
@@ -25,17 +23,6 @@ HEAVY_MODULES = frozenset({
     "tests/drafters/test_quantized_draft.py",     # dense fp32 SmolLM2 and its int4 self
 })
 HEAVY = "heavy modules"
-
-
-def available_memory() -> int | None:
-    """MemAvailable in bytes (Linux); None where /proc/meminfo does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return None
 
 
 def worker_count(cpus: int, memory: int | None) -> int:

@@ -5,12 +5,15 @@ the weights as the runner holds them (packed layouts for the quantized runner, d
 otherwise), the embedding and LM head tables, the KV pool (reserved: a CPU pool's pages are
 committed only as they are written), and the process's resident bytes after the load, which
 also counts the interpreter, torch, the tokenizer and scratch. `check_fits` refuses a model
-whose weights exceed the memory the machine has available, before any is read, with the numbers.
+whose weights exceed the memory available, before any is read, with the numbers: the machine's,
+or in a container the limit of its cgroup less what it already holds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from verifier.cpu.cpus import ProcFiles, controller_dirs
 
 GB = 1e9
 
@@ -25,9 +28,55 @@ def _meminfo(field: str, path: str) -> int | None:
     return None
 
 
-def available_bytes() -> int | None:
-    """The memory the kernel reckons can be given out now without swapping (None: unknown)."""
-    return _meminfo("MemAvailable", "/proc/meminfo")
+def available_bytes(files: ProcFiles = ProcFiles()) -> int | None:
+    """The memory that can be given out now without swapping or the OOM killer: the kernel's
+    MemAvailable, or less where a cgroup's limit (a container's) leaves less (None: unknown)."""
+    found = [b for b in (_meminfo("MemAvailable", "/proc/meminfo"), cgroup_headroom(files)) if b is not None]
+    return min(found, default=None)
+
+
+def cgroup_headroom(files: ProcFiles = ProcFiles()) -> int | None:
+    """The least that the memory limits on the path from this process's cgroup to the root leave
+    it; None where none is set or the files cannot be read. A container sees its host's
+    MemAvailable, but the OOM killer holds it to its own limit."""
+    try:
+        cgroups, mounts = files.cgroup.read_text(), files.mountinfo.read_text()
+    except OSError:
+        return None
+    left = [h for d in controller_dirs(cgroups, mounts, files.root, "memory") if (h := _dir_headroom(d)) is not None]
+    return min(left, default=None)
+
+
+# cgroup v2's files, then v1's; v1 writes "no limit" as 2^63 rounded down to a page.
+_LIMIT_FILES = (("memory.max", "memory.current", "inactive_file"),
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+NO_LIMIT = 1 << 62
+
+
+def _dir_headroom(d: Path) -> int | None:
+    """This cgroup directory's limit less its working set (usage less the inactive page cache,
+    which the kernel reclaims before it kills: a GGUF read once stays cached), or None."""
+    for limit_file, usage_file, inactive in _LIMIT_FILES:
+        try:
+            limit = (d / limit_file).read_text().strip()
+            usage = int((d / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= NO_LIMIT:
+            return None
+        return max(0, int(limit) - usage + _stat(d / "memory.stat", inactive))
+    return None
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def resident_bytes() -> int | None:

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from bench.contention import make_cgroup
+from verifier import memory
 from verifier.cpu.cpus import CpuBudget, ProcFiles, cgroup_quota, cpu_budget
+from verifier.memory import available_bytes, cgroup_headroom
 
 ROOT = Path(__file__).resolve().parents[2]
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
@@ -56,6 +58,30 @@ def test_v1_in_a_container_strips_the_mount_root(tmp_path):
 
 def test_no_cgroup_files_means_no_quota(tmp_path):
     assert cgroup_quota(ProcFiles(tmp_path / "none", tmp_path / "none", tmp_path)) is None
+
+
+def test_a_containers_memory_limit_less_its_working_set_is_what_it_has(tmp_path, monkeypatch):
+    """The pod's 4 GB limit on a parent cgroup, 3 GB charged to it of which 1 GB is page cache
+    the kernel reclaims before it kills (a GGUF read once): 2 GB left, though the host's
+    MemAvailable says more. An engine checks a model's fit against the smaller."""
+    files = fake_tree(tmp_path, "0::/pod/app\n", V2_MOUNT, {
+        "sys/fs/cgroup/pod/memory.max": f"{4 << 30}\n",
+        "sys/fs/cgroup/pod/memory.current": f"{3 << 30}\n",
+        "sys/fs/cgroup/pod/memory.stat": f"anon {2 << 30}\ninactive_file {1 << 30}\n",
+        "sys/fs/cgroup/pod/app/memory.max": "max\n",
+        "sys/fs/cgroup/pod/app/memory.current": f"{3 << 30}\n"})
+    monkeypatch.setattr(memory, "_meminfo", lambda field, path: 8 << 30)     # the host's MemAvailable
+    assert cgroup_headroom(files) == 2 << 30
+    assert available_bytes(files) == 2 << 30
+
+
+def test_v1_without_a_memory_limit_leaves_the_hosts_figure(tmp_path, monkeypatch):
+    files = fake_tree(tmp_path, "4:memory:/c1\n", "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n", {
+        "sys/fs/cgroup/memory/c1/memory.limit_in_bytes": "9223372036854771712\n",
+        "sys/fs/cgroup/memory/c1/memory.usage_in_bytes": "6684942336\n"})
+    monkeypatch.setattr(memory, "_meminfo", lambda field, path: 8 << 30)
+    assert cgroup_headroom(files) is None
+    assert available_bytes(files) == 8 << 30
 
 
 def test_threads_are_the_mask_or_the_quota_rounded_down():

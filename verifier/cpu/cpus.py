@@ -65,15 +65,16 @@ def cgroup_quota(files: ProcFiles = ProcFiles()) -> float | None:
         mounts = files.mountinfo.read_text()
     except OSError:
         return None
-    quotas = [q for d in _cpu_dirs(cgroups, mounts, files.root) if (q := _dir_quota(d)) is not None]
+    quotas = [q for d in controller_dirs(cgroups, mounts, files.root, "cpu") if (q := _dir_quota(d)) is not None]
     return min(quotas, default=None)
 
 
-def _cpu_dirs(cgroups: str, mounts: str, root: Path) -> list[Path]:
-    """The process's cgroup directory for the CPU controller and each ancestor up to the mount."""
+def controller_dirs(cgroups: str, mounts: str, root: Path, controller: str) -> list[Path]:
+    """The process's cgroup directory for `controller` ("cpu", "memory") and each ancestor up to
+    the mount, from /proc/self/cgroup and /proc/self/mountinfo's texts."""
     dirs = []
-    for mount_root, mount_point, v2 in _cpu_mounts(mounts):
-        path = _cgroup_path(cgroups, v2)
+    for mount_root, mount_point, v2 in _mounts(mounts, controller):
+        path = _cgroup_path(cgroups, v2, controller)
         if path is None:
             continue
         # Inside a container the mount's root is the container's own cgroup: strip it.
@@ -84,8 +85,8 @@ def _cpu_dirs(cgroups: str, mounts: str, root: Path) -> list[Path]:
     return dirs
 
 
-def _cpu_mounts(mounts: str) -> list[tuple[str, str, bool]]:
-    """(cgroup root, mount point, is v2) of each mount that carries the CPU controller."""
+def _mounts(mounts: str, controller: str) -> list[tuple[str, str, bool]]:
+    """(cgroup root, mount point, is v2) of each mount that carries `controller`."""
     found = []
     for line in mounts.splitlines():
         fields = line.split()
@@ -93,19 +94,19 @@ def _cpu_mounts(mounts: str) -> list[tuple[str, str, bool]]:
             continue
         sep = fields.index("-")
         fstype, options = fields[sep + 1], fields[-1].split(",") if len(fields) > sep + 3 else []
-        if fstype == "cgroup2" or (fstype == "cgroup" and "cpu" in options):
+        if fstype == "cgroup2" or (fstype == "cgroup" and controller in options):
             found.append((fields[3], fields[4], fstype == "cgroup2"))
     return found
 
 
-def _cgroup_path(cgroups: str, v2: bool) -> str | None:
-    """The process's path in the v2 hierarchy (`0::/path`) or the v1 cpu one (`N:cpu,...:/path`)."""
+def _cgroup_path(cgroups: str, v2: bool, controller: str) -> str | None:
+    """The process's path in the v2 hierarchy (`0::/path`) or the controller's v1 one (`N:cpu,...:/path`)."""
     for line in cgroups.splitlines():
         num, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if v2 and num == "0" and controllers == "":
             return path
-        if not v2 and "cpu" in controllers.split(","):
+        if not v2 and controller in controllers.split(","):
             return path
     return None
 
