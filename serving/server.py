@@ -175,7 +175,8 @@ def _device_memory() -> int:
     process's cgroup (a container's limit) leave (`verifier.memory.available_bytes`)."""
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
-    return available_bytes() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    free = available_bytes()
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") if free is None else free
 
 
 def launch_app(args):
