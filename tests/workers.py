@@ -2,7 +2,8 @@
 memory allow, each running whole test files (`--dist loadfile`, so a module's fixtures are built
 once). The files whose peak memory is largest run one after another on one worker, first, while
 the workers' own resident memory is smallest: two of them side by side, late in the run, would
-pass the suite's 6 GB budget (docs/performance.md, "Test suite")."""
+come to about 6.5 GB by their measured peaks, past the suite's 6 GB budget (docs/performance.md,
+"Test suite")."""
 from __future__ import annotations
 
 from xdist.scheduler import LoadFileScheduling

@@ -18,14 +18,21 @@ from verifier.cpu.cpus import ProcFiles, controller_dirs
 GB = 1e9
 
 
-def _meminfo(field: str, path: str) -> int | None:
+def _field(path: Path | str, name: str) -> int | None:
+    """The number after `name` in a `name[:] value ...` file (/proc/meminfo, a cgroup's memory.stat)."""
     try:
         for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024          # kB
-    except OSError:
+            key, *values = line.split()
+            if key.rstrip(":") == name and values:
+                return int(values[0])
+    except (OSError, ValueError):
         pass
     return None
+
+
+def _meminfo(field: str, path: str) -> int | None:
+    kib = _field(path, field)
+    return None if kib is None else kib * 1024
 
 
 def available_bytes(files: ProcFiles = ProcFiles()) -> int | None:
@@ -50,7 +57,7 @@ def cgroup_headroom(files: ProcFiles = ProcFiles()) -> int | None:
 # cgroup v2's files, then v1's; v1 writes "no limit" as 2^63 rounded down to a page.
 _LIMIT_FILES = (("memory.max", "memory.current", "inactive_file"),
                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
-NO_LIMIT = 1 << 62
+_NO_LIMIT = 1 << 62
 
 
 def _dir_headroom(d: Path) -> int | None:
@@ -62,21 +69,10 @@ def _dir_headroom(d: Path) -> int | None:
             usage = int((d / usage_file).read_text())
         except (OSError, ValueError):
             continue
-        if not limit.isdigit() or int(limit) >= NO_LIMIT:
+        if not limit.isdigit() or int(limit) >= _NO_LIMIT:
             return None
-        return max(0, int(limit) - usage + _stat(d / "memory.stat", inactive))
+        return max(0, int(limit) - usage + (_field(d / "memory.stat", inactive) or 0))
     return None
-
-
-def _stat(path: Path, key: str) -> int:
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def resident_bytes() -> int | None:

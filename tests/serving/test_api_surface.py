@@ -231,7 +231,6 @@ def test_the_serve_flags_build_the_apps_settings(tmp_path, tiny_llama_dir, caplo
         server_config(parse_serve_args(["--chat-template", str(tmp_path / "none.jinja")]), ServerLimits())
 
 
-
 def test_kv_memory_fraction_takes_a_share_of_the_memory_available(monkeypatch):
     """On a CPU the share is of `verifier.memory.available_bytes`: in a container, what its cgroup's
     limit leaves, not the host's free pages."""
@@ -242,6 +241,7 @@ def test_kv_memory_fraction_takes_a_share_of_the_memory_available(monkeypatch):
     monkeypatch.setattr(server, "available_bytes", lambda: 4 << 30)
     config = server.engine_config(server.parse_serve_args(["--kv-memory-fraction", "0.25"]))
     assert config.kv_cache_bytes == 1 << 30
+
 
 # ---- field policy --------------------------------------------------------------------------------
 @pytest.mark.parametrize("path, fields, param", [
