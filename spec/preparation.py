@@ -209,7 +209,11 @@ class _Preparation:
                                                                    logits_indices=[0, 1, 2])]))
             return torch.cat([first.logits, chain.logits])
         counts = sorted({1, self.num_threads - 1, self.num_threads} - {0})
-        return cached_thread_check(self.target, counts, lambda: same_on_every_count(forward, counts))
+
+        def check() -> bool:
+            with self.target.one_layer_per_kind():       # each kernel on each shape: the bits' whole story
+                return same_on_every_count(forward, counts)
+        return cached_thread_check(self.target, counts, check)
 
 
 def kv_pool_bytes(target: TargetModel, asked: int) -> int:

@@ -15,6 +15,7 @@ The contract the engine relies on, whichever runs (`Runner.forward`):
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -51,6 +52,10 @@ class Runner(Protocol):
 
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
         """One forward over the batch (the contract in the module docstring)."""
+
+    def one_layer_per_kind(self) -> AbstractContextManager:
+        """Forwards inside may run one layer of each kind (every kernel on every shape), for checks
+        of the kernels' bits; outside, the whole model."""
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -101,6 +106,10 @@ class DenseRunner:
                                     torch.tensor(rows, dtype=torch.long, device=dev), kv, self.backend, meta,
                                     batch.capture_layers)
         return ForwardOutput(logits, offsets, taps)
+
+    def one_layer_per_kind(self) -> AbstractContextManager:
+        """The whole model still: torch's modules split their work their own way, per layer."""
+        return nullcontext()
 
     def attach_lora(self, lora: LoraSet) -> None:
         """Serve `lora`'s adapters: the projections add their rows' products (forward hooks), by

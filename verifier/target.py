@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from math import prod
 from pathlib import Path
 
@@ -178,6 +179,10 @@ class TargetModel:
 
     def close(self) -> None:
         """Release what outlives the object (nothing on one rank; the worker ranks under TP)."""
+
+    def one_layer_per_kind(self) -> AbstractContextManager:
+        """Forwards inside run one layer of each kind where the runner can (`Runner.one_layer_per_kind`)."""
+        return self.runner.one_layer_per_kind()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, chunk_invariant: bool = True) -> ForwardOutput:

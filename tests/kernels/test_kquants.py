@@ -153,3 +153,37 @@ def test_the_native_loop_is_bitwise_the_python_loop(mixed_gguf):
                         target.kv.k.clone(), target.kv.v.clone()))
     target.runner.native = native
     assert_loops_agree(results)
+
+
+def test_one_layer_of_each_kind_runs_inside_and_the_whole_model_after(mixed_gguf):
+    """The thread governor's check runs one layer of each kind: both of this file's layers (their
+    blocks differ), so inside, the same logits as the whole model; its dense twin quantized to
+    int4 has two layers of one kind, so inside, a one-layer model; after, the whole model again."""
+    ids = list(range(10, 30))
+    for model, quantization, kept in ((mixed_gguf, "gguf", 2), (mixed_gguf.parent / "hf", "int4", 1)):
+        target = TargetModel(str(model), quantization=quantization, load_tokenizer_files=False)
+        whole = logits(target, ids)
+        with target.one_layer_per_kind():
+            assert len(target.runner.layers) == kept
+            inside = logits(target, ids)
+        assert len(target.runner.layers) == 2 and torch.equal(logits(target, ids), whole)
+        assert torch.equal(inside, whole) == (kept == 2)
+
+
+def test_the_thread_check_sees_a_kernel_that_only_a_later_layer_kind_runs(mixed_gguf, monkeypatch, tmp_path):
+    """A kernel whose bits follow the thread count in layer 1's qkv alone (a kind layer 0 lacks)
+    turns the governor off: a check over the first layer only would miss it."""
+    from spec import curve_cache
+    from verifier.quantized.qlinear import QuantLinear
+    marked = TargetModel(str(mixed_gguf), quantization="gguf", load_tokenizer_files=False).runner.layers[1].qkv.layout()
+    run_own, caches = QuantLinear.run_own, iter([tmp_path / "a", tmp_path / "b"])
+    monkeypatch.setattr(curve_cache, "cache_root", lambda: next(caches))
+
+    def thread_dependent(self, x):
+        y = run_own(self, x)
+        return y + 1 if torch.get_num_threads() == 1 and self.layout() == marked else y
+    monkeypatch.setattr(QuantLinear, "run_own", thread_dependent)
+    kw = dict(max_model_len=64, num_kv_blocks=8, num_threads=2, quantization="gguf")
+    assert not LLM(str(mixed_gguf), **kw).engine.threads.active
+    monkeypatch.setattr(QuantLinear, "run_own", run_own)
+    assert LLM(str(mixed_gguf), **kw).engine.threads.active

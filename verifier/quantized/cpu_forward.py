@@ -20,7 +20,7 @@ A mixture-of-experts layer computes y with `verifier.model.moe.cpu_moe` instead,
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -31,7 +31,7 @@ from verifier.cpu import cpu_ops
 from verifier.model.llama import norm_qk
 from verifier.model.moe import SparseMoeBlock, cpu_moe
 from verifier.quantized.cpu_loop import NativeLayers
-from verifier.quantized.gemma_cpu import gemma_cpu_layers, gemma_forward_rows, gemma_heads
+from verifier.quantized.gemma_cpu import GemmaCpuLayer, gemma_cpu_layers, gemma_forward_rows, gemma_heads
 from verifier.quantized.qlinear import QuantLinear
 
 
@@ -101,6 +101,21 @@ def cpu_layers(net) -> list[CpuLayer]:
                      getattr(l.mlp, "gate_up_proj", None), getattr(l.mlp, "down_proj", None),
                      l.self_attn.q_norm, l.self_attn.k_norm, l.mlp if isinstance(l.mlp, SparseMoeBlock) else None)
             for l in net.model.layers]
+
+
+def layer_kind(layer: CpuLayer | GemmaCpuLayer) -> tuple:
+    """What a layer's kernels split their work by: its linears' layouts, its tensors' shapes, its
+    other fields' values (eps, a Gemma window), never a weight's values. Layers of one kind run
+    the same kernels on the same shapes."""
+    def part(v):
+        if isinstance(v, QuantLinear):
+            return v.layout()
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), v.dtype
+        if isinstance(v, torch.nn.Module):         # q/k norms, experts: their linears' layouts
+            return type(v).__name__, tuple(m.layout() for m in v.modules() if isinstance(m, QuantLinear))
+        return v if v is None or isinstance(v, (int, float, str)) else type(v).__name__
+    return tuple(part(getattr(layer, f.name)) for f in fields(layer))
 
 
 @torch.inference_mode()

@@ -80,6 +80,14 @@ class QuantLinear(nn.Module):
         tensors = [a for p in self._packed.values() for a in p.args if isinstance(a, torch.Tensor)]
         return sum(t.nbytes for t in tensors) + (0 if self.bias is None else self.bias.nbytes)
 
+    def layout(self) -> tuple:
+        """What its kernel's split of the work depends on: the kernel, the shapes and dtypes of its
+        packed arguments and their other values (group sizes; a mixed projection's row split, in
+        int64 tables), never the weights' values."""
+        args = tuple(a if not isinstance(a, torch.Tensor) else repr(a.tolist()) if a.dtype == torch.int64
+                     else (tuple(a.shape), a.dtype) for a in self._packed[self.own].args)
+        return self.own, self.out_features, self.in_features, self.bias is None, args
+
     def loop_fields(self):
         """The own kernel's entry in the native loop (`verifier.quantized.own_kernels.base.LoopFields`)."""
         return KERNELS[self.own].loop(self._packed[self.own])

@@ -15,6 +15,8 @@ it is chunked (`verifier/quantized/cpu_forward.py`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from verifier.model.lora import PROJECTIONS, LoraSet, adapter_rows
 from verifier.model.moe import SparseMoeBlock
 from verifier.quantized.attention_tuning import AttentionTimings
 from verifier.quantized.attention_tuning import tune as tune_attention
-from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, own_matmul, row_plan
+from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, layer_kind, own_matmul, row_plan
 from verifier.quantized.cpu_loop import native_layers
 from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimings
 from verifier.quantized.qlinear import QuantEmbedding, QuantLinear
@@ -102,6 +104,24 @@ class QuantizedRunner:
             elif not isinstance(m, QuantEmbedding):
                 rest += [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         return sum(lin.nbytes() for lin in self.decoder), tables, routers + tensor_bytes(rest)
+
+    @contextmanager
+    def one_layer_per_kind(self) -> Iterator[None]:
+        """Forwards inside run the first layer of each kind (`layer_kind`), then the final norm and
+        the head: every kernel on every shape a whole forward runs, in a fraction of its time, for a
+        check of the kernels' bits (the thread governor's, spec/preparation.py). Their KV goes to
+        the first layers' slots."""
+        firsts: dict[tuple, object] = {}
+        for layer in self.layers:
+            firsts.setdefault(layer_kind(layer), layer)
+        whole = self.layers, self.native
+        self.layers = list(firsts.values())
+        if self.native is not None:
+            self.native = native_layers(self.net.cfg, self.heads, self.layers, self.net.model.norm, self.net.lm_head)
+        try:
+            yield
+        finally:
+            self.layers, self.native = whole
 
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
         """The prompt rows' forward, then the sampled rows', outputs in batch order. Every row runs
