@@ -46,7 +46,8 @@ def kernels_report(model: str, mode: str, args) -> str:
     for m in t.rows:
         lines.append(f"| {m} | " + " | ".join("-" if t.ms[p].get(m) is None else f"{t.ms[p][m]:.2f}"
                                               for p in paths) + " |")
-    lines.append("| row-invariant | " + " | ".join("yes" if t.invariant[p] else "no" for p in paths) + " |")
+    probed = {True: "yes", False: "no", None: "not probed"}
+    lines.append("| row-invariant | " + " | ".join(probed[t.invariant.get(p)] for p in paths) + " |")
     cliff = t.rows_before_cliff(exact)
     lines += ["", f"Every row (decode, verify and prompt rows) takes {exact}.",
               f"Verify steps stay within {cliff} rows where they can (the {exact} kernel's cost jumps above)."

@@ -169,6 +169,26 @@ def test_timing_and_invariance_probe_on_real_kernels():
     assert all(measured.invariant[p] for p in owns)
 
 
+def test_only_the_choices_are_probed_fastest_first_up_to_one_that_passes(monkeypatch):
+    """With the plan's choices given, the fastest is probed first and, passing, kept unprobed
+    others; failing, the next is probed and kept. The plan is the one probing them all gives."""
+    from verifier.quantized import matmul_paths
+    lin, _ = _linear("int4")
+    owns = lin.own_paths()
+    if len(owns) < 2:
+        pytest.skip("one int4 kernel on this machine: no choice to probe")
+    fast, slow = owns[::-1]
+    monkeypatch.setattr(matmul_paths, "_time_one", lambda lins, path, m, repeats: m * (1.0 if path == fast else 2.0))
+    for fast_passes in (True, False):
+        probed = []
+        monkeypatch.setattr(matmul_paths, "row_invariant",
+                            lambda lins, path: probed.append(path) or path != fast or fast_passes)
+        t = time_paths([lin], (1, 2), choices=owns)
+        assert probed == ([fast] if fast_passes else [fast, slow])
+        everything = time_paths([lin], (1, 2))
+        assert t.plan(owns) == everything.plan(owns) == KernelPlan(fast if fast_passes else slow)
+
+
 def test_the_probe_fails_a_kernel_whose_rows_change_with_the_calls_size(monkeypatch):
     """A kernel that sums in another order for small calls (here: one bf16 step on rows of calls
     under 8 rows) fails the row-invariance probe; the same kernel untouched passes."""

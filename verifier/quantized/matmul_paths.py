@@ -26,7 +26,7 @@ import torch
 from verifier.cpu.machine import cached_measurement
 from verifier.quantized.qlinear import QuantLinear
 
-FORMAT = 8           # 8: own kernels only, over one layer
+FORMAT = 9           # 9: only the choices probed, fastest first (8: own kernels only, over one layer)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
 # timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
@@ -46,7 +46,8 @@ class KernelPlan:
 @dataclass(frozen=True)
 class KernelTimings:
     """Milliseconds for one layer's matmuls, per own kernel and row count (None: not timed,
-    already far behind at a smaller count), and whether each passed the row-invariance probe."""
+    already far behind at a smaller count), and whether each probed kernel passed the
+    row-invariance probe (a kernel not probed has no entry)."""
     rows: tuple[int, ...]
     ms: dict[str, dict[int, float | None]]
     invariant: dict[str, bool]
@@ -120,10 +121,12 @@ def engine_rows(prefill_chunk: int) -> tuple[int, ...]:
 
 
 def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int = 3,
-               probe: list[QuantLinear] | None = None) -> KernelTimings:
+               probe: list[QuantLinear] | None = None, choices: tuple[str, ...] | None = None) -> KernelTimings:
     """Time each own kernel over the `linears` that offer it, in order (cold weights, as in a
-    forward), and probe its row invariance on `probe` (default: the first four linears, one
-    layer) or, for a kernel none of those offers, on the first four that do."""
+    forward), and probe row invariance on `probe` (default: the first four linears, one layer)
+    or, for a kernel none of those offers, on the first four that do. With `choices` (the
+    kernels a plan chooses among) only those are probed, fastest first, up to the first that
+    passes: the one `KernelTimings.plan` keeps (each probe costs as much as the timing)."""
     paths = list(dict.fromkeys(p for lin in linears for p in lin.own_paths()))
     having = {p: [lin for lin in linears if p in lin.own_paths()] for p in paths}
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
@@ -131,8 +134,14 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
         for p in paths:
             ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats)
     probe = probe or linears[:4]
-    return KernelTimings(rows, ms, {p: row_invariant([lin for lin in probe if p in lin.own_paths()] or having[p][:4], p)
-                                    for p in paths})
+    timings = KernelTimings(rows, ms, {})
+    order = paths if choices is None else sorted(
+        (p for p in choices if p in ms), key=lambda p: (timings.sampled_ms(p) is None, timings.sampled_ms(p) or 0))
+    for p in order:
+        timings.invariant[p] = row_invariant([lin for lin in probe if p in lin.own_paths()] or having[p][:4], p)
+        if choices is not None and timings.invariant[p]:
+            break
+    return timings
 
 
 def _far_behind(ms: dict[str, dict[int, float | None]], path: str) -> bool:

@@ -368,7 +368,8 @@ def tune(layer: list[QuantLinear], scan: QuantLinear, rows: tuple[int, ...], mod
     sources = {path.stem: cpu_ops.sources_digest([path])          # a new kernel is timed anew
                for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
     key = {**model_key, "shapes": shapes_key(timed), **sources}
-    timings = load_or_time(rows, key, cache_dir, lambda: time_paths(timed, rows), refresh, threads)
+    choices = choosable_owns([*layer, scan])
+    timings = load_or_time(rows, key, cache_dir, lambda: time_paths(timed, rows, choices=choices), refresh, threads)
     plan = apply_plan([*layer, scan], timings)
     log.info("every row takes the %s kernel", plan.own)
     return plan, timings
