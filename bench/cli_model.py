@@ -57,12 +57,13 @@ def kernels_report(model: str, mode: str, args) -> str:
 
 def attention_report(a) -> str:
     """The fused attention's calls on one thread and on all, and the threshold chosen."""
-    lines = ["Attention of one layer, us per call: one thread / all threads", "",
-             "| rows | " + " | ".join(f"{k} keys" for k in sorted({k for _, k in a.serial})) + " |",
-             "|---|" + "---|" * len({k for _, k in a.serial})]
+    keys = sorted({k for _, k in a.serial})
+    lines = ["Attention of one layer, us per call: one thread / all threads (-: below the first size "
+             "all threads lost, not timed)", "",
+             "| rows | " + " | ".join(f"{k} keys" for k in keys) + " |", "|---|" + "---|" * len(keys)]
     for rows in sorted({r for r, _ in a.serial}):
-        cells = sorted(c for c in a.serial if c[0] == rows)
-        lines.append(f"| {rows} | " + " | ".join(f"{a.serial[c]:.1f} / {a.parallel[c]:.1f}" for c in cells) + " |")
+        lines.append(f"| {rows} | " + " | ".join(f"{a.serial[rows, k]:.1f} / {a.parallel[rows, k]:.1f}"
+                                                 if (rows, k) in a.serial else "-" for k in keys) + " |")
     lines += ["", "Attention stays on one thread at every size measured." if a.parallel_from == NEVER else
               f"Attention runs on all threads from {a.parallel_from} (rows x keys x query heads).",
               "Prompt rows attend on AMX tiles." if cpu_ops.attention_tiles() else

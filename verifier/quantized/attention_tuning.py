@@ -7,7 +7,8 @@ has only a few items (3 for SmolLM2's 3 KV heads) to share. Where spreading star
 depends on the machine (cores, SMT, vector width, caches, how busy it is) and on the model's
 heads, so it is timed at load: one row and a 4-row unit at 32 to 2048 keys, on one thread and
 on all, alternated; `parallel_from` is the smallest work (rows x keys x query heads) from
-which all threads win at that size and every larger one. The choice never changes a row's
+which all threads win at that size and every larger one (the sizes are timed from the most
+work down, up to the first that all threads do not win). The choice never changes a row's
 bits: the chunks and the order they merge in are the same either way.
 
 Each call is timed as a decode step makes it: its KV cold (a step's weights stream through
@@ -66,22 +67,28 @@ def choose(serial: dict[tuple[int, int], float], parallel: dict[tuple[int, int],
     measured size too; NEVER if the largest size is not won. A win is by MARGIN: where the two
     are within timing noise (small sizes), one thread leaves the other free."""
     best = NEVER
-    for rows, keys in sorted(serial, key=lambda c: (c[0] * c[1], c), reverse=True):
+    for rows, keys in sorted(serial, key=lambda c: (c[0] * c[1], c), reverse=True):    # as _by_work_down
         if parallel[rows, keys] >= MARGIN * serial[rows, keys]:
             break
         best = rows * keys * heads
     return best
 
 
-def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator):
-    """Random q and two sets of caches for one sequence of `rows` new rows after `keys` - rows
-    cached ones: the second set warms everything but the first's KV (see _cold_call)."""
+def _caches(hd: cpu_ops.Heads, gen: torch.Generator) -> list[torch.Tensor]:
+    """Two sets of random k and v caches for the most keys timed; each case reads their first
+    blocks (drawn once: drawing them per case took half the timing's time for 32 KV heads)."""
+    return [torch.randn(-(-max(KEYS) // _BLOCK) * _BLOCK, hd.nkv, hd.d, generator=gen).bfloat16() for _ in range(4)]
+
+
+def _case(hd: cpu_ops.Heads, rows: int, keys: int, gen: torch.Generator, caches: list[torch.Tensor]):
+    """Random q and the caches' first blocks for one sequence of `rows` new rows after `keys` -
+    rows cached ones: the second set warms everything but the first's KV (see _cold_call)."""
     blocks = -(-keys // _BLOCK)
     seq = SeqInput([0] * rows, keys - rows, list(range(blocks)))
     plan = row_plan([seq], _BLOCK, hd.nh // hd.nkv)
-    caches = [torch.randn(blocks * _BLOCK, hd.nkv, hd.d, generator=gen).bfloat16() for _ in range(4)]
+    kv = [c[:blocks * _BLOCK] for c in caches]
     q = torch.randn(rows, hd.nh, hd.d, generator=gen)
-    return plan, q, caches[:2], caches[2:], torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
+    return plan, q, kv[:2], kv[2:], torch.empty(rows, hd.nh * hd.d, dtype=torch.bfloat16)
 
 
 EVICT_MAX = 128 << 20       # a server CPU's shared L3 outgrows what a small model's step streams
@@ -134,24 +141,32 @@ def _qkv_words(hd: cpu_ops.Heads) -> int:
 
 def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimings:
     """Time attend on one thread and on all, alternated per round, each call cold; medians.
-    Leaves hd.parallel_from as it found it."""
+    Sizes run from the most work down and stop after the first that all threads do not win:
+    `choose` reads no smaller one. Leaves hd.parallel_from as it found it."""
     gen, saved, evict = torch.Generator().manual_seed(0), hd.parallel_from, _evictor()
-    stand_in = torch.ones(_qkv_words(hd))
-    samples: dict[str, dict[tuple[int, int], list[float]]] = {"serial": {}, "parallel": {}}
+    stand_in, caches = torch.ones(_qkv_words(hd)), _caches(hd, gen)
+    med: dict[str, dict[tuple[int, int], float]] = {"serial": {}, "parallel": {}}
     try:
-        for rows in ROWS:
-            for keys in KEYS:
-                case = _case(hd, rows, keys, gen)
-                for _ in range(rounds):
-                    for mode, threshold in (("serial", NEVER), ("parallel", 0)):
-                        hd.parallel_from = threshold
-                        _warm_call(hd, case)
-                        samples[mode].setdefault((rows, keys), []).extend(
-                            _cold_call(hd, case, stand_in, evict) for _ in range(calls))
+        for rows, keys in _by_work_down():
+            case = _case(hd, rows, keys, gen, caches)
+            samples: dict[str, list[float]] = {"serial": [], "parallel": []}
+            for _ in range(rounds):
+                for mode, threshold in (("serial", NEVER), ("parallel", 0)):
+                    hd.parallel_from = threshold
+                    _warm_call(hd, case)
+                    samples[mode] += [_cold_call(hd, case, stand_in, evict) for _ in range(calls)]
+            for mode, times in samples.items():
+                med[mode][rows, keys] = round(statistics.median(times), 2)
+            if med["parallel"][rows, keys] >= MARGIN * med["serial"][rows, keys]:
+                break
     finally:
         hd.parallel_from = saved
-    med = {m: {c: round(statistics.median(s), 2) for c, s in cells.items()} for m, cells in samples.items()}
     return AttentionTimings(med["serial"], med["parallel"], choose(med["serial"], med["parallel"], hd.nh))
+
+
+def _by_work_down() -> list[tuple[int, int]]:
+    """Every (rows, keys) timed, in `choose`'s order: the most work first."""
+    return sorted(((r, k) for r in ROWS for k in KEYS), key=lambda c: (c[0] * c[1], c), reverse=True)
 
 
 def _untrusted(timings: AttentionTimings) -> AttentionTimings:
