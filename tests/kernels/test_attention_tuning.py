@@ -92,3 +92,22 @@ def test_sizes_are_timed_from_the_most_work_down_to_the_first_all_threads_lose(m
     first_loss = next(i for i, c in enumerate(down) if c[0] * c[1] < 128)
     assert got.parallel_from == choose(serial, parallel, heads=4) == 128 * 4
     assert list(dict.fromkeys(timed)) == down[:first_loss + 1] == list(got.serial)
+
+
+def test_a_clear_cut_size_takes_one_round_and_a_close_one_all(monkeypatch):
+    """All threads take half the time at the most work (a clear win: one round), 0.9 of it below
+    (under MARGIN, not clear-cut: every round), and lose at the least work (where it stops)."""
+    every = [(r, k) for r in attention_tuning.ROWS for k in attention_tuning.KEYS]
+    down = sorted(every, key=lambda c: (c[0] * c[1], c), reverse=True)
+    share = {c: 0.5 if i == 0 else 0.9 if i < len(down) - 1 else 1.1 for i, c in enumerate(down)}
+    calls = []
+
+    def cold_call(hd, case, stand_in, evict):
+        cell = (case[1].shape[0], case[0].longest)
+        calls.append(cell)
+        return 100.0 * (share[cell] if hd.parallel_from == 0 else 1.0)
+    monkeypatch.setattr(attention_tuning, "_cold_call", cold_call)
+    got = attention_tuning.measure(cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE), rounds=3, calls=1)
+    per_size = {c: calls.count(c) for c in down}
+    assert per_size[down[0]] == 2 and per_size[down[1]] == 6        # a call per mode and round
+    assert got.parallel_from == down[-2][0] * down[-2][1] * 4

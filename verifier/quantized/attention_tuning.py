@@ -8,7 +8,8 @@ depends on the machine (cores, SMT, vector width, caches, how busy it is) and on
 heads, so it is timed at load: one row and a 4-row unit at 32 to 2048 keys, on one thread and
 on all, alternated; `parallel_from` is the smallest work (rows x keys x query heads) from
 which all threads win at that size and every larger one (the sizes are timed from the most
-work down, up to the first that all threads do not win). The choice never changes a row's
+work down, up to the first that all threads do not win; a size whose first round is clear-cut
+takes no more). The choice never changes a row's
 bits: the chunks and the order they merge in are the same either way.
 
 Each call is timed as a decode step makes it: its KV cold (a step's weights stream through
@@ -41,6 +42,7 @@ KEYS = (32, 64, 128, 256, 512, 1024, 2048)
 ROWS = (1, 4)
 NEVER = 1 << 62              # parallel_from when one thread always won
 MARGIN = 0.95                # all threads win where they take under 95% of one thread's time
+DECISIVE = 0.8               # a size whose every call shows a win by this much needs no more rounds
 _BLOCK = 16
 
 
@@ -141,8 +143,9 @@ def _qkv_words(hd: cpu_ops.Heads) -> int:
 
 def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimings:
     """Time attend on one thread and on all, alternated per round, each call cold; medians.
-    Sizes run from the most work down and stop after the first that all threads do not win:
-    `choose` reads no smaller one. Leaves hd.parallel_from as it found it."""
+    Sizes run from the most work down and stop after the first that all threads do not win
+    (`choose` reads no smaller one); a size takes rounds until `_decided`. Leaves
+    hd.parallel_from as it found it."""
     gen, saved, evict = torch.Generator().manual_seed(0), hd.parallel_from, _evictor()
     stand_in, caches = torch.ones(_qkv_words(hd)), _caches(hd, gen)
     med: dict[str, dict[tuple[int, int], float]] = {"serial": {}, "parallel": {}}
@@ -155,6 +158,8 @@ def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimi
                     hd.parallel_from = threshold
                     _warm_call(hd, case)
                     samples[mode] += [_cold_call(hd, case, stand_in, evict) for _ in range(calls)]
+                if _decided(samples["serial"], samples["parallel"]):
+                    break
             for mode, times in samples.items():
                 med[mode][rows, keys] = round(statistics.median(times), 2)
             if med["parallel"][rows, keys] >= MARGIN * med["serial"][rows, keys]:
@@ -162,6 +167,13 @@ def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimi
     finally:
         hd.parallel_from = saved
     return AttentionTimings(med["serial"], med["parallel"], choose(med["serial"], med["parallel"], hd.nh))
+
+
+def _decided(serial: list[float], parallel: list[float]) -> bool:
+    """Whether a size's verdict is in already: every all-threads call under DECISIVE times every
+    one-thread call, or none under any. Either way its median sits far from MARGIN's line, and
+    more rounds (each a few ms at long contexts) would not move it there."""
+    return max(parallel) < DECISIVE * min(serial) or min(parallel) >= max(serial)
 
 
 def _by_work_down() -> list[tuple[int, int]]:
