@@ -20,6 +20,7 @@ from verifier.model.config import GEMMA_TYPES
 from verifier.model.gemma_config import gguf_fields
 from verifier.model.gguf_header import GGUFHeader
 from verifier.model.gguf_quant import INDEX_FILE, block_index
+from verifier.model.gguf_tokenizer import buildable, byte_level_tokenizer
 from verifier.model.gguf_weights import GGUFTensors, tensor_index
 
 # GGUF general.architecture -> the HF class its config names (mistral GGUFs load as llama; a
@@ -27,7 +28,7 @@ from verifier.model.gguf_weights import GGUFTensors, tensor_index
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-TOKENIZER_FORMAT = 1      # a new form of the converted tokenizer files is converted anew
+TOKENIZER_FORMAT = 2      # a new form of the converted tokenizer files is converted anew (2: built here)
 _MODEL_TYPES = {"mistral": "llama", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}   # GGUF architecture -> model_type
 def eos_ids(reader) -> int | list[int] | None:
     """The end-of-sequence id, with the end-of-turn one where the file names it (Gemma's
@@ -138,12 +139,28 @@ def tokenizer_folder(reader) -> Path:
 
 
 def _convert_tokenizer(reader, gguf_path: Path, out_dir: Path) -> None:
-    """transformers rebuilds a fast tokenizer (and the chat template) from the GGUF metadata. A
-    BPE ("gpt2") vocabulary gets the generic class whichever way: asked for it directly, it skips
-    AutoTokenizer's reading the whole file's metadata with gguf-py to choose a class (most of its
-    time: docs/performance.md, "Load and import times")."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy: ~0.35 s; a tokenizer not yet converted only
+    """The tokenizer files of the GGUF's metadata: a byte-level BPE vocabulary built here
+    (`verifier.model.gguf_tokenizer`), others by transformers, which rebuilds a fast tokenizer
+    (and the chat template). A BPE ("gpt2") vocabulary gets the generic class whichever way:
+    asked for it directly, it skips AutoTokenizer's reading the whole file's metadata with gguf-py
+    to choose a class (most of its time: docs/performance.md, "Load and import times")."""
+    fields = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
+    if buildable(fields):
+        _write_tokenizer(reader, fields, out_dir)
+        return
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # lazy: ~1 s; a tokenizer not built above
     bpe = _field(reader, "tokenizer.ggml.model") == "gpt2"
     tok = (PreTrainedTokenizerFast if bpe else AutoTokenizer).from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     tok.save_pretrained(str(out_dir))
+
+
+def _write_tokenizer(reader, fields: dict, out_dir: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and the chat template, as transformers saves them."""
+    tok, config = byte_level_tokenizer(reader.strings("tokenizer.ggml.tokens"), reader.strings("tokenizer.ggml.merges"),
+                                       fields.get("tokenizer.ggml.token_type"), fields)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    if isinstance(fields.get("tokenizer.chat_template"), str):
+        (out_dir / "chat_template.jinja").write_text(fields["tokenizer.chat_template"])

@@ -2,11 +2,12 @@
 
 gguf-py's `GGUFReader` builds a numpy view per element of every array, the tokenizer's tens of
 thousands of strings included (seconds: docs/performance.md, "Load and import times"), where
-Tercel needs only their count (the vocabulary size; transformers reads the tokenizer's arrays
-itself, `verifier.model.loader`). This reads the
+Tercel needs only their count (the vocabulary size) but at a tokenizer's first conversion
+(`verifier.model.gguf_convert`). This reads the
 same fields and tensors in the shape the loader reads from `GGUFReader` (`fields[key].contents()`,
 `tensors[i].name / tensor_type / shape / data_offset / n_bytes`), a string array's contents as
-`StringCount` (its length only). The format: github.com/ggml-org/ggml, docs/gguf.md.
+`StringCount` (its length only; `strings(key)` reads one when asked, as the tokenizer's builder
+does). The format: github.com/ggml-org/ggml, docs/gguf.md.
 """
 from __future__ import annotations
 
@@ -72,6 +73,21 @@ class GGUFHeader:
         start = -(-self._pos // align) * align
         self.tensors = [TensorInfo(name, GGMLQuantizationType(kind), dims, start + offset, _nbytes(kind, dims))
                         for name, dims, kind, offset in infos]
+
+    def strings(self, key: str) -> list[str]:
+        """The contents of string array `key` (read from its span; the header skipped them)."""
+        start, end = self.spans[key]
+        raw = bytes(self.data[start:end])          # one copy: indexing the map per string is slow
+        pos = 8 + struct.unpack_from("<Q", raw, 0)[0]       # past the key
+        kind, item, count = struct.unpack_from("<IIQ", raw, pos)
+        if kind != _ARRAY or item != _STRING:
+            raise ValueError(f"{self.path}: {key} is not an array of strings")
+        pos, out = pos + 16, []
+        for _ in range(count):
+            n = struct.unpack_from("<Q", raw, pos)[0]
+            out.append(bytes(raw[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"))
+            pos += 8 + n
+        return out
 
     def _take(self, fmt: str):
         (v,) = struct.unpack_from(fmt, self.data, self._pos)

@@ -2,8 +2,9 @@
 
 Importing transformers is slow (figures: docs/performance.md, "Load and import times");
 serving only needs encode, decode and the chat template, so we read tokenizer.json and the
-template directly (transformers is still what converts GGUF tokenizers, and the tests check
-this wrapper against it).
+template directly (a GGUF's tokenizer files are written by `verifier.model.gguf_convert`, by
+transformers where it does not build them itself, and the tests check this wrapper against
+transformers).
 """
 from __future__ import annotations
 
