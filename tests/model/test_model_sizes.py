@@ -306,6 +306,36 @@ def test_a_load_packs_from_the_file_what_reading_would_pack(tiny_gguf, cache, mo
     assert all(torch.equal(a, b) for a, b in zip(packed(direct), packed(read), strict=True))
 
 
+def test_a_later_load_of_a_file_recalls_its_plan_and_serves_the_same_bits(tiny_gguf, tmp_path, monkeypatch,
+                                                                          neighbours):
+    """The first load packs the first layer for every kernel, chooses (the choice pinned) and
+    notes the plan for the file; the next packs that layer for the plan alone, without choosing
+    (`plan_memo`), and gives the same logits. Another file of the same shapes chooses again."""
+    import shutil
+
+    from bench.model_shapes import write
+    from verifier.cpu.cache import cache_root
+    from model_cases import logits
+    from verifier.quantized import runner
+    if (built := cache_root() / "cpu_kernels").is_dir():
+        shutil.copytree(built, tmp_path / "cache" / "cpu_kernels")
+    monkeypatch.setenv("TERCEL_CACHE", str(tmp_path / "cache"))
+    pin_torch_int4(monkeypatch)
+    tunes, tune = [], runner.tune
+    monkeypatch.setattr(runner, "tune", lambda *a, **k: tunes.append(a[0]) or tune(*a, **k))
+    ids = list(range(100, 130))         # within logits()' two blocks
+    first = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
+    assert len(tunes) == 1
+    later = TargetModel(str(tiny_gguf), quantization="int4", load_tokenizer_files=False)
+    assert len(tunes) == 1 and later.runner.plan == first.runner.plan
+    assert later.runner.timings == first.runner.timings
+    assert torch.equal(logits(later, ids), logits(first, ids))
+    other = tmp_path / "other-Q4_1.gguf"
+    write(other, TINY, "Q4_1", ALIASES[DEFAULT_MODEL]())
+    TargetModel(str(other), quantization="int4", load_tokenizer_files=False)
+    assert len(tunes) == 2
+
+
 def test_the_kv_pool_stays_within_the_memory_left_after_the_load(monkeypatch):
     """The pool asked for, or nine tenths of what is free when less is: a pool past the memory
     would meet the OOM killer mid-request instead of a full pool's preemption."""

@@ -151,6 +151,29 @@ def _crowded(others: float | None, cpus: int, threads: int) -> bool:
     return others is not None and others > max(0, cpus - threads) + QUIET_CPUS
 
 
+def _cached_path(cache_dir: Path | None, prefix: str, key: dict, threads: int | None) -> tuple[dict, Path | None]:
+    """(the key with the machine's, the file it is cached in: None without a cache folder)."""
+    key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return key, cache_dir / f"{prefix}{digest}.json" if cache_dir else None
+
+
+def _read(path: Path | None, from_json: Callable[[dict], T]) -> T | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return from_json(json.loads(path.read_text())["timings"])
+    except (ValueError, KeyError, TypeError):
+        return None                     # a damaged file: measured again
+
+
+def cached_only(cache_dir: Path | None, prefix: str, key: dict, from_json: Callable[[dict], T],
+                threads: int | None = None) -> T | None:
+    """What `cached_measurement` keeps for `key` on this machine, or None (nothing measured and
+    kept quiet yet): a lookup that never measures."""
+    return _read(_cached_path(cache_dir, prefix, key, threads)[1], from_json)
+
+
 def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: Callable[[], T],
                        to_json: Callable[[T], dict], from_json: Callable[[dict], T], refresh: bool = False,
                        threads: int | None = None, crowded: Callable[[T], T] | None = None) -> T:
@@ -160,14 +183,9 @@ def cached_measurement(cache_dir: Path | None, prefix: str, key: dict, measure: 
     threads needed meanwhile (`_neighbour_meter`, `_crowded`): timings taken beside other work
     serve this load only, as they are or as `crowded(timings)` makes them (a choice that does not
     trust them), and the next load measures again. A damaged file is measured again."""
-    key = {**key, **machine_key(threads), "cache_format": CACHE_FORMAT}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / f"{prefix}{digest}.json" if cache_dir else None
-    if path is not None and path.is_file() and not refresh:
-        try:
-            return from_json(json.loads(path.read_text())["timings"])
-        except (ValueError, KeyError, TypeError):
-            pass
+    key, path = _cached_path(cache_dir, prefix, key, threads)
+    if not refresh and (known := _read(path, from_json)) is not None:
+        return known
     meter, start = _neighbour_meter(), time.monotonic()
     with on_threads(threads):
         result = measure()

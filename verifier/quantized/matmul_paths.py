@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from verifier.cpu.machine import cached_measurement
+from verifier.cpu.machine import cached_measurement, cached_only
 from verifier.quantized.qlinear import QuantLinear
 
 FORMAT = 9           # 9: only the choices probed, fastest first (8: own kernels only, over one layer)
@@ -163,6 +163,13 @@ def _time_one(linears: list[QuantLinear], path: str, m: int, repeats: int) -> fl
         if i:
             samples.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(samples), 3)
+
+
+def cached_timings(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
+                   threads: int | None = None) -> KernelTimings | None:
+    """What `load_or_time` keeps for this model and these rows on this machine, or None."""
+    return cached_only(cache_dir, "", {"format": FORMAT, **model_key, "rows": list(rows)}, KernelTimings.from_json,
+                       threads)
 
 
 def load_or_time(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,

@@ -56,6 +56,7 @@ from verifier.model.weights import checkpoint, param_sources
 from verifier.quantized.modes import MODES, Q8_GROUP, REGISTRY
 from verifier.quantized.own_kernels import mixed
 from verifier.quantized.own_kernels import from_file
+from verifier.quantized import plan_memo
 from verifier.quantized.own_kernels.base import Packed
 from verifier.quantized.own_kernels.q8x16 import q8_bits
 from verifier.quantized.matmul_paths import KernelPlan, KernelTimings, choosable_owns, load_or_time, time_paths
@@ -115,21 +116,23 @@ def block_params(model_dir: Path, model_type: str) -> frozenset[str]:
 
 
 def quantize_model(net: nn.Module, cfg: ModelConfig, mode: str, model_dir: Path,
-                   choose: Callable[[list[QuantLinear], QuantLinear], KernelPlan]) -> tuple[list[QuantLinear], KernelPlan]:
+                   choose: Callable[[list[QuantLinear], QuantLinear], KernelPlan],
+                   known: KernelPlan | None = None) -> tuple[list[QuantLinear], KernelPlan]:
     """Swap the decoder's Linears, the LM head and the embedding of `net` for quantized modules,
     one layer at a time, each weight read from the file (or the loaded dense weight) just before it
     is packed. The first layer and a probe of the head's scan (`_scan_probe`) offer every own
     kernel; `choose` picks the plan on them (timing them, or reading this machine's timings), and
     the other layers and the head are packed for the chosen kernel only. Returns the decoder's
-    QuantLinears and the plan."""
+    QuantLinears and the plan. With `known` (an earlier load's plan, `plan_memo.recall`) the first
+    layer is packed for it like the others and `choose` is not called."""
     if cfg.head_dim % 16 or cfg.head_dim > 256:
         raise ValueError(f"quantization {mode!r} needs a head size that is a multiple of 16 and at most 256 "
                          f"(the fused decode kernels), got {cfg.head_dim}; use 'none'")
     blocks = file_blocks(model_dir)
     # numpy's and torch's unpacking release the GIL: the head and the layers read and pack side by side
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, None)
-        plan = choose(decoder, _scan_probe(net, cfg, blocks, mode))
+        decoder = _quantize_layer(net.model.layers[0], 0, cfg, blocks, mode, known)
+        plan = known or choose(decoder, _scan_probe(net, cfg, blocks, mode))
         ends = pool.submit(_quantize_ends, net, cfg, blocks, mode, plan)
         rest = list(enumerate(net.model.layers))[1:]
         for built in pool.map(lambda il: _quantize_layer(il[1], il[0], cfg, blocks, mode, plan), rest):
@@ -354,22 +357,28 @@ def shapes_key(linears: list[QuantLinear]) -> str:
     return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
 
 
+def kernel_sources() -> dict[str, str]:
+    """The integer kernels' source digests: a new kernel is timed anew."""
+    return {path.stem: cpu_ops.sources_digest([path]) for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
+
+
 def tune(layer: list[QuantLinear], scan: QuantLinear, rows: tuple[int, ...], model_key: dict,
          cache_dir: Path | None, refresh: bool = False, threads: int | None = None,
-         moe_top_k: int | None = None) -> tuple[KernelPlan, KernelTimings]:
+         moe_top_k: int | None = None, model_dir: Path | None = None) -> tuple[KernelPlan, KernelTimings]:
     """Time every own kernel over one layer's linears (`timed_linears`) or read the timings this
     machine cached for weights of these shapes (`shapes_key`), then keep the fastest in that
     layer and in `scan` (the head's scan, or its probe). Where no weight of the layer offers a choice
     of kernel (every one on its format's only kernel, as a Q4_K_M's), the scan, which does, is timed
-    too: its kernel is chosen."""
+    too: its kernel is chosen. The plan is noted for the file in `model_dir` (`plan_memo`)."""
     timed = timed_linears(layer, moe_top_k)
     if not any(len(lin.own_paths()) > 1 for lin in timed):
         timed = [*timed, scan]
-    sources = {path.stem: cpu_ops.sources_digest([path])          # a new kernel is timed anew
-               for path in (*cpu_ops.INTEGER_MATMULS, *cpu_ops.HEADERS)}
+    sources = kernel_sources()
     key = {**model_key, "shapes": shapes_key(timed), **sources}
     choices = choosable_owns([*layer, scan])
     timings = load_or_time(rows, key, cache_dir, lambda: time_paths(timed, rows, choices=choices), refresh, threads)
+    if model_dir is not None:
+        plan_memo.remember(model_dir, model_key, rows, sources, key, choices, cache_dir, threads)
     plan = apply_plan([*layer, scan], timings)
     log.info("every row takes the %s kernel", plan.own)
     return plan, timings

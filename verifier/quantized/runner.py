@@ -3,7 +3,8 @@ on Tercel's kernels (`verifier/runner.py` gives the contract it keeps).
 
 At load: the decoder's linears are read from the file one at a time and packed for their own
 kernels (`verifier/quantized/quantize.py`), the kernels timed on the first layer and the fastest
-kept (`KernelPlan`), attention's parallel threshold timed
+kept (`KernelPlan`; a later load of the file reads it back, `verifier/quantized/plan_memo.py`),
+attention's parallel threshold timed
 (`verifier/quantized/attention_tuning.py`), and the layer loop built as one native call where it
 compiles (`verifier/quantized/cpu_loop.py`). No dense copy of a weight is made.
 
@@ -33,7 +34,8 @@ from verifier.quantized.cpu_forward import cpu_heads, cpu_layers, forward_rows, 
 from verifier.quantized.cpu_loop import native_layers
 from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimings
 from verifier.quantized.qlinear import QuantEmbedding, QuantLinear
-from verifier.quantized.quantize import block_params, quantize_model, tune
+from verifier.quantized.plan_memo import recall
+from verifier.quantized.quantize import block_params, kernel_sources, quantize_model, tune
 from verifier.runner import RunnerSettings, flatten
 
 
@@ -66,12 +68,16 @@ class QuantizedRunner:
         first = net.model.layers[0].mlp
         moe = first.moe.top_k if isinstance(first, SparseMoeBlock) else None     # before it is quantized
 
+        rows, key = s.kernel_rows or CHOICE_ROWS, {"quantization": s.quantization}
+
         def choose(layer: list[QuantLinear], scan: QuantLinear) -> KernelPlan:
-            self.plan, self.timings = tune(layer, scan, s.kernel_rows or CHOICE_ROWS,
-                                           {"quantization": s.quantization}, s.cache_dir, s.retime,
-                                           s.tune_threads, moe)
+            self.plan, self.timings = tune(layer, scan, rows, key, s.cache_dir, s.retime, s.tune_threads, moe,
+                                           s.model_dir)
             return self.plan
-        self.decoder, _ = quantize_model(net, net.cfg, s.quantization, s.model_dir, choose)
+        known = None if s.retime else recall(s.model_dir, key, rows, kernel_sources(), s.cache_dir, s.tune_threads)
+        if known is not None:
+            self.plan, self.timings = known
+        self.decoder, _ = quantize_model(net, net.cfg, s.quantization, s.model_dir, choose, known and known[0])
         self.layers = cpu_layers(net)
         self.heads = cpu_heads(net)
         self.attention_timings: AttentionTimings = tune_attention(self.heads, s.cache_dir, s.retime, s.tune_threads)
