@@ -178,7 +178,7 @@ def test_only_the_choices_are_probed_fastest_first_up_to_one_that_passes(monkeyp
     if len(owns) < 2:
         pytest.skip("one int4 kernel on this machine: no choice to probe")
     fast, slow = owns[::-1]
-    monkeypatch.setattr(matmul_paths, "_time_one", lambda lins, path, m, repeats: m * (1.0 if path == fast else 2.0))
+    monkeypatch.setattr(matmul_paths, "_time_one", lambda lins, path, m, repeats, warm_up: m * (1.0 if path == fast else 2.0))
     for fast_passes in (True, False):
         probed = []
         monkeypatch.setattr(matmul_paths, "row_invariant",

@@ -132,7 +132,7 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
     for m in rows:
         for p in paths:
-            ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats)
+            ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats, warm_up=m == rows[0])
     probe = probe or linears[:4]
     timings = KernelTimings(rows, ms, {})
     order = paths if choices is None else sorted(
@@ -153,14 +153,16 @@ def _far_behind(ms: dict[str, dict[int, float | None]], path: str) -> bool:
 
 
 @torch.inference_mode()
-def _time_one(linears: list[QuantLinear], path: str, m: int, repeats: int) -> float:
+def _time_one(linears: list[QuantLinear], path: str, m: int, repeats: int, warm_up: bool = True) -> float:
+    """The median of `repeats` runs over `linears`, after one untimed run with `warm_up` (a
+    kernel's first call sets up what later calls reuse: its first count only)."""
     xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
     samples = []
-    for i in range(repeats + 1):               # the first run builds oneDNN's kernels
+    for i in range(repeats + int(warm_up)):
         start = time.perf_counter()
         for lin in linears:
             lin.run(path, xs[lin.in_features])
-        if i:
+        if i or not warm_up:
             samples.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(samples), 3)
 
