@@ -85,7 +85,7 @@ class GGUFHeader:
         pos, out = pos + 16, []
         for _ in range(count):
             n = struct.unpack_from("<Q", raw, pos)[0]
-            out.append(bytes(raw[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"))
+            out.append(raw[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
             pos += 8 + n
         return out
 

@@ -7,8 +7,8 @@ that import and its Python read of the file's metadata were most of a first load
 conversion (docs/performance.md, "First loads"). tests/model/test_gguf_tokenizer.py holds the two
 to the same tokenizer.json.
 
-`None` for what this does not build, which transformers then converts: sentencepiece and unigram
-vocabularies, a file without merges, a pre-tokenizer named neither in `SPLITS` nor in
+What this does not build (`buildable` is False), transformers converts: sentencepiece and
+unigram vocabularies, a file without merges, a pre-tokenizer named neither in `SPLITS` nor in
 `GPT2_SPLIT`. One difference by design: transformers' GPT2Tokenizer adds "<|endoftext|>" as a new
 token where the vocabulary lacks it (Llama 3's), an id past the model's vocabulary; this does not.
 """
