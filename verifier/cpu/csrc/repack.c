@@ -15,6 +15,10 @@
 
 #include "bf16.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 /* Each product and quotient rounded on its own, as torch rounds them (no fused multiply-add):
  * the LM head's scan requantized here is the one `quantize_int4` gives, bit for bit. */
 #if defined(__clang__)
@@ -68,6 +72,29 @@ static inline void q4k_scales(const uint8_t *blk, uint8_t *sc, uint8_t *mn) {
     }
 }
 
+/* One 32-byte chunk of a Q4_K super-block (lo: weights 0-15's bytes, hi: 16-31's; sub-block
+ * 2 j in the low nibbles, 2 j + 1 in the high ones) -> channel c's nibble bytes of both
+ * sub-blocks at `even` and `even` + 256 (byte 64 g + e: weights 4 g + e and 16 + 4 g + e). */
+static inline void q4k_chunk(const uint8_t *lo, uint8_t *even) {
+    uint8_t ev[16], od[16];
+#if defined(__SSE2__)
+    /* the same bytes 16 at a time (a load's repacking was byte by byte: 0.6-1 GB/s) */
+    const __m128i m = _mm_set1_epi8(0x0F);
+    __m128i l = _mm_loadu_si128((const __m128i *)lo), h = _mm_loadu_si128((const __m128i *)(lo + 16));
+    _mm_storeu_si128((__m128i *)ev, _mm_or_si128(_mm_and_si128(l, m), _mm_slli_epi16(_mm_and_si128(h, m), 4)));
+    _mm_storeu_si128((__m128i *)od, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(l, 4), m), _mm_andnot_si128(m, h)));
+#else
+    for (int i = 0; i < 16; i++) {
+        ev[i] = (uint8_t)((lo[i] & 15) | (lo[16 + i] << 4));
+        od[i] = (uint8_t)((lo[i] >> 4) | (lo[16 + i] & 0xF0));
+    }
+#endif
+    for (int g = 0; g < 4; g++) {
+        memcpy(even + 64 * g, ev + 4 * g, 4);
+        memcpy(even + 256 + 64 * g, od + 4 * g, 4);
+    }
+}
+
 /* Q4_K super-blocks (d, dmin fp16; 12 bytes of 6-bit sc and mn; 4 chunks of 32 bytes, chunk j
  * holding sub-block 2 j in its low nibbles and 2 j + 1 in its high ones) -> q4k: per tile and
  * super-block the channels' d and dmin (fp16 as stored), sc and mn (sub-block major), then the
@@ -75,10 +102,12 @@ static inline void q4k_scales(const uint8_t *blk, uint8_t *sc, uint8_t *mn) {
 void repack_q4k(const int64_t *row, int64_t rows, int64_t supers, uint8_t *out) {
     const int64_t tiles = (rows + TILE - 1) / TILE, bytes = 64 + 256 + 8 * 256;
     for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t s = 0; s < supers; s++) {
-            uint8_t *o = out + (t * supers + s) * bytes;
-            memset(o, 0, bytes);
-            for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
+        memset(out + t * supers * bytes, 0, supers * bytes);
+        /* channel by channel, each row read in order (a tile's 16 rows side by side, a super-block
+         * at a time, were 16 streams) */
+        for (int c = 0; c < TILE && t * TILE + c < rows; c++) {
+            for (int64_t s = 0; s < supers; s++) {
+                uint8_t *o = out + (t * supers + s) * bytes;
                 const uint8_t *blk = (const uint8_t *)(intptr_t)row[t * TILE + c] + s * 144;
                 uint8_t sc[8], mn[8];
                 memcpy(o + 2 * c, blk, 2);
@@ -88,15 +117,8 @@ void repack_q4k(const int64_t *row, int64_t rows, int64_t supers, uint8_t *out) 
                     o[64 + 16 * j + c] = sc[j];
                     o[192 + 16 * j + c] = mn[j];
                 }
-                for (int chunk = 0; chunk < 4; chunk++) {
-                    const uint8_t *lo = blk + 16 + 32 * chunk, *hi = lo + 16;
-                    uint8_t *even = o + 320 + 2 * chunk * 256 + 4 * c, *odd = even + 256;
-                    for (int l = 0; l < 16; l++) {
-                        int at = 64 * (l / 4) + l % 4;
-                        even[at] = (uint8_t)((lo[l] & 15) | (hi[l] << 4));
-                        odd[at] = (uint8_t)((lo[l] >> 4) | (hi[l] & 0xF0));
-                    }
-                }
+                for (int chunk = 0; chunk < 4; chunk++)
+                    q4k_chunk(blk + 16 + 32 * chunk, o + 320 + 2 * chunk * 256 + 4 * c);
             }
         }
     }
