@@ -204,6 +204,21 @@ def test_the_probe_fails_a_kernel_whose_rows_change_with_the_calls_size(monkeypa
     assert not row_invariant([lin], "int4")
 
 
+def test_the_probe_compares_as_many_outputs_on_fewer_inputs_for_wide_weights(monkeypatch):
+    """Four inputs for a tiny weight, one where one input compares PROBE_OUTPUTS outputs; never
+    more than asked."""
+    from verifier.quantized.matmul_paths import PROBE_OUTPUTS, probe_seeds, row_invariant
+    counts = (1, 3, 8, 33)
+    assert probe_seeds(64, counts, 4) == 4 and probe_seeds(2048, counts, 4) == 1 and probe_seeds(64, counts, 2) == 2
+    assert 2048 * sum(counts) >= PROBE_OUTPUTS > 1024 * sum(counts) and probe_seeds(1024, counts, 4) == 2
+    for n, seeds in ((64, 4), (2048, 1)):
+        lin, _ = _linear("int4", n=n, k=64)
+        calls, run = [], lin.run
+        monkeypatch.setattr(lin, "run", lambda path, x: calls.append(x.shape[0]) or run(path, x))
+        assert row_invariant([lin], "int4", counts)
+        assert calls.count(64) == seeds
+
+
 def test_cliff_is_the_last_count_before_a_jump():
     t = KernelTimings((1, 2, 3, 4, 5, 6), {"int4": {1: 5.8, 2: 6.9, 3: 8.4, 4: 9.6, 5: 15.3, 6: 15.2}}, {"int4": True})
     assert t.rows_before_cliff("int4") == 4

@@ -33,6 +33,7 @@ FORMAT = 9           # 9: only the choices probed, fastest first (8: own kernels
 # quantized kernels").
 SKIP_FACTOR, SKIP_MS = 3.0, 100.0
 CLIFF = 1.4          # see KernelTimings.rows_before_cliff
+PROBE_OUTPUTS = 1 << 16     # outputs of each shape the row-invariance probe compares, at least
 SAMPLED_ROWS = 8       # the own kernel is chosen on its total over 1 to this many rows
 CHOICE_ROWS = tuple(range(1, SAMPLED_ROWS + 1))     # what a load times: the counts the choice reads
 
@@ -97,9 +98,19 @@ def choosable_owns(linears: list[QuantLinear]) -> tuple[str, ...]:
 def row_invariant(lins: list[QuantLinear], path: str, counts: tuple[int, ...] = (1, 3, 8, 33),
                   seeds: int = 4) -> bool:
     """Every probed row count gives each row the bits it has in a larger call, on one linear of
-    each shape (a kernel splits its work by shapes, never by values)."""
+    each shape (a kernel splits its work by shapes, never by values), over up to `seeds` inputs:
+    as many as compare PROBE_OUTPUTS outputs of the shape (`probe_seeds`)."""
     distinct = {(lin.kind, lin.out_features, lin.in_features, lin.bits): lin for lin in lins}
-    return all(_rows_match(lin, path, counts, seed) for lin in distinct.values() for seed in range(seeds))
+    return all(_rows_match(lin, path, counts, seed) for lin in distinct.values()
+               for seed in range(probe_seeds(lin.out_features, counts, seeds)))
+
+
+def probe_seeds(outputs: int, counts: tuple[int, ...], most: int) -> int:
+    """Inputs enough to compare PROBE_OUTPUTS outputs (at least one, at most `most`): a sum run in
+    another order shows after bf16 rounding in a share of the outputs, not a share of the inputs,
+    so a 1.7B model's shapes compare that many on one input where a test's tiny ones take four
+    (four 64-row inputs were half a first load's matmul timing there)."""
+    return max(1, min(most, -(-PROBE_OUTPUTS // (outputs * sum(counts)))))
 
 
 @torch.inference_mode()
