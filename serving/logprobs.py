@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from verifier.model.tokenizer import byte_spelling
 from verifier.sampling.logprobs import TokenLogprob
 
 IMPOSSIBLE = -9999.0
@@ -19,15 +20,7 @@ IMPOSSIBLE = -9999.0
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """GPT-2's byte-to-unicode map, inverted: how byte-level vocabularies spell each byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
+    return {c: b for b, c in byte_spelling().items()}
 
 
 @dataclass

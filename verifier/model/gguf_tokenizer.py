@@ -14,10 +14,10 @@ token where the vocabulary lacks it (Llama 3's), an id past the model's vocabula
 """
 from __future__ import annotations
 
-from functools import cache
-
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
+
+from verifier.model.tokenizer import byte_spelling
 
 CONTROL, USER_DEFINED = 3, 4          # llama.cpp's token types
 
@@ -31,14 +31,6 @@ SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-b
 GPT2_SPLIT = ("smollm", "gpt-2")
 
 
-@cache
-def _byte_spelling() -> dict[int, str]:
-    """GPT-2's printable spelling of each byte, the alphabet a byte-level vocabulary is written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
-
-
 def buildable(fields: dict) -> bool:
     """Whether `byte_level_tokenizer` builds this file's tokenizer (`fields`: its tokenizer.* fields by key)."""
     pre = fields.get("tokenizer.ggml.pre")
@@ -49,7 +41,7 @@ def buildable(fields: dict) -> bool:
 def byte_level_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None,
                          fields: dict) -> tuple[Tokenizer, dict]:
     """(the tokenizer, its tokenizer_config fields) of a file `buildable` takes."""
-    spelling = _byte_spelling()
+    spelling = byte_spelling()
     alphabet = set(spelling.values())
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}

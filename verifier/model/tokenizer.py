@@ -12,9 +12,18 @@ import copy
 import json
 import re
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+
+@lru_cache(maxsize=1)
+def byte_spelling() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: the alphabet byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
 def _token_text(v) -> str | None:

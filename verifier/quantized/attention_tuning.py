@@ -69,7 +69,7 @@ def choose(serial: dict[tuple[int, int], float], parallel: dict[tuple[int, int],
     measured size too; NEVER if the largest size is not won. A win is by MARGIN: where the two
     are within timing noise (small sizes), one thread leaves the other free."""
     best = NEVER
-    for rows, keys in sorted(serial, key=lambda c: (c[0] * c[1], c), reverse=True):    # as _by_work_down
+    for rows, keys in _by_work_down(serial):
         if parallel[rows, keys] >= MARGIN * serial[rows, keys]:
             break
         best = rows * keys * heads
@@ -176,9 +176,10 @@ def _decided(serial: list[float], parallel: list[float]) -> bool:
     return max(parallel) < DECISIVE * min(serial) or min(parallel) >= max(serial)
 
 
-def _by_work_down() -> list[tuple[int, int]]:
-    """Every (rows, keys) timed, in `choose`'s order: the most work first."""
-    return sorted(((r, k) for r in ROWS for k in KEYS), key=lambda c: (c[0] * c[1], c), reverse=True)
+def _by_work_down(cells=None) -> list[tuple[int, int]]:
+    """(rows, keys) cells (default: every one timed) in `choose`'s order: the most work first."""
+    cells = [(r, k) for r in ROWS for k in KEYS] if cells is None else cells
+    return sorted(cells, key=lambda c: (c[0] * c[1], c), reverse=True)
 
 
 def _untrusted(timings: AttentionTimings) -> AttentionTimings:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -145,14 +145,15 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
         for p in paths:
             ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats, warm_up=m == rows[0])
     probe = probe or linears[:4]
-    timings = KernelTimings(rows, ms, {})
+    timed = KernelTimings(rows, ms, {})
     order = paths if choices is None else sorted(
-        (p for p in choices if p in ms), key=lambda p: (timings.sampled_ms(p) is None, timings.sampled_ms(p) or 0))
+        (p for p in choices if p in ms), key=lambda p: (timed.sampled_ms(p) is None, timed.sampled_ms(p) or 0))
+    invariant: dict[str, bool] = {}
     for p in order:
-        timings.invariant[p] = row_invariant([lin for lin in probe if p in lin.own_paths()] or having[p][:4], p)
-        if choices is not None and timings.invariant[p]:
+        invariant[p] = row_invariant([lin for lin in probe if p in lin.own_paths()] or having[p][:4], p)
+        if choices is not None and invariant[p]:
             break
-    return timings
+    return replace(timed, invariant=invariant)
 
 
 def _far_behind(ms: dict[str, dict[int, float | None]], path: str) -> bool:
