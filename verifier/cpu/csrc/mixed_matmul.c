@@ -67,26 +67,31 @@ int64_t parts_matmul(int ref, const uint8_t *w, const int64_t *table, int64_t np
     Act a;
     if (k % ACT_BLOCK) return 1;
     int64_t tiles = lay_out(table, nparts, n, k / ACT_BLOCK, parts);
-    if (tiles < 0 || act_new(&a, x, m, k)) return 1;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t p = 0;
-        while (p + 1 < nparts && parts[p + 1].first_tile <= t) p++;
-        const Part *pt = &parts[p];
-        int64_t lt = t - pt->first_tile, valid = pt->rows - lt * MIXED_TILE;
-        const uint8_t *wt = w + pt->offset + lt * pt->tile_bytes;
-        float y[MIXED_ROWS * MIXED_TILE];
-        for (int64_t r0 = 0; r0 < m; r0 += MIXED_ROWS) {
-            int64_t rows = m - r0 < MIXED_ROWS ? m - r0 : MIXED_ROWS;
-            if (pt->bits == 4 && pt->group == 256)
-                q4k_tile(ref, wt, &a, r0, rows, y);
-            else if (pt->bits == 4)
-                q4_tile(ref, wt, &a, r0, rows, y);
-            else
-                q8_tile(ref, pt->bits, pt->group, wt, &a, r0, rows, y);
-            for (int64_t i = 0; i < rows; i++)
-                store_row(y + i * MIXED_TILE, valid < MIXED_TILE ? valid : MIXED_TILE,
-                          out + (r0 + i) * n + pt->out_row + lt * MIXED_TILE);
+    if (tiles < 0 || act_alloc(&a, m, k)) return 1;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) act_quantize_row(x, r, ref, &a);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t p = 0;
+            while (p + 1 < nparts && parts[p + 1].first_tile <= t) p++;
+            const Part *pt = &parts[p];
+            int64_t lt = t - pt->first_tile, valid = pt->rows - lt * MIXED_TILE;
+            const uint8_t *wt = w + pt->offset + lt * pt->tile_bytes;
+            float y[MIXED_ROWS * MIXED_TILE];
+            for (int64_t r0 = 0; r0 < m; r0 += MIXED_ROWS) {
+                int64_t rows = m - r0 < MIXED_ROWS ? m - r0 : MIXED_ROWS;
+                if (pt->bits == 4 && pt->group == 256)
+                    q4k_tile(ref, wt, &a, r0, rows, y);
+                else if (pt->bits == 4)
+                    q4_tile(ref, wt, &a, r0, rows, y);
+                else
+                    q8_tile(ref, pt->bits, pt->group, wt, &a, r0, rows, y);
+                for (int64_t i = 0; i < rows; i++)
+                    store_row(y + i * MIXED_TILE, valid < MIXED_TILE ? valid : MIXED_TILE,
+                              out + (r0 + i) * n + pt->out_row + lt * MIXED_TILE);
+            }
         }
     }
     act_free(&a);
