@@ -178,7 +178,7 @@ def test_only_the_choices_are_probed_fastest_first_up_to_one_that_passes(monkeyp
     if len(owns) < 2:
         pytest.skip("one int4 kernel on this machine: no choice to probe")
     fast, slow = owns[::-1]
-    monkeypatch.setattr(matmul_paths, "_time_one", lambda lins, path, m, repeats, warm_up: m * (1.0 if path == fast else 2.0))
+    monkeypatch.setattr(matmul_paths, "_time_once", lambda lins, path, m, warm_up: m * (1.0 if path == fast else 2.0))
     for fast_passes in (True, False):
         probed = []
         monkeypatch.setattr(matmul_paths, "row_invariant",
@@ -187,6 +187,30 @@ def test_only_the_choices_are_probed_fastest_first_up_to_one_that_passes(monkeyp
         assert probed == ([fast] if fast_passes else [fast, slow])
         everything = time_paths([lin], (1, 2))
         assert t.plan(owns) == everything.plan(owns) == KernelPlan(fast if fast_passes else slow)
+
+
+def test_a_burst_of_host_noise_in_one_round_does_not_change_the_plan(monkeypatch):
+    """A stall during one run (here: the faster kernel's largest count, first round, 100 times
+    its time) is one sample of that count's median over rounds: the plan stays the faster
+    kernel. Timed in one go, the count's every sample would have held it."""
+    from verifier.quantized import matmul_paths
+    lin, _ = _linear("int4")
+    owns = lin.own_paths()
+    if len(owns) < 2:
+        pytest.skip("one int4 kernel on this machine: no choice to make")
+    fast, slow = owns
+    runs = []
+
+    def timed(lins, path, m, warm_up):
+        runs.append((path, m))
+        burst = path == fast and m == 3 and runs.count((path, m)) == 1
+        return m * (1.0 if path == fast else 2.0) * (100.0 if burst else 1.0)
+    monkeypatch.setattr(matmul_paths, "_time_once", timed)
+    monkeypatch.setattr(matmul_paths, "row_invariant", lambda lins, path: True)
+    t = time_paths([lin], (1, 2, 3), repeats=3, choices=owns)
+    assert t.ms[fast][3] == 3.0 and t.plan(owns) == KernelPlan(fast)
+    runs.clear()
+    assert time_paths([lin], (1, 2, 3), repeats=1, choices=owns).plan(owns) == KernelPlan(slow)   # the control
 
 
 def test_the_probe_fails_a_kernel_whose_rows_change_with_the_calls_size(monkeypatch):

@@ -26,7 +26,7 @@ import torch
 from verifier.cpu.machine import cached_measurement, cached_only
 from verifier.quantized.qlinear import QuantLinear
 
-FORMAT = 9           # 9: only the choices probed, fastest first (8: own kernels only, over one layer)
+FORMAT = 10          # 10: medians over rounds of the whole table (9: only the choices probed, fastest first)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
 # timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
@@ -137,13 +137,24 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
     forward), and probe row invariance on `probe` (default: the first four linears, one layer)
     or, for a kernel none of those offers, on the first four that do. With `choices` (the
     kernels a plan chooses among) only those are probed, fastest first, up to the first that
-    passes: the one `KernelTimings.plan` keeps (each probe costs as much as the timing)."""
+    passes: the one `KernelTimings.plan` keeps (each probe costs as much as the timing).
+
+    A count's time is the median of `repeats` rounds, each over every count of every kernel:
+    a burst of host noise then lands in one sample of several counts, which the median drops,
+    rather than in every sample of one count, which would outweigh the others' total."""
     paths = list(dict.fromkeys(p for lin in linears for p in lin.own_paths()))
     having = {p: [lin for lin in linears if p in lin.own_paths()] for p in paths}
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
-    for m in rows:
-        for p in paths:
-            ms[p][m] = None if _far_behind(ms, p) else _time_one(having[p], p, m, repeats, warm_up=m == rows[0])
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in range(repeats):
+        for m in rows:
+            for p in paths:
+                if r == 0 and _far_behind(ms, p):
+                    ms[p][m] = None
+                elif ms[p].get(m, 0.0) is not None:
+                    taken = samples.setdefault((p, m), [])
+                    taken.append(_time_once(having[p], p, m, warm_up=r == 0 and m == rows[0]))
+                    ms[p][m] = round(statistics.median(taken), 3)
     probe = probe or linears[:4]
     timed = KernelTimings(rows, ms, {})
     order = paths if choices is None else sorted(
@@ -165,18 +176,15 @@ def _far_behind(ms: dict[str, dict[int, float | None]], path: str) -> bool:
 
 
 @torch.inference_mode()
-def _time_one(linears: list[QuantLinear], path: str, m: int, repeats: int, warm_up: bool = True) -> float:
-    """The median of `repeats` runs over `linears`, after one untimed run with `warm_up` (a
-    kernel's first call sets up what later calls reuse: its first count only)."""
+def _time_once(linears: list[QuantLinear], path: str, m: int, warm_up: bool = False) -> float:
+    """Milliseconds for one run over `linears` at `m` rows, after an untimed one with `warm_up`
+    (a kernel's first call sets up what later calls reuse)."""
     xs = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
-    samples = []
-    for i in range(repeats + int(warm_up)):
+    for _ in range(1 + int(warm_up)):
         start = time.perf_counter()
         for lin in linears:
             lin.run(path, xs[lin.in_features])
-        if i or not warm_up:
-            samples.append((time.perf_counter() - start) * 1e3)
-    return round(statistics.median(samples), 3)
+    return (time.perf_counter() - start) * 1e3
 
 
 def cached_timings(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
