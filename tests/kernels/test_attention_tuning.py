@@ -109,5 +109,23 @@ def test_a_clear_cut_size_takes_one_round_and_a_close_one_all(monkeypatch):
     monkeypatch.setattr(attention_tuning, "_cold_call", cold_call)
     got = attention_tuning.measure(cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE), rounds=3, calls=1)
     per_size = {c: calls.count(c) for c in down}
-    assert per_size[down[0]] == 2 and per_size[down[1]] == 6        # a call per mode and round
+    assert per_size[down[0]] == 2 and per_size[down[1]] == 6 == per_size[down[-1]]   # a call per mode and round
     assert got.parallel_from == down[-2][0] * down[-2][1] * 4
+
+
+def test_a_stall_in_one_round_does_not_end_the_descent(monkeypatch):
+    """All threads win everywhere, but the most work's first round of all-thread calls ran in a
+    stall of the host (ten times slower): a loss in that round alone. Its median over the
+    rounds is a win, and every size is timed."""
+    every = [(r, k) for r in attention_tuning.ROWS for k in attention_tuning.KEYS]
+    down = sorted(every, key=lambda c: (c[0] * c[1], c), reverse=True)
+    calls = []
+
+    def cold_call(hd, case, stand_in, evict):
+        cell = (case[1].shape[0], case[0].longest)
+        calls.append((cell, hd.parallel_from == 0))
+        stalled = cell == down[0] and hd.parallel_from == 0 and calls.count((cell, True)) == 1
+        return 100.0 * ((10.0 if stalled else 0.5) if hd.parallel_from == 0 else 1.0)
+    monkeypatch.setattr(attention_tuning, "_cold_call", cold_call)
+    got = attention_tuning.measure(cpu_ops.heads(4, 2, 16, 0.25, _NO_ROPE, _NO_ROPE), rounds=3, calls=1)
+    assert list(got.serial) == down and got.parallel_from == down[-1][0] * down[-1][1] * 4

@@ -36,8 +36,8 @@ from verifier.cpu import cpu_ops
 from verifier.cpu.machine import cache_bytes, cached_measurement
 from verifier.quantized.cpu_forward import row_plan
 
-FORMAT = 5                   # 5: KV flushed line by line (4: the evictor capped; 3: KV prefetched
-                             # during a stand-in qkv matmul)
+FORMAT = 6                   # 6: a loss takes every round (5: KV flushed line by line; 4: the
+                             # evictor capped; 3: KV prefetched during a stand-in qkv matmul)
 KEYS = (32, 64, 128, 256, 512, 1024, 2048)
 ROWS = (1, 4)
 NEVER = 1 << 62              # parallel_from when one thread always won
@@ -171,9 +171,10 @@ def measure(hd: cpu_ops.Heads, rounds: int = 3, calls: int = 3) -> AttentionTimi
 
 def _decided(serial: list[float], parallel: list[float]) -> bool:
     """Whether a size's verdict is in already: every all-threads call under DECISIVE times every
-    one-thread call, or none under any. Either way its median sits far from MARGIN's line, and
-    more rounds (each a few ms at long contexts) would not move it there."""
-    return max(parallel) < DECISIVE * min(serial) or min(parallel) >= max(serial)
+    one-thread call, so that its median sits far from MARGIN's line and more rounds (each a few
+    ms at long contexts) would not move it there. A loss always takes every round: a stall of
+    the host can fill one round's calls of one mode, and a loss ends the descent."""
+    return max(parallel) < DECISIVE * min(serial)
 
 
 def _by_work_down(cells=None) -> list[tuple[int, int]]:
