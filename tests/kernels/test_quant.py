@@ -191,8 +191,8 @@ def test_only_the_choices_are_probed_fastest_first_up_to_one_that_passes(monkeyp
 
 def test_a_burst_of_host_noise_in_one_round_does_not_change_the_plan(monkeypatch):
     """A stall during one run (here: the faster kernel's largest count, first round, 100 times
-    its time) is one sample of that count's median over rounds: the plan stays the faster
-    kernel. Timed in one go, the count's every sample would have held it."""
+    its time) is one of that count's rounds, of which the fastest is kept: the plan stays the
+    faster kernel. Timed in one go, the count's every sample would have held it."""
     from verifier.quantized import matmul_paths
     lin, _ = _linear("int4")
     owns = lin.own_paths()

@@ -15,7 +15,6 @@ shapes, row counts) under the Tercel cache folder; `tercel bench kernels` prints
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from verifier.cpu.machine import cached_measurement, cached_only
 from verifier.quantized.qlinear import QuantLinear
 
-FORMAT = 10          # 10: medians over rounds of the whole table (9: only the choices probed, fastest first)
+FORMAT = 10          # 10: the fastest of rounds over the whole table (9: only the choices probed, fastest first)
 # A path that took over SKIP_MS and SKIP_FACTOR times the best at one count is not timed at
 # larger counts (at prompt-sized counts an int4 kernel is several times slower than oneDNN, and
 # timing it would add seconds to a load; figures: docs/performance.md, "Matmul paths and
@@ -139,9 +138,9 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
     kernels a plan chooses among) only those are probed, fastest first, up to the first that
     passes: the one `KernelTimings.plan` keeps (each probe costs as much as the timing).
 
-    A count's time is the median of `repeats` rounds, each over every count of every kernel:
-    a burst of host noise then lands in one sample of several counts, which the median drops,
-    rather than in every sample of one count, which would outweigh the others' total."""
+    A count's time is the fastest of `repeats` rounds, each over every count of every kernel (as
+    the cost curve is timed, spec/preparation.py): a burst of host noise then slows one round of
+    several counts, rather than every sample of one count, which would outweigh the others' total."""
     paths = list(dict.fromkeys(p for lin in linears for p in lin.own_paths()))
     having = {p: [lin for lin in linears if p in lin.own_paths()] for p in paths}
     ms: dict[str, dict[int, float | None]] = {p: {} for p in paths}
@@ -154,7 +153,7 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
                 elif ms[p].get(m, 0.0) is not None:
                     taken = samples.setdefault((p, m), [])
                     taken.append(_time_once(having[p], p, m, warm_up=r == 0 and m == rows[0]))
-                    ms[p][m] = round(statistics.median(taken), 3)
+                    ms[p][m] = round(min(taken), 3)
     probe = probe or linears[:4]
     timed = KernelTimings(rows, ms, {})
     order = paths if choices is None else sorted(
