@@ -116,8 +116,9 @@ static inline __m256 bytes_x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)p)));
 }
 
-/* One loop for every row count, as q4_matmul.c's AVX2 path (unrolled copies spill). */
-static void q4k_tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+/* A tile's first rows, which read it from memory: one pass over both halves for up to 8 rows, so
+ * that their products overlap the stream (one loop for every row count: unrolled copies spill). */
+static void q4k_tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     __m256 acc[Q4K_ROWS][2];
     for (int i = 0; i < Q4K_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < a->nb / Q4K_SUB; s++, w += Q4K_SUPER_BYTES) {
@@ -148,6 +149,59 @@ static void q4k_tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t ro
         _mm256_storeu_ps(y + i * Q4K_TILE, acc[i][0]);
         _mm256_storeu_ps(y + i * Q4K_TILE + 8, acc[i][1]);
     }
+}
+
+#define Q4K_HALF_ROWS 4       /* rows whose sums stay in registers beside a half tile's nibbles */
+
+/* Channels 8 h .. 8 h + 7 for h from h0 to h1 - 1, of `rows` rows, over every super-block. With
+ * 16 registers, the 8 of the nibbles leave room for the sums of up to 2 rows of both halves or
+ * 4 rows of one (8 rows and both halves spilled theirs); the other half then re-reads the
+ * tile from the caches. */
+static inline __attribute__((always_inline)) void q4k_rows_n(const uint8_t *w, const Act *a, int64_t r0,
+                                                             const int rows, const int h0, const int h1,
+                                                             float *y) {
+    __m256 acc[Q4K_HALF_ROWS][2];
+    for (int i = 0; i < Q4K_HALF_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < a->nb / Q4K_SUB; s++, w += Q4K_SUPER_BYTES) {
+        for (int b = 0; b < Q4K_SUB; b++) {
+            for (int h = h0; h < h1; h++) {
+                __m256i lo[4], hi[4];
+                nibbles_load(w + Q4K_HEAD + Q4_NIBBLE_BYTES * b, h, lo, hi);
+                __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 16 * h))),
+                                             bytes_x8(w + 64 + 16 * b + 8 * h));
+                __m256 mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 32 + 16 * h))),
+                                          bytes_x8(w + 192 + 16 * b + 8 * h));
+                for (int i = 0; i < rows; i++) {
+                    int64_t j = (r0 + i) * a->nb + Q4K_SUB * s + b;
+                    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(nibble_sums(lo, hi, a->q + j * 2 * ACT_BLOCK)),
+                                             _mm256_set1_ps(a->d[j]));
+                    acc[i][h] = _mm256_fmadd_ps(scale, f, acc[i][h]);
+                    acc[i][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a->ds[j]), acc[i][h]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int h = h0; h < h1; h++) _mm256_storeu_ps(y + i * Q4K_TILE + 8 * h, acc[i][h]);
+}
+
+/* The rows after a tile's first, which find it in the caches: four at a time, up to 2 in one
+ * pass over the tile, 3 or 4 in a pass per half; a copy per row count, each with its sums in
+ * registers. */
+static void q4k_tile_cached(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    for (int64_t i = 0; i < rows; i += Q4K_HALF_ROWS) {
+        float *yi = y + i * Q4K_TILE;
+        switch (rows - i < Q4K_HALF_ROWS ? rows - i : Q4K_HALF_ROWS) {
+        case 1: q4k_rows_n(w, a, r0 + i, 1, 0, 2, yi); break;
+        case 2: q4k_rows_n(w, a, r0 + i, 2, 0, 2, yi); break;
+        case 3: q4k_rows_n(w, a, r0 + i, 3, 0, 1, yi); q4k_rows_n(w, a, r0 + i, 3, 1, 2, yi); break;
+        default: q4k_rows_n(w, a, r0 + i, 4, 0, 1, yi); q4k_rows_n(w, a, r0 + i, 4, 1, 2, yi); break;
+        }
+    }
+}
+/* The runner (mixed_matmul.c) takes a tile's rows in order from r0 0: the same sums either way. */
+static void q4k_tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    (r0 == 0 ? q4k_tile_stream : q4k_tile_cached)(w, a, r0, rows, y);
 }
 #else
 #define q4k_tile_fast q4k_tile_ref
