@@ -199,6 +199,7 @@ static void q4k_tile_cached(const uint8_t *w, const Act *a, int64_t r0, int64_t 
         }
     }
 }
+
 /* The runner (mixed_matmul.c) takes a tile's rows in order from r0 0: the same sums either way. */
 static void q4k_tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     (r0 == 0 ? q4k_tile_stream : q4k_tile_cached)(w, a, r0, rows, y);
