@@ -96,9 +96,11 @@ static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const
 }
 
 #elif IMM_AVX2
-/* One loop for every row count: with 16 registers, copies unrolled per count (as the AVX-512
- * path has) spill and measured 10-15% slower at 3 to 8 rows. */
-static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+/* A tile's first rows, which read it from memory: one pass over both halves for up to 8 rows,
+ * so that their products overlap the stream. One loop for every row count: with 16 registers,
+ * copies unrolled per count (as the AVX-512 path has) spill and measured 10-15% slower at 3 to 8
+ * rows. */
+static void tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     __m256 acc[Q4_ROWS][2];
     for (int i = 0; i < Q4_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
@@ -122,6 +124,54 @@ static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, 
         _mm256_storeu_ps(y + i * Q4_TILE, acc[i][0]);
         _mm256_storeu_ps(y + i * Q4_TILE + 8, acc[i][1]);
     }
+}
+
+#define Q4_HALF_ROWS 4     /* rows whose sums stay in registers beside a half tile's nibbles */
+
+/* Channels 8 h .. 8 h + 7 for h from h0 to h1 - 1, of `rows` rows: the 8 registers of the
+ * nibbles leave room for the sums of 2 rows of both halves or 4 rows of one. */
+static inline __attribute__((always_inline)) void tile_rows_n(const uint8_t *w, const Act *a, int64_t r0,
+                                                              const int rows, const int h0, const int h1,
+                                                              float *y) {
+    __m256 acc[Q4_HALF_ROWS][2];
+    for (int i = 0; i < Q4_HALF_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
+        for (int h = h0; h < h1; h++) {
+            __m256i lo[4], hi[4];
+            nibbles_load(w, h, lo, hi);
+            __m256 sc = bf16x8(w + 256 + 16 * h), ze = bf16x8(w + 288 + 16 * h);
+            for (int i = 0; i < rows; i++) {
+                int64_t j = (r0 + i) * a->nb + b;
+                const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
+                __m256i s = _mm256_sub_epi32(nibble_sums(lo, hi, xq), _mm256_set1_epi32(a->s8[j]));
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
+                acc[i][h] = _mm256_fmadd_ps(sc, f, acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int h = h0; h < h1; h++) _mm256_storeu_ps(y + i * Q4_TILE + 8 * h, acc[i][h]);
+}
+
+/* The rows after a tile's first, which find it in the caches: four at a time, up to 2 in one
+ * pass over the tile, 3 or 4 in a pass per half, each copy with its sums in registers (as
+ * q4k_matmul.c). */
+static void tile_cached(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    for (int64_t i = 0; i < rows; i += Q4_HALF_ROWS) {
+        float *yi = y + i * Q4_TILE;
+        switch (rows - i < Q4_HALF_ROWS ? rows - i : Q4_HALF_ROWS) {
+        case 1: tile_rows_n(w, a, r0 + i, 1, 0, 2, yi); break;
+        case 2: tile_rows_n(w, a, r0 + i, 2, 0, 2, yi); break;
+        case 3: tile_rows_n(w, a, r0 + i, 3, 0, 1, yi); tile_rows_n(w, a, r0 + i, 3, 1, 2, yi); break;
+        default: tile_rows_n(w, a, r0 + i, 4, 0, 1, yi); tile_rows_n(w, a, r0 + i, 4, 1, 2, yi); break;
+        }
+    }
+}
+
+/* The runner (mixed_matmul.c) takes a tile's rows in order from r0 0: the same sums either way. */
+static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
+    (r0 == 0 ? tile_stream : tile_cached)(w, a, r0, rows, y);
 }
 #endif
 
