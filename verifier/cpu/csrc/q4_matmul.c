@@ -96,6 +96,14 @@ static inline __attribute__((always_inline)) void tile_n(const uint8_t *w, const
 }
 
 #elif IMM_AVX2
+/* One row's block into 8 channels' sums: the steps every AVX2 pass takes (j: the row's block). */
+static inline __attribute__((always_inline)) __m256 row_step(const __m256i lo[4], const __m256i hi[4], __m256 sc,
+                                                             __m256 ze, const Act *a, int64_t j, __m256 acc) {
+    __m256i s = _mm256_sub_epi32(nibble_sums(lo, hi, a->q + j * 2 * Q4_BLOCK), _mm256_set1_epi32(a->s8[j]));
+    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
+    return _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), _mm256_fmadd_ps(sc, f, acc));
+}
+
 /* A tile's first rows, which read it from memory: one pass over both halves for up to 8 rows,
  * so that their products overlap the stream. One loop for every row count: with 16 registers,
  * copies unrolled per count (as the AVX-512 path has) spill and measured 10-15% slower at 3 to 8
@@ -111,12 +119,7 @@ static void tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows
             __m256 sc = bf16x8(w + 256 + 16 * h), ze = bf16x8(w + 288 + 16 * h);
             for (int i = 0; i < Q4_ROWS; i++) {
                 if (i == rows) break;
-                int64_t j = (r0 + i) * a->nb + b;
-                const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
-                __m256i s = _mm256_sub_epi32(nibble_sums(lo, hi, xq), _mm256_set1_epi32(a->s8[j]));
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
-                acc[i][h] = _mm256_fmadd_ps(sc, f, acc[i][h]);
-                acc[i][h] = _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), acc[i][h]);
+                acc[i][h] = row_step(lo, hi, sc, ze, a, (r0 + i) * a->nb + b, acc[i][h]);
             }
         }
     }
@@ -140,14 +143,7 @@ static inline __attribute__((always_inline)) void tile_rows_n(const uint8_t *w, 
             __m256i lo[4], hi[4];
             nibbles_load(w, h, lo, hi);
             __m256 sc = bf16x8(w + 256 + 16 * h), ze = bf16x8(w + 288 + 16 * h);
-            for (int i = 0; i < rows; i++) {
-                int64_t j = (r0 + i) * a->nb + b;
-                const int8_t *xq = a->q + j * 2 * Q4_BLOCK;
-                __m256i s = _mm256_sub_epi32(nibble_sums(lo, hi, xq), _mm256_set1_epi32(a->s8[j]));
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d[j]));
-                acc[i][h] = _mm256_fmadd_ps(sc, f, acc[i][h]);
-                acc[i][h] = _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), acc[i][h]);
-            }
+            for (int i = 0; i < rows; i++) acc[i][h] = row_step(lo, hi, sc, ze, a, (r0 + i) * a->nb + b, acc[i][h]);
         }
     }
     for (int i = 0; i < rows; i++)

@@ -116,6 +116,15 @@ static inline __m256 bytes_x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)p)));
 }
 
+/* One row's sub-block into 8 channels' sums: the steps every AVX2 pass takes (j: the row's block). */
+static inline __attribute__((always_inline)) __m256 q4k_row_step(const __m256i lo[4], const __m256i hi[4],
+                                                                 __m256 scale, __m256 mn, const Act *a, int64_t j,
+                                                                 __m256 acc) {
+    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(nibble_sums(lo, hi, a->q + j * 2 * ACT_BLOCK)),
+                             _mm256_set1_ps(a->d[j]));
+    return _mm256_fnmadd_ps(mn, _mm256_set1_ps(a->ds[j]), _mm256_fmadd_ps(scale, f, acc));
+}
+
 /* A tile's first rows, which read it from memory: one pass over both halves for up to 8 rows, so
  * that their products overlap the stream (one loop for every row count: unrolled copies spill). */
 static void q4k_tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
@@ -136,11 +145,7 @@ static void q4k_tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t 
                 __m256 mn = _mm256_mul_ps(dmin[h], bytes_x8(w + 192 + 16 * b + 8 * h));
                 for (int i = 0; i < Q4K_ROWS; i++) {
                     if (i == rows) break;
-                    int64_t j = (r0 + i) * a->nb + Q4K_SUB * s + b;
-                    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(nibble_sums(lo, hi, a->q + j * 2 * ACT_BLOCK)),
-                                             _mm256_set1_ps(a->d[j]));
-                    acc[i][h] = _mm256_fmadd_ps(scale, f, acc[i][h]);
-                    acc[i][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a->ds[j]), acc[i][h]);
+                    acc[i][h] = q4k_row_step(lo, hi, scale, mn, a, (r0 + i) * a->nb + Q4K_SUB * s + b, acc[i][h]);
                 }
             }
         }
@@ -171,13 +176,8 @@ static inline __attribute__((always_inline)) void q4k_rows_n(const uint8_t *w, c
                                              bytes_x8(w + 64 + 16 * b + 8 * h));
                 __m256 mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const void *)(w + 32 + 16 * h))),
                                           bytes_x8(w + 192 + 16 * b + 8 * h));
-                for (int i = 0; i < rows; i++) {
-                    int64_t j = (r0 + i) * a->nb + Q4K_SUB * s + b;
-                    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(nibble_sums(lo, hi, a->q + j * 2 * ACT_BLOCK)),
-                                             _mm256_set1_ps(a->d[j]));
-                    acc[i][h] = _mm256_fmadd_ps(scale, f, acc[i][h]);
-                    acc[i][h] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(a->ds[j]), acc[i][h]);
-                }
+                for (int i = 0; i < rows; i++)
+                    acc[i][h] = q4k_row_step(lo, hi, scale, mn, a, (r0 + i) * a->nb + Q4K_SUB * s + b, acc[i][h]);
             }
         }
     }
