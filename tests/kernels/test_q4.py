@@ -103,8 +103,9 @@ def test_the_avx2_build_gives_the_same_bits():
     computes exactly what this machine's build does: the paths differ in instructions only."""
     run = _avx2_q4_matmul()
     w, packed = _weights(72, 1536, 64)
-    x = activations(11, 1536)
-    assert torch.equal(run(packed, 72, x), cpu_ops.q4_matmul(packed, 72, x))
+    for m in (10, 11, 17):                 # a tile's first 8 rows, then 2; 3; 4 + 4 and 1 (NIBBLE_TILE_FAST)
+        x = activations(m, 1536)
+        assert torch.equal(run(packed, 72, x), cpu_ops.q4_matmul(packed, 72, x)), f"{m} rows"
 
 
 def test_the_avx2_sums_hold_at_the_extremes():

@@ -78,8 +78,10 @@ def _run_avx2(lib: ctypes.CDLL, w: Int4KWeight, x: torch.Tensor) -> torch.Tensor
 
 def test_the_avx2_build_gives_the_same_bits():
     lib = _avx2_library()
-    w, x = q4_k_weights(72, 1536, seed=5), activations(11, 1536)
-    assert torch.equal(_run_avx2(lib, w, x), _run(w, x))
+    w = q4_k_weights(72, 1536, seed=5)
+    for m in (10, 11, 17):                 # a tile's first 8 rows, then 2; 3; 4 + 4 and 1 (NIBBLE_TILE_FAST)
+        x = activations(m, 1536)
+        assert torch.equal(_run_avx2(lib, w, x), _run(w, x)), f"{m} rows"
     # the integer sums' worst cases: every code 15 (and 0), activation digits at their extremes
     w = q4_k_weights(32, 256, q_max=1, sc_max=1)
     w.q[:16] = 15

@@ -104,10 +104,8 @@ static inline __attribute__((always_inline)) __m256 row_step(const __m256i lo[4]
     return _mm256_fmadd_ps(ze, _mm256_set1_ps(a->ds[j]), _mm256_fmadd_ps(sc, f, acc));
 }
 
-/* A tile's first rows, which read it from memory: one pass over both halves for up to 8 rows,
- * so that their products overlap the stream. One loop for every row count: with 16 registers,
- * copies unrolled per count (as the AVX-512 path has) spill and measured 10-15% slower at 3 to 8
- * rows. */
+/* One loop for every row count: with 16 registers, copies unrolled per count (as the AVX-512
+ * path has) spill and measured 10-15% slower at 3 to 8 rows (NIBBLE_TILE_FAST). */
 static void tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     __m256 acc[Q4_ROWS][2];
     for (int i = 0; i < Q4_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -129,15 +127,11 @@ static void tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows
     }
 }
 
-#define Q4_HALF_ROWS 4     /* rows whose sums stay in registers beside a half tile's nibbles */
-
-/* Channels 8 h .. 8 h + 7 for h from h0 to h1 - 1, of `rows` rows: the 8 registers of the
- * nibbles leave room for the sums of 2 rows of both halves or 4 rows of one. */
-static inline __attribute__((always_inline)) void tile_rows_n(const uint8_t *w, const Act *a, int64_t r0,
-                                                              const int rows, const int h0, const int h1,
-                                                              float *y) {
-    __m256 acc[Q4_HALF_ROWS][2];
-    for (int i = 0; i < Q4_HALF_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+/* Channels 8 h .. 8 h + 7 for h from h0 to h1 - 1, of `rows` rows (NIBBLE_TILE_FAST). */
+static inline __attribute__((always_inline)) void tile_pass(const uint8_t *w, const Act *a, int64_t r0,
+                                                            const int rows, const int h0, const int h1, float *y) {
+    __m256 acc[NIBBLE_HALF_ROWS][2];
+    for (int i = 0; i < NIBBLE_HALF_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++, w += Q4_BLOCK_BYTES) {
         for (int h = h0; h < h1; h++) {
             __m256i lo[4], hi[4];
@@ -150,25 +144,7 @@ static inline __attribute__((always_inline)) void tile_rows_n(const uint8_t *w, 
         for (int h = h0; h < h1; h++) _mm256_storeu_ps(y + i * Q4_TILE + 8 * h, acc[i][h]);
 }
 
-/* The rows after a tile's first, which find it in the caches: four at a time, up to 2 in one
- * pass over the tile, 3 or 4 in a pass per half, each copy with its sums in registers (as
- * q4k_matmul.c). */
-static void tile_cached(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
-    for (int64_t i = 0; i < rows; i += Q4_HALF_ROWS) {
-        float *yi = y + i * Q4_TILE;
-        switch (rows - i < Q4_HALF_ROWS ? rows - i : Q4_HALF_ROWS) {
-        case 1: tile_rows_n(w, a, r0 + i, 1, 0, 2, yi); break;
-        case 2: tile_rows_n(w, a, r0 + i, 2, 0, 2, yi); break;
-        case 3: tile_rows_n(w, a, r0 + i, 3, 0, 1, yi); tile_rows_n(w, a, r0 + i, 3, 1, 2, yi); break;
-        default: tile_rows_n(w, a, r0 + i, 4, 0, 1, yi); tile_rows_n(w, a, r0 + i, 4, 1, 2, yi); break;
-        }
-    }
-}
-
-/* The runner (mixed_matmul.c) takes a tile's rows in order from r0 0: the same sums either way. */
-static void tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
-    (r0 == 0 ? tile_stream : tile_cached)(w, a, r0, rows, y);
-}
+NIBBLE_TILE_FAST(tile_fast, tile_stream, tile_pass, Q4_TILE)
 #endif
 
 #if IMM_AVX512

@@ -79,6 +79,32 @@ static inline __attribute__((always_inline)) __m256i nibble_sums(const __m256i l
     __m256i s = dot32(lo, hi, xq), t = dot32(lo, hi, xq + ACT_BLOCK);
     return _mm256_add_epi32(_mm256_slli_epi32(s, 8), t);
 }
+
+#define NIBBLE_HALF_ROWS 4   /* rows whose sums stay in registers beside a half tile's nibbles */
+
+/* Defines `name`, an AVX2 tile function (w, a, r0, rows, y) of q4_matmul.c and q4k_matmul.c. A
+ * tile's first rows (the runner's r0 0) read it from memory: `stream` takes up to 8 in one pass
+ * over both halves of the channels, so that their products overlap the stream. Later rows find
+ * it in the caches: `pass` (w, a, r0, rows, h0, h1, y: halves h0 .. h1 - 1, always inline) takes
+ * them four at a time, 2 rows over both halves or 3-4 over one half at a time, since the
+ * nibbles' 8 registers leave room for 4 sums (8 rows over both halves spill theirs). Every path
+ * performs the same operations per output in the same order: the same bits. */
+#define NIBBLE_TILE_FAST(name, stream, pass, tile)                                                    \
+    static void name(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {           \
+        if (r0 == 0) {                                                                                 \
+            stream(w, a, r0, rows, y);                                                                 \
+            return;                                                                                    \
+        }                                                                                              \
+        for (int64_t i = 0; i < rows; i += NIBBLE_HALF_ROWS) {                                         \
+            float *yi = y + i * (tile);                                                                \
+            switch (rows - i < NIBBLE_HALF_ROWS ? rows - i : NIBBLE_HALF_ROWS) {                       \
+            case 1: pass(w, a, r0 + i, 1, 0, 2, yi); break;                                            \
+            case 2: pass(w, a, r0 + i, 2, 0, 2, yi); break;                                            \
+            case 3: pass(w, a, r0 + i, 3, 0, 1, yi); pass(w, a, r0 + i, 3, 1, 2, yi); break;           \
+            default: pass(w, a, r0 + i, 4, 0, 1, yi); pass(w, a, r0 + i, 4, 1, 2, yi); break;          \
+            }                                                                                          \
+        }                                                                                              \
+    }
 #endif
 
 #endif

@@ -125,8 +125,7 @@ static inline __attribute__((always_inline)) __m256 q4k_row_step(const __m256i l
     return _mm256_fnmadd_ps(mn, _mm256_set1_ps(a->ds[j]), _mm256_fmadd_ps(scale, f, acc));
 }
 
-/* A tile's first rows, which read it from memory: one pass over both halves for up to 8 rows, so
- * that their products overlap the stream (one loop for every row count: unrolled copies spill). */
+/* One loop for every row count, as q4_matmul.c's (unrolled copies spill; NIBBLE_TILE_FAST). */
 static void q4k_tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
     __m256 acc[Q4K_ROWS][2];
     for (int i = 0; i < Q4K_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -156,17 +155,13 @@ static void q4k_tile_stream(const uint8_t *w, const Act *a, int64_t r0, int64_t 
     }
 }
 
-#define Q4K_HALF_ROWS 4       /* rows whose sums stay in registers beside a half tile's nibbles */
-
-/* Channels 8 h .. 8 h + 7 for h from h0 to h1 - 1, of `rows` rows, over every super-block. With
- * 16 registers, the 8 of the nibbles leave room for the sums of up to 2 rows of both halves or
- * 4 rows of one (8 rows and both halves spilled theirs); the other half then re-reads the
- * tile from the caches. */
-static inline __attribute__((always_inline)) void q4k_rows_n(const uint8_t *w, const Act *a, int64_t r0,
-                                                             const int rows, const int h0, const int h1,
-                                                             float *y) {
-    __m256 acc[Q4K_HALF_ROWS][2];
-    for (int i = 0; i < Q4K_HALF_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+/* Channels 8 h .. 8 h + 7 for h from h0 to h1 - 1, of `rows` rows, over every super-block
+ * (NIBBLE_TILE_FAST). d and dmin are converted per sub-block: held across a super-block they
+ * would take registers the sums need. */
+static inline __attribute__((always_inline)) void q4k_pass(const uint8_t *w, const Act *a, int64_t r0,
+                                                           const int rows, const int h0, const int h1, float *y) {
+    __m256 acc[NIBBLE_HALF_ROWS][2];
+    for (int i = 0; i < NIBBLE_HALF_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < a->nb / Q4K_SUB; s++, w += Q4K_SUPER_BYTES) {
         for (int b = 0; b < Q4K_SUB; b++) {
             for (int h = h0; h < h1; h++) {
@@ -185,25 +180,7 @@ static inline __attribute__((always_inline)) void q4k_rows_n(const uint8_t *w, c
         for (int h = h0; h < h1; h++) _mm256_storeu_ps(y + i * Q4K_TILE + 8 * h, acc[i][h]);
 }
 
-/* The rows after a tile's first, which find it in the caches: four at a time, up to 2 in one
- * pass over the tile, 3 or 4 in a pass per half; a copy per row count, each with its sums in
- * registers. */
-static void q4k_tile_cached(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
-    for (int64_t i = 0; i < rows; i += Q4K_HALF_ROWS) {
-        float *yi = y + i * Q4K_TILE;
-        switch (rows - i < Q4K_HALF_ROWS ? rows - i : Q4K_HALF_ROWS) {
-        case 1: q4k_rows_n(w, a, r0 + i, 1, 0, 2, yi); break;
-        case 2: q4k_rows_n(w, a, r0 + i, 2, 0, 2, yi); break;
-        case 3: q4k_rows_n(w, a, r0 + i, 3, 0, 1, yi); q4k_rows_n(w, a, r0 + i, 3, 1, 2, yi); break;
-        default: q4k_rows_n(w, a, r0 + i, 4, 0, 1, yi); q4k_rows_n(w, a, r0 + i, 4, 1, 2, yi); break;
-        }
-    }
-}
-
-/* The runner (mixed_matmul.c) takes a tile's rows in order from r0 0: the same sums either way. */
-static void q4k_tile_fast(const uint8_t *w, const Act *a, int64_t r0, int64_t rows, float *y) {
-    (r0 == 0 ? q4k_tile_stream : q4k_tile_cached)(w, a, r0, rows, y);
-}
+NIBBLE_TILE_FAST(q4k_tile_fast, q4k_tile_stream, q4k_pass, Q4K_TILE)
 #else
 #define q4k_tile_fast q4k_tile_ref
 #endif
