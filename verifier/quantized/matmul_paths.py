@@ -150,7 +150,7 @@ def time_paths(linears: list[QuantLinear], rows: tuple[int, ...], repeats: int =
             for p in paths:
                 if r == 0 and _far_behind(ms, p):
                     ms[p][m] = None
-                elif ms[p].get(m, 0.0) is not None:
+                elif r == 0 or ms[p][m] is not None:          # not left behind in the first round
                     taken = samples.setdefault((p, m), [])
                     taken.append(_time_once(having[p], p, m, warm_up=r == 0 and m == rows[0]))
                     ms[p][m] = round(min(taken), 3)
@@ -189,8 +189,7 @@ def _time_once(linears: list[QuantLinear], path: str, m: int, warm_up: bool = Fa
 def cached_timings(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
                    threads: int | None = None) -> KernelTimings | None:
     """What `load_or_time` keeps for this model and these rows on this machine, or None."""
-    return cached_only(cache_dir, "", {"format": FORMAT, **model_key, "rows": list(rows)}, KernelTimings.from_json,
-                       threads)
+    return cached_only(cache_dir, "", _timings_key(rows, model_key), KernelTimings.from_json, threads)
 
 
 def load_or_time(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
@@ -198,5 +197,9 @@ def load_or_time(rows: tuple[int, ...], model_key: dict, cache_dir: Path | None,
                  threads: int | None = None) -> KernelTimings:
     """This machine's cached timings for this model and these rows, else (or with
     `refresh`) `measure()`'s, which are cached."""
-    return cached_measurement(cache_dir, "", {"format": FORMAT, **model_key, "rows": list(rows)}, measure,
+    return cached_measurement(cache_dir, "", _timings_key(rows, model_key), measure,
                               KernelTimings.to_json, KernelTimings.from_json, refresh, threads)
+
+
+def _timings_key(rows: tuple[int, ...], model_key: dict) -> dict:
+    return {"format": FORMAT, **model_key, "rows": list(rows)}
