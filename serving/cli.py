@@ -12,8 +12,8 @@ import time
 
 from bench.parser import add_bench_args
 from serving.cluster.flags import uses_ray
-from serving.flags import (add_quantization_arg, add_speculation_args, add_tensor_parallel_arg, drafter_name,
-                           speculation_from_args)
+from serving.flags import (add_graph_args, add_quantization_arg, add_speculation_args, add_tensor_parallel_arg,
+                           drafter_name, graph_config, speculation_from_args)
 from serving.server import add_serve_args, prepare_serve, run_serve
 from spec import LLM, SamplingParams, Submission
 
@@ -32,6 +32,7 @@ def _chat_args(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
+    add_graph_args(p)
     add_speculation_args(p, None, "speculative drafter: eagle3:PATH, ngram, suffix, small:PATH, tree:SPEC "
                                   "(default: plain decoding)")
 
@@ -66,7 +67,7 @@ def run_chat(args) -> int:
     speculation = speculation_from_args(drafter, args.gamma, args.topk, args.budget)
     print("loading model...", file=sys.stderr, flush=True)
     llm = LLM(args.model, drafter=drafter, speculation=speculation, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size,
+              tensor_parallel_size=args.tensor_parallel_size, graphs=graph_config(args),
               **({"num_threads": args.threads} if args.threads else {}))
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:

@@ -1,5 +1,5 @@
 """Command-line flags that `tercel serve` and `tercel chat` share: the drafter and its tree,
-the CPU weights, tensor parallelism, LoRA adapters. Kept free of torch so that `--help` stays quick."""
+the CPU weights, tensor parallelism, CUDA graphs, LoRA adapters. Kept free of torch so that `--help` stays quick."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from drafters.kinds import default_speculation
 from spec.config import QUANTIZATION_CHOICES
+from verifier.graphs.config import GraphConfig
 from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
 
 
@@ -33,6 +34,18 @@ def add_tensor_parallel_arg(p) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the target over N devices (N GPUs with NCCL; N processes with gloo on CPU); "
                         "dense weights only: with N > 1, --quantization auto picks none")
+
+
+def add_graph_args(p) -> None:
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every step eagerly instead of replaying CUDA graphs captured at load")
+    p.add_argument("--cuda-graph-max-rows", type=int, default=GraphConfig.max_rows, metavar="N",
+                   help="the largest step (new rows, padded to 1, 2, 4, ... N) a CUDA graph is captured for; "
+                        f"larger steps and prompt chunks run eagerly (default {GraphConfig.max_rows})")
+
+
+def graph_config(args) -> GraphConfig:
+    return GraphConfig(enabled=not args.enforce_eager, max_rows=args.cuda_graph_max_rows)
 
 
 def speculation_from_args(drafter: str | None, gamma: int | None, topk: int | None, budget: int | None):

@@ -15,8 +15,8 @@ from serving.app import ServerConfig, build_app
 from serving.bridge import EngineBridge, debug_from_env
 from serving.cluster.flags import add_replica_args
 from serving.defaults import load_sampling_defaults
-from serving.flags import (add_lora_args, add_quantization_arg, add_speculation_args, add_tensor_parallel_arg,
-                           drafter_name, lora_serving, speculation_from_args)
+from serving.flags import (add_graph_args, add_lora_args, add_quantization_arg, add_speculation_args,
+                           add_tensor_parallel_arg, drafter_name, graph_config, lora_serving, speculation_from_args)
 from serving.limits import ServerLimits
 from serving.metrics import Metrics
 from serving.reasoning import REASONING_PARSERS
@@ -77,6 +77,7 @@ def add_serve_args(sub) -> None:
                    help="every step on --threads; by default steps run on fewer while that measures faster")
     add_quantization_arg(p)
     add_tensor_parallel_arg(p)
+    add_graph_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_replica_args(p)
 
@@ -162,7 +163,7 @@ def engine_config(args):
                         thread_tuning=ThreadConfig(adaptive=not args.fixed_threads),
                         quantization=args.quantization, jump_forward=not args.no_jump_forward,
                         grammar=grammar_limits(args),
-                        tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_size=args.tensor_parallel_size, graphs=graph_config(args),
                         adaptive=AdaptiveConfig(enabled=not args.no_adaptive,
                                                 guard=GuardConfig(enabled=not args.no_batch_guard)),
                         logprobs_mode=args.logprobs_mode, lora_modules=lora.modules,

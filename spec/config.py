@@ -7,6 +7,7 @@ from drafters.config import SpecConfig
 from spec.adaptive import AdaptiveConfig
 from spec.threads import ThreadConfig
 from verifier.checks import positive_int
+from verifier.graphs.config import GraphConfig
 from verifier.model.loader import DEFAULT_MODEL
 from verifier.model.lora import DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK
 from verifier.model.shard import check_tp_quantization
@@ -41,6 +42,9 @@ class EngineConfig:
     # Ranks (devices) sharing every layer of the target (verifier/parallel.py): NCCL on CUDA,
     # gloo on CPU. Above 1 the target runs dense weights: quantization "auto" picks "none".
     tensor_parallel_size: int = 1
+    # On CUDA, decode and verify steps replay graphs captured at load per row bucket (verifier/graphs/);
+    # GraphConfig(enabled=False) runs every step eagerly.
+    graphs: GraphConfig = GraphConfig()
     drafter: str | None = None            # None: plain decoding; "ngram", "small:PATH", "tree:SPEC"
     speculation: "SpecConfig" = None      # None: the drafter's own default tree (SpecConfig() for most)
     adaptive: AdaptiveConfig = AdaptiveConfig()  # verify the draft nodes that pay (enabled=False: whole trees)

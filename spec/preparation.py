@@ -85,9 +85,13 @@ class _Preparation:
 
     def run(self) -> Prepared:
         config, target = self.config, self.target
+        eager = target.graphs_refused(config.graphs)
+        # padding rows of a bucketed step write to blocks of their own, past the block manager's
+        scratch = 0 if eager else config.graphs.scratch_blocks(config.block_size)
+        graph_bytes = 0 if eager else target.graph_bytes_estimate(config.graphs)
         num_blocks = config.num_kv_blocks or max(
-            1, kv_pool_bytes(target, config.kv_cache_bytes) // target.kv_bytes_per_block(config.block_size))
-        target.allocate_kv(num_blocks, config.block_size)
+            1, kv_pool_bytes(target, config.kv_cache_bytes, graph_bytes) // target.kv_bytes_per_block(config.block_size))
+        target.allocate_kv(num_blocks + scratch, config.block_size)
         memory = target.memory()
         log.info("%s", memory.line())
         self.blocks = BlockManager(BlockManagerConfig(num_blocks, config.block_size, config.enable_prefix_cache))
@@ -97,6 +101,11 @@ class _Preparation:
             self.spec_config = config.speculation or default_speculation(config.drafter)
             self.drafter = build_drafter(config.drafter, target, self.spec_config)
             adapters.load_drafts(self.drafter)
+        if eager is None:
+            taps = self.drafter.capture_layers if self.drafter is not None else ()
+            target.use_graphs(config.graphs, self.max_model_len, list(range(num_blocks, num_blocks + scratch)), taps)
+        elif target.device.type == "cuda":
+            log.info("every step runs eagerly: %s", eager)
         # The warm-up and the cost curve run on the CPUs left free while the target loaded (the
         # curve is rescaled per thread count as steps run: spec/step_cost.py).
         free = free_cpus(self.num_threads)
@@ -216,13 +225,17 @@ class _Preparation:
         return cached_thread_check(self.target, counts, check)
 
 
-def kv_pool_bytes(target: TargetModel, asked: int) -> int:
-    """`asked`, or on a CPU with less free than that after the load, nine tenths of what is free:
-    a CPU pool's pages are committed as they are written, and a pool past the memory would
-    meet the OOM killer mid-request instead of a full pool's preemption."""
-    free = available_bytes() if target.device.type == "cpu" else None
+def kv_pool_bytes(target: TargetModel, asked: int, graph_bytes: int = 0) -> int:
+    """`asked`, or with less free than that after the load (and the CUDA graphs' `graph_bytes`),
+    nine tenths of what is free: a CPU pool's pages are committed as they are written, and a pool
+    past the memory would meet the OOM killer mid-request instead of a full pool's preemption; a
+    GPU pool is allocated whole, before the graphs are captured."""
+    if target.device.type == "cuda":
+        free = torch.cuda.mem_get_info(target.device)[0] - graph_bytes
+    else:
+        free = available_bytes()
     if free is None or asked <= 0.9 * free:
         return asked
     log.warning("KV pool: %.2f GB asked, %.2f GB free after the load: %.2f GB", asked / 1e9, free / 1e9,
                 0.9 * free / 1e9)
-    return int(0.9 * free)
+    return max(0, int(0.9 * free))

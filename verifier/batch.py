@@ -84,3 +84,16 @@ class ForwardOutput:
 
     def seq_logits(self, i: int) -> torch.Tensor:
         return self.logits[self.logits_offsets[i]:self.logits_offsets[i + 1]]
+
+
+def flatten(batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(token ids, positions, logits rows, each sequence's first logits row and the end) of the
+    batch's new tokens, sequences one after the other."""
+    ids, positions, rows, offsets, t = [], [], [], [0], 0
+    for s in batch.seqs:
+        ids += s.token_ids
+        positions += s.positions if s.positions is not None else list(range(s.ctx_len, s.kv_len))
+        rows += [t + i for i in s.sample_indices]
+        offsets.append(len(rows))
+        t += s.num_new
+    return ids, positions, rows, offsets

@@ -25,7 +25,10 @@ from torch import nn
 
 from verifier.attention import get_backend
 from verifier.attention.kv_cache import KVCache
-from verifier.batch import ForwardBatch, ForwardOutput
+from verifier.batch import ForwardBatch, ForwardOutput, flatten
+from verifier.graphs.config import GraphConfig
+from verifier.graphs.cuda_graphs import StepGraphs
+from verifier.graphs.static_step import StaticStep
 from verifier.memory import tensor_bytes
 from verifier.model.gemma import planned_window
 from verifier.model.lora import LoraSet, adapter_rows, hook_dense
@@ -85,6 +88,8 @@ class DenseRunner:
         self.backend = get_backend(settings.backend or ("triton" if self.device.type == "cuda" else "torch"))
         self.linear_timings: LinearTimings | None = None
         self.lora: LoraSet | None = None
+        self.static: StaticStep | StepGraphs | None = None   # decode and verify steps from fixed buffers
+        self.static_taps: tuple[int, ...] = ()
         if self.device.type == "cpu":
             self.linear_timings = tune_linear(net, settings.cache_dir, settings.retime, settings.tune_threads)
 
@@ -98,6 +103,9 @@ class DenseRunner:
         return tensor_bytes(weights), tensor_bytes(tables), tensor_bytes(rest)
 
     def forward(self, batch: ForwardBatch, kv: KVCache, chunk_invariant: bool = True) -> ForwardOutput:
+        rows = self._static_rows(batch)
+        if rows is not None:
+            return self.static.forward(batch, rows)
         ids, positions, rows, offsets = flatten(batch)
         dev = self.device
         meta = self.backend.plan(batch, kv.block_size, dev, planned_window(self.net.cfg))
@@ -106,6 +114,23 @@ class DenseRunner:
                                     torch.tensor(rows, dtype=torch.long, device=dev), kv, self.backend, meta,
                                     batch.capture_layers)
         return ForwardOutput(logits, offsets, taps)
+
+    def use_static_step(self, config: GraphConfig, kv: KVCache, max_blocks_per_seq: int, scratch: list[int],
+                        taps: tuple[int, ...], capture: bool) -> int:
+        """Run decode and verify steps padded to row buckets from fixed buffers (`verifier/graphs/`),
+        replayed as CUDA graphs where `capture`, for forwards asking for `taps`. Returns the
+        graphs' memory in bytes (0 uncaptured). Other steps, and any under a LoRA adapter, stay eager."""
+        if self.backend.name != "triton":
+            raise ValueError(f"fixed-buffer steps run on the triton backend, not {self.backend.name!r}")
+        step = StaticStep(self.net, self.backend, kv, config, max_blocks_per_seq, scratch)
+        self.static, self.static_taps = (StepGraphs(step, taps) if capture else step), taps
+        return self.static.bytes if capture else 0
+
+    def _static_rows(self, batch: ForwardBatch) -> int | None:
+        """The bucket a forward runs in from the fixed buffers, or None: eager."""
+        if self.static is None or self.lora is not None or batch.capture_layers != self.static_taps:
+            return None
+        return self.static.rows_for(batch)
 
     def one_layer_per_kind(self) -> AbstractContextManager:
         """The whole model still: torch's modules split their work their own way, per layer."""
@@ -117,15 +142,3 @@ class DenseRunner:
         hook_dense(self.net, lora, triton=self.backend.name == "triton")
         self.lora = lora
 
-
-def flatten(batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(token ids, positions, logits rows, each sequence's first logits row and the end) of the
-    batch's new tokens, sequences one after the other."""
-    ids, positions, rows, offsets, t = [], [], [], [0], 0
-    for s in batch.seqs:
-        ids += s.token_ids
-        positions += s.positions if s.positions is not None else list(range(s.ctx_len, s.kv_len))
-        rows += [t + i for i in s.sample_indices]
-        offsets.append(len(rows))
-        t += s.num_new
-    return ids, positions, rows, offsets

@@ -12,6 +12,7 @@ from torch import nn
 from verifier.attention.kv_cache import KVCache
 from verifier.batch import ForwardBatch, ForwardOutput
 from verifier.cpu.cache import cache_root
+from verifier.graphs.config import GraphConfig
 from verifier.memory import MemoryReport, check_fits, resident_bytes
 from verifier.model.config import ModelConfig
 from verifier.model.gguf_quant import INDEX_FILE
@@ -176,6 +177,40 @@ class TargetModel:
         lora = LoraSet(self.config, max_loras, max_rank, dtype)
         self.runner.attach_lora(lora)
         return lora
+
+    def graphs_refused(self, config: GraphConfig) -> str | None:
+        """Why this target's steps stay eager under `config`, or None where decode and verify steps
+        run from fixed buffers (captured as CUDA graphs on CUDA; `verifier/graphs/`)."""
+        if not config.enabled:
+            return "CUDA graphs are off"
+        if self.device.type != "cuda" and not config.cpu_proof:
+            return "a CPU target (graphs are CUDA's)"
+        if not isinstance(self.runner, DenseRunner) or self.runner.backend.name != "triton":
+            return "fixed-buffer steps need dense weights on the triton attention backend"
+        if self.shard.size > 1:
+            return "not under tensor parallelism"
+        if self.config.moe is not None:
+            return "a mixture of experts routes rows by counts read on the host"
+        return None
+
+    def graph_bytes_estimate(self, config: GraphConfig) -> int:
+        """About what the graphs' memory pool will hold: the largest bucket's activations (every
+        intermediate of a layer live at once, and the logits in the model's dtype and fp32), twice
+        over. The GPU check reports the measured figure beside it."""
+        c = self.config
+        per_row = (5 * c.hidden_size + 2 * (c.q_size + c.kv_size) + 3 * c.intermediate_size) * self.dtype.itemsize \
+            + c.vocab_size * (self.dtype.itemsize + 4)
+        return 2 * config.max_rows * per_row
+
+    def use_graphs(self, config: GraphConfig, max_model_len: int, scratch: list[int], taps: tuple[int, ...]) -> int:
+        """Run decode and verify steps from fixed buffers, padded to `config`'s row buckets with
+        padding rows on the `scratch` KV blocks (a whole bucket's worth, never a request's), and
+        capture them as CUDA graphs on CUDA for forwards asking for `taps`. Returns the graphs'
+        bytes. Only where `graphs_refused` gives None."""
+        if (why := self.graphs_refused(config)) is not None:
+            raise ValueError(f"steps stay eager here: {why}")
+        return self.runner.use_static_step(config, self.kv, -(-max_model_len // self.kv.block_size), scratch, taps,
+                                           capture=self.device.type == "cuda")
 
     def close(self) -> None:
         """Release what outlives the object (nothing on one rank; the worker ranks under TP)."""

@@ -50,10 +50,23 @@ class PagedAttnMeta:
     q_lens: list[int]            # host copy
 
 
-def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
-                    masks: list[torch.Tensor | None], block_size: int,
-                    device: torch.device | str) -> PagedAttnMeta:
-    """Turn one forward's plain ints into kernel tensors (host work, one copy per tensor).
+@dataclass(frozen=True)
+class HostPagedMeta:
+    """`PagedAttnMeta`'s tensors on the host, before their copy to the device: a CUDA graph's
+    step writes them into its own fixed buffers instead (`verifier/graphs/static_step.py`)."""
+
+    block_tables: torch.Tensor   # [B, max_blocks] int32
+    ctx_lens: torch.Tensor       # [B] int32
+    tok_seq: torch.Tensor        # [T] int32
+    n_new: torch.Tensor          # [T] int32
+    anc_offsets: torch.Tensor    # [T] int64
+    anc: torch.Tensor            # [ancestors listed + 1] int32
+    slot_mapping: torch.Tensor   # [T] int64
+
+
+def paged_meta_host(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
+                    masks: list[torch.Tensor | None], block_size: int) -> HostPagedMeta:
+    """One forward's plain ints as the kernels' tensors, on the host.
 
     masks[s] is None for a causal sequence, else a bool [q, q] (row i sees new token j)."""
     assert len(q_lens) == len(ctx_lens) == len(block_tables) == len(masks) > 0
@@ -80,18 +93,20 @@ def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[l
             used += n
         flat.append(m.nonzero()[:, 1].to(torch.int32))      # row-major: each row's keys in index order
     anc = torch.cat([*flat, torch.zeros(1, dtype=torch.int32)])   # a dummy last: never empty
-    i32 = dict(dtype=torch.int32, device=device)
+    i32 = dict(dtype=torch.int32)
+    return HostPagedMeta(bt, torch.tensor(ctx_lens, **i32), torch.tensor(tok_seq, **i32), torch.tensor(n_new, **i32),
+                         torch.tensor(offsets, dtype=torch.int64), anc, torch.tensor(slots, dtype=torch.int64))
+
+
+def pack_paged_meta(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
+                    masks: list[torch.Tensor | None], block_size: int,
+                    device: torch.device | str) -> PagedAttnMeta:
+    """Turn one forward's plain ints into kernel tensors (host work, one copy per tensor)."""
+    h = paged_meta_host(q_lens, ctx_lens, block_tables, masks, block_size)
     return PagedAttnMeta(
-        block_tables=bt.to(device),
-        ctx_lens=torch.tensor(ctx_lens, **i32),
-        tok_seq=torch.tensor(tok_seq, **i32),
-        n_new=torch.tensor(n_new, **i32),
-        anc_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-        anc=anc.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_size=block_size,
-        q_lens=list(q_lens),
-    )
+        block_tables=h.block_tables.to(device), ctx_lens=h.ctx_lens.to(device), tok_seq=h.tok_seq.to(device),
+        n_new=h.n_new.to(device), anc_offsets=h.anc_offsets.to(device), anc=h.anc.to(device),
+        slot_mapping=h.slot_mapping.to(device), block_size=block_size, q_lens=list(q_lens))
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, ndim: int) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from verifier.attention.kv_cache import KVCache
-from verifier.batch import ForwardBatch, ForwardOutput, SeqInput
+from verifier.batch import ForwardBatch, ForwardOutput, SeqInput, flatten
 from verifier.memory import tensor_bytes
 from verifier.model.lora import PROJECTIONS, LoraSet, adapter_rows
 from verifier.model.moe import SparseMoeBlock
@@ -36,7 +36,7 @@ from verifier.quantized.matmul_paths import CHOICE_ROWS, KernelPlan, KernelTimin
 from verifier.quantized.qlinear import QuantEmbedding, QuantLinear
 from verifier.quantized.plan_memo import recall
 from verifier.quantized.quantize import block_params, kernel_sources, quantize_model, tune
-from verifier.runner import RunnerSettings, flatten
+from verifier.runner import RunnerSettings
 
 
 class QuantizedRunner:
