@@ -31,6 +31,7 @@ VERIFIER_FLOORS = (
     ("attention", ("verifier/attention/",)),                   # the backends and the KV cache
     ("model", ("verifier/model/",)),                           # config, modules, weights, loaders, tokenizer
     ("sampling", ("verifier/sampling/",)),                     # parameters, sampler, grammars
+    ("graphs", ("verifier/graphs/",)),                         # bucketed fixed-buffer steps, CUDA graphs
     ("runner", ("verifier/runner.py",)),                       # the runners' contract, the dense runner
     ("quantized", ("verifier/quantized/",)),                   # the quantized CPU runner
     ("target", ("verifier/target.py", "verifier/parallel.py")),

@@ -133,6 +133,7 @@ class StaticStep:
         graph is captured on."""
         self.load(ForwardBatch([]), rows)
 
+    @torch.inference_mode()
     def run(self, rows: int, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The forward over the first `rows` of the buffers: (logits [rows, vocab], taps), with no
         host work that depends on a value (what a CUDA graph captures)."""

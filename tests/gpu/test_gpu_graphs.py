@@ -1,0 +1,66 @@
+"""CUDA graphs on a GPU (`make test-gpu`, issue 63): a replayed step gives the eager step's bits,
+the engine decodes the same tokens with graphs as without, for plain decoding and a drafter, and
+the graphs' memory stays within what the KV pool's sizing set aside for them."""
+import pytest
+import torch
+
+from conftest import mtbench_prompts
+from spec import LLM, SamplingParams
+from spec.adaptive import AdaptiveConfig
+from tree.token_tree import TokenTree
+from verifier.batch import ForwardBatch, SeqInput
+from verifier.graphs.config import GraphConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+FIXED = AdaptiveConfig(enabled=False)
+
+
+@pytest.fixture(scope="module")
+def graphed():
+    return LLM(device="cuda", max_num_seqs=8, drafter="ngram", adaptive=FIXED)
+
+
+@pytest.fixture(scope="module")
+def prompts(graphed):
+    return [graphed.apply_chat_template([{"role": "user", "content": p}]) for p in mtbench_prompts(8)]
+
+
+def test_graphs_are_captured_within_their_estimate(graphed):
+    target = graphed.engine.target
+    graphs = target.runner.static
+    assert type(graphs).__name__ == "StepGraphs"
+    assert set(graphs.graphs) == set(GraphConfig().buckets)
+    assert 0 < graphs.bytes <= target.graph_bytes_estimate(GraphConfig())
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_the_engine_decodes_the_same_tokens_with_graphs(graphed, prompts, drafter):
+    eager = LLM(device="cuda", max_num_seqs=8, drafter=drafter, adaptive=FIXED, graphs=GraphConfig(enabled=False))
+    assert eager.engine.target.runner.static is None
+    want = [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in graphed.generate(prompts, GREEDY)] == want
+    assert graphed.engine.blocks.num_used_blocks == 0
+
+
+def test_a_replay_gives_the_eager_bits(graphed):
+    target = graphed.engine.target
+    runner, graphs = target.runner, target.runner.static
+    blocks = graphed.engine.blocks
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    with blocks.scratch(-1, 200 + 16) as table_a, blocks.scratch(-2, 90 + 16) as table_b:
+        for table, ctx in ((table_a, 200), (table_b, 90)):
+            target.forward(ForwardBatch([SeqInput(torch.randint(100, 40000, (ctx,), generator=gen).tolist(), 0, table)]))
+        for table, ctx, n in ((table_a, 200, 11), (table_b, 90, 1)):
+            parents = (-1, *(int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)))
+            mask = TokenTree(tuple(range(n)), parents).ancestor_mask()
+            seqs.append(SeqInput(torch.randint(100, 40000, (n,), generator=gen).tolist(), ctx, table,
+                                 positions=(ctx + mask.sum(1) - 1).tolist(), mask=mask, logits_indices=list(range(n))))
+        batch = ForwardBatch(seqs)
+        replayed = target.forward(batch)                          # 12 rows: the 16-row graph
+        runner.static = None
+        try:
+            eager = target.forward(batch)                         # the eager path, unpadded
+        finally:
+            runner.static = graphs
+    assert torch.equal(replayed.logits, eager.logits)
