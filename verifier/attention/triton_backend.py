@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 import verifier.attention.triton_kernels as tk
+from verifier.attention.paged_meta import PagedAttnMeta, pack_paged_meta
 from verifier.attention.base import AttentionBackend
 from verifier.batch import ForwardBatch
 
@@ -22,14 +23,14 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def plan(self, batch: ForwardBatch, block_size: int, device: torch.device,
-             window: int | None = None) -> tk.PagedAttnMeta:
+             window: int | None = None) -> PagedAttnMeta:
         seqs = batch.seqs
-        return tk.pack_paged_meta(
+        return pack_paged_meta(
             q_lens=[s.num_new for s in seqs], ctx_lens=[s.ctx_len for s in seqs],
             block_tables=[s.block_table for s in seqs], masks=[s.mask for s in seqs],
             block_size=block_size, device=device)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: tk.PagedAttnMeta, scale: float,
+    def forward(self, q, k, v, k_cache, v_cache, meta: PagedAttnMeta, scale: float,
                 window: int | None = None, softcap: float | None = None):
         if q.device.type != "cuda" and not tk.INTERPRETED:
             raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set "

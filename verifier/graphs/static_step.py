@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import verifier.attention.triton_kernels as tk
 from verifier.attention.base import AttentionBackend
 from verifier.attention.kv_cache import KVCache
+from verifier.attention.paged_meta import PagedAttnMeta, paged_meta_host
 from verifier.batch import ForwardBatch, ForwardOutput, SeqInput, flatten
 from verifier.graphs.config import GraphConfig
 
@@ -81,7 +81,7 @@ class StaticStep:
         self.host32 = _Fields(torch.zeros(sum(self._sizes32.values()), dtype=torch.int32, pin_memory=pin),
                               self._sizes32)
         self._copied = torch.cuda.Event() if pin else None     # the host buffers are free again after it
-        self._metas: dict[int, tk.PagedAttnMeta] = {}
+        self._metas: dict[int, PagedAttnMeta] = {}
 
     def rows_for(self, batch: ForwardBatch) -> int | None:
         """The bucket a step runs in, or None where it runs eagerly (a prompt chunk, too many rows,
@@ -101,8 +101,8 @@ class StaticStep:
         padded = pad_batch(batch, rows, self.scratch)
         ids, positions, logits_rows, offsets = flatten(padded)
         seqs = padded.seqs
-        meta = tk.paged_meta_host([s.num_new for s in seqs], [s.ctx_len for s in seqs],
-                                  [s.block_table for s in seqs], [s.mask for s in seqs], self.kv.block_size)
+        meta = paged_meta_host([s.num_new for s in seqs], [s.ctx_len for s in seqs],
+                               [s.block_table for s in seqs], [s.mask for s in seqs], self.kv.block_size)
         if self._copied is not None:
             self._copied.synchronize()           # the last step's copies have left the host buffers
         h64, h32 = self.host64, self.host32
@@ -141,11 +141,11 @@ class StaticStep:
         return self.net(d64.ids[:rows], d64.positions[:rows], d64.logits_rows[:rows], self.kv, self.backend,
                         self._meta(rows), taps)
 
-    def _meta(self, rows: int) -> tk.PagedAttnMeta:
+    def _meta(self, rows: int) -> PagedAttnMeta:
         """The attention's view of the buffers for a bucket, made once."""
         if rows not in self._metas:
             d32, d64 = self.dev32, self.dev64
-            self._metas[rows] = tk.PagedAttnMeta(
+            self._metas[rows] = PagedAttnMeta(
                 block_tables=d32.block_tables.view(-1, self.width), ctx_lens=d32.ctx_lens, tok_seq=d32.tok_seq[:rows],
                 n_new=d32.n_new[:rows], anc_offsets=d64.anc_offsets[:rows], anc=d32.anc, slot_mapping=d64.slots[:rows],
                 block_size=self.kv.block_size, q_lens=[rows])
