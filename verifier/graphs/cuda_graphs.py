@@ -33,7 +33,8 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             step.load_scratch(rows)
             self._warm_up(rows)
-            with no_host_sync(), torch.cuda.graph(graph, pool=pool):
+            # the guard inside the capture: entering and leaving it synchronise, by design
+            with torch.cuda.graph(graph, pool=pool), no_host_sync():
                 out = step.run(rows, taps)
             pool = graph.pool()
             self.graphs[rows] = (graph, out)
