@@ -27,6 +27,8 @@ class StepGraphs:
     def __init__(self, step: StaticStep, taps: tuple[int, ...]):
         self.step, self.taps = step, taps
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()      # capturing empties the cache too: it must not count against the graphs
         before = torch.cuda.memory_reserved()
         pool = None
         for rows in sorted(step.config.buckets, reverse=True):

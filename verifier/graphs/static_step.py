@@ -68,7 +68,8 @@ class StaticStep:
         if len(scratch) * kv.block_size < config.max_rows:
             raise ValueError(f"{len(scratch)} scratch blocks of {kv.block_size} slots cannot pad {config.max_rows} rows")
         self.net, self.backend, self.kv, self.config, self.scratch = net, backend, kv, config, scratch
-        t, seqs, self.width = config.max_rows, config.max_rows + 1, max_blocks_per_seq
+        # the padding sequence may need more blocks than a request can have (a short max_model_len)
+        t, seqs, self.width = config.max_rows, config.max_rows + 1, max(max_blocks_per_seq, len(scratch))
         self.anc_size = t * config.max_seq_rows + 1
         self._sizes64 = {"ids": t, "positions": t, "logits_rows": t, "slots": t, "anc_offsets": t}
         self._sizes32 = {"ctx_lens": seqs, "tok_seq": t, "n_new": t, "block_tables": seqs * self.width,
