@@ -29,8 +29,8 @@ SHAPES = {
 }
 
 
-def _fill_random(net, model_dir, shard=None) -> None:
-    """Stands in for `load_safetensors`: every parameter drawn where it lives."""
+def _fill_random(net, model_dir, shard=None, skip=frozenset()) -> None:
+    """Stands in for `load_checkpoint`: every parameter drawn where it lives."""
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(0.0, 0.02)
@@ -44,6 +44,6 @@ def random_target(shapes: str | dict, model_dir: str | Path, device: torch.devic
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(config))
-    with mock.patch.object(verifier.target, "load_safetensors", _fill_random):
+    with mock.patch.object(verifier.target, "load_checkpoint", _fill_random):
         return TargetModel(str(model_dir), device=str(device), dtype=dtype, backend=backend,
                            load_tokenizer_files=False, quantization="none")
