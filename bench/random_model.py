@@ -26,6 +26,13 @@ SHAPES = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
     },
+    # a dry run's (bench/graph_steps.py's test): two layers of 64, a few MB
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 
 
