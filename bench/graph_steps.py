@@ -11,9 +11,9 @@ shape): its KV pool holds the largest point's sequences and the graphs' scratch 
 row bucket (`verifier/graphs/`) and the same points are timed again. A point whose rows do not fit
 the buckets (more than `--max-rows` in all, or more than `GraphConfig.max_seq_rows` per sequence)
 runs eagerly both times, marked "(eager)". Median of `--repeats` after two warm-ups, CUDA events
-on a GPU, perf_counter on the CPU. A second table gives the graphs' memory (measured and
-`TargetModel.graph_bytes_estimate`) and whether each graphed point's logits equal its eager ones
-bit for bit; on CUDA, the 8B shape's HBM bound (its weights' bytes / `--hbm-gbps`).
+on a GPU, perf_counter on the CPU. A line per shape gives the graphs' memory (measured, and
+`TargetModel.graph_bytes_estimate`) and at how many graphed points the logits equal the eager ones
+bit for bit; on CUDA another the 8B shape's HBM bound (its weights' bytes / `--hbm-gbps`).
 
 `--device cpu` is a dry run of the script, not a timing: the Triton backend under the interpreter
 (TRITON_INTERPRET=1, set here when the command line asks for the CPU, before triton is
@@ -196,31 +196,32 @@ def size(n: int) -> str:
 
 
 def report(runs: list[ShapeRun], args, device: torch.device, dtype_name: str) -> None:
+    """A line per shape, the HBM bound, then the table: the lines bench/gpu_check.sh's summary keeps
+    (`figures`: tables, and lines with "bit for bit" or "GB/s"), the table last so that no line
+    runs on into it."""
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     clock = "CUDA events" if device.type == "cuda" else "perf_counter"
     graphs = "CUDA graphs" if device.type == "cuda" else "fixed-buffer steps, uncaptured (a dry run)"
     print(f"{card}; {dtype_name}, {args.backend} attention; a {args.context}-token cached prefix per request, a "
           f"random tree of n rows per request, logits for every row; median of {args.repeats} after 2 warm-ups "
-          f"({clock}); graphs: {graphs}, buckets up to {args.max_rows} rows\n")
-    print("| shape | requests | rows/request | eager ms | graphs ms | ratio (eager / graphs) |\n|---|---|---|---|---|---|")
+          f"({clock}); graphs: {graphs}\n")
+    for run in runs:
+        measured = "uncaptured on the CPU" if run.measured_bytes is None else f"{size(run.measured_bytes)} measured"
+        print(f"{run.shape}: graphs' memory {measured}, {size(run.estimate_bytes)} estimated ({len(run.buckets)} "
+              f"buckets, up to {max(run.buckets)} rows); graphed points' logits equal the eager ones bit for bit at "
+              f"{sum(run.same_logits.values())} of {len(run.same_logits)} (max abs diff {run.max_diff:.3g})")
+    for run in runs:
+        if device.type == "cuda" and run.shape == HBM_SHAPE:
+            print(f"HBM bound, {run.shape}: {run.weight_bytes / 1e9:.2f} GB of weights a step / "
+                  f"{args.hbm_gbps:.0f} GB/s = {run.weight_bytes / (args.hbm_gbps * 1e9) * 1e3:.2f} ms "
+                  f"({card}; --hbm-gbps {args.hbm_gbps:g})")
+    print("\n| shape | requests | rows/request | eager ms | graphs ms | ratio (eager / graphs) |")
+    print("|---|---|---|---|---|---|")
     for run in runs:
         for (r, n), eager in run.eager_ms.items():
             graphs = run.graphs_ms[(r, n)]
             mark = "" if run.graphed[(r, n)] else " (eager)"
             print(f"| {run.shape} | {r} | {n} | {eager:.2f} | {graphs:.2f}{mark} | {eager / graphs:.2f} |")
-    print("\n| shape | buckets | graphs' memory, measured | estimated | graphed points' logits equal eager's |"
-          "\n|---|---|---|---|---|")
-    for run in runs:
-        measured = "uncaptured (CPU)" if run.measured_bytes is None else size(run.measured_bytes)
-        same = sum(run.same_logits.values())
-        print(f"| {run.shape} | {len(run.buckets)}, up to {max(run.buckets)} rows | {measured} | "
-              f"{size(run.estimate_bytes)} | {same} of {len(run.same_logits)} bit for bit (max abs diff "
-              f"{run.max_diff:.3g}) |")
-    for run in runs:
-        if device.type == "cuda" and run.shape == HBM_SHAPE:
-            print(f"\nHBM bound, {run.shape}: {run.weight_bytes / 1e9:.2f} GB of weights a step / "
-                  f"{args.hbm_gbps:.0f} GB/s = {run.weight_bytes / (args.hbm_gbps * 1e9) * 1e3:.2f} ms "
-                  f"({card}; --hbm-gbps {args.hbm_gbps:g})")
 
 
 def main(argv: list[str] | None = None) -> None:
