@@ -72,6 +72,7 @@ class ShapeRun:
     estimate_bytes: int = 0
     buckets: tuple[int, ...] = ()
     weight_bytes: int = 0
+    trace_error: str | None = None
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -182,8 +183,12 @@ def run_shape(shape: str, args, device: torch.device, dtype: torch.dtype, trace:
             got = target.forward(batch).logits.cpu()
             run.same_logits[point] = torch.equal(got, eager_logits[point])
             run.max_diff = max(run.max_diff, (got - eager_logits[point]).abs().max().item())
+    report_shape(run, args, device)           # before the trace, and before the next shape: what is done is printed
     if trace is not None:
-        write_trace(trace, target, batches[(requests[0], rows[0])], device)
+        try:
+            write_trace(trace, target, batches[(requests[0], rows[0])], device)
+        except Exception as e:                # the tables stand without it; main exits 1
+            run.trace_error = f"{type(e).__name__}: {e}"
     del target, static, batches, eager_logits
     gc.collect()
     if device.type == "cuda":
@@ -195,33 +200,36 @@ def size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
-def report(runs: list[ShapeRun], args, device: torch.device, dtype_name: str) -> None:
-    """A line per shape, the HBM bound, then the table: the lines bench/gpu_check.sh's summary keeps
-    (`figures`: tables, and lines with "bit for bit" or "GB/s"), the table last so that no line
-    runs on into it."""
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+def header(args, device: torch.device, dtype_name: str) -> None:
     clock = "CUDA events" if device.type == "cuda" else "perf_counter"
     graphs = "CUDA graphs" if device.type == "cuda" else "fixed-buffer steps, uncaptured (a dry run)"
-    print(f"{card}; {dtype_name}, {args.backend} attention; a {args.context}-token cached prefix per request, a "
-          f"random tree of n rows per request, logits for every row; median of {args.repeats} after 2 warm-ups "
-          f"({clock}); graphs: {graphs}\n")
-    for run in runs:
-        measured = "uncaptured on the CPU" if run.measured_bytes is None else f"{size(run.measured_bytes)} measured"
-        print(f"{run.shape}: graphs' memory {measured}, {size(run.estimate_bytes)} estimated ({len(run.buckets)} "
-              f"buckets, up to {max(run.buckets)} rows); graphed points' logits equal the eager ones bit for bit at "
-              f"{sum(run.same_logits.values())} of {len(run.same_logits)} (max abs diff {run.max_diff:.3g})")
-    for run in runs:
-        if device.type == "cuda" and run.shape == HBM_SHAPE:
-            print(f"HBM bound, {run.shape}: {run.weight_bytes / 1e9:.2f} GB of weights a step / "
-                  f"{args.hbm_gbps:.0f} GB/s = {run.weight_bytes / (args.hbm_gbps * 1e9) * 1e3:.2f} ms "
-                  f"({card}; --hbm-gbps {args.hbm_gbps:g})")
+    print(f"{device_name(device)}; {dtype_name}, {args.backend} attention; a {args.context}-token cached prefix per "
+          f"request, a random tree of n rows per request, logits for every row; median of {args.repeats} after 2 "
+          f"warm-ups ({clock}); graphs: {graphs}", flush=True)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+
+
+def report_shape(run: ShapeRun, args, device: torch.device) -> None:
+    """A shape's lines and then its table: what bench/gpu_check.sh's summary keeps (`figures`:
+    tables, and lines with "bit for bit" or "GB/s"), the table last so that no line runs on into it."""
+    measured = "uncaptured on the CPU" if run.measured_bytes is None else f"{size(run.measured_bytes)} measured"
+    print(f"\n{run.shape}: graphs' memory {measured}, {size(run.estimate_bytes)} estimated ({len(run.buckets)} "
+          f"buckets, up to {max(run.buckets)} rows); graphed points' logits equal the eager ones bit for bit at "
+          f"{sum(run.same_logits.values())} of {len(run.same_logits)} (max abs diff {run.max_diff:.3g})")
+    if device.type == "cuda" and run.shape == HBM_SHAPE:
+        print(f"HBM bound, {run.shape}: {run.weight_bytes / 1e9:.2f} GB of weights a step / {args.hbm_gbps:.0f} GB/s "
+              f"= {run.weight_bytes / (args.hbm_gbps * 1e9) * 1e3:.2f} ms ({device_name(device)}; --hbm-gbps "
+              f"{args.hbm_gbps:g})")
     print("\n| shape | requests | rows/request | eager ms | graphs ms | ratio (eager / graphs) |")
     print("|---|---|---|---|---|---|")
-    for run in runs:
-        for (r, n), eager in run.eager_ms.items():
-            graphs = run.graphs_ms[(r, n)]
-            mark = "" if run.graphed[(r, n)] else " (eager)"
-            print(f"| {run.shape} | {r} | {n} | {eager:.2f} | {graphs:.2f}{mark} | {eager / graphs:.2f} |")
+    for (r, n), eager in run.eager_ms.items():
+        graphs = run.graphs_ms[(r, n)]
+        mark = "" if run.graphed[(r, n)] else " (eager)"
+        print(f"| {run.shape} | {r} | {n} | {eager:.2f} | {graphs:.2f}{mark} | {eager / graphs:.2f} |")
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,9 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in shapes if s != "default" and s not in SHAPES]
     if not shapes or unknown:
         raise SystemExit(f"--shapes: default or {', '.join(sorted(SHAPES))}; got {args.shapes!r}")
+    header(args, device, dtype_name)
     runs = [run_shape(s, args, device, DTYPES[dtype_name], args.trace if i == len(shapes) - 1 else None)
             for i, s in enumerate(shapes)]
-    report(runs, args, device, dtype_name)
+    if (error := runs[-1].trace_error) is not None:
+        raise SystemExit(f"--trace: not written: {error}")
 
 
 if __name__ == "__main__":
