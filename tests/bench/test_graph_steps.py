@@ -24,7 +24,7 @@ def summary_filter() -> str:
 def test_dry_run_times_every_point_eagerly_and_from_the_buckets(tmp_path):
     trace = tmp_path / "step-trace.json.gz"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "TERCEL_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}                 # the random model's folder
     # buckets of 1, 2 and 4 rows: 1 x 3 rows runs padded to 4, 2 x 3 rows past the buckets
     done = subprocess.run([sys.executable, "-m", "bench.graph_steps", "--device", "cpu", "--shapes", "tiny",
                            "--requests", "1,2", "--rows", "1,3", "--context", "16", "--max-rows", "4",
