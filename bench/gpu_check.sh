@@ -77,8 +77,9 @@ stage() {  # stage NAME SECONDS CMD...: CMD's output in logs/NAME.log, at most S
 }
 
 figures() {  # the markdown tables of a stage's log, into the summary
-  [[ -f $LOGS/$1.log ]] && { note ""; note "### $1"; grep -E '^([|]|[A-Za-z].*(GB/s|tok/s|accepted|τ))' "$LOGS/$1.log" \
-    | tee -a "$SUMMARY" >/dev/null; note ""; }
+  [[ -f $LOGS/$1.log ]] && { note ""; note "### $1"
+    grep -E '^([|]|[A-Za-z].*(GB/s|tok/s|accepted|τ|bit for bit))' "$LOGS/$1.log" | tee -a "$SUMMARY" >/dev/null
+    note ""; }
 }
 
 stash() {  # what this call carried joins what earlier calls on this machine left
@@ -157,9 +158,11 @@ stage env 30 report_env
 cat "$LOGS/env.log" >>"$SUMMARY" 2>/dev/null
 stage test-gpu 200 "$PY" -m pytest -v -p no:cacheprovider --durations=12 tests/gpu
 if [[ $CUDA == 1 ]]; then
-  stage bandwidth-smollm2 60 "$PY" -m bench.attention_bandwidth --nodes 1,2,4,8,16,32,64
-  stage bandwidth-llama8b 90 "$PY" -m bench.attention_bandwidth --shapes llama-3.1-8b --nodes 1,2,4,8,16,32,64 \
+  stage bandwidth-smollm2 45 "$PY" -m bench.attention_bandwidth --nodes 1,2,4,8,16,32,64
+  stage bandwidth-llama8b 60 "$PY" -m bench.attention_bandwidth --shapes llama-3.1-8b --nodes 1,2,4,8,16,32,64 \
     --repeats 10
+  # the step with CUDA graphs off and on, 1-32 requests x 1-64 tree rows; the trace: one step each way (8B shapes)
+  stage graph-steps 120 "$PY" -m bench.graph_steps --shapes default,llama-3.1-8b --trace "$OUT/step-trace.json.gz"
 fi
 # shellcheck disable=SC2086  # GPU_CHECK_TRAIN_ARGS is a list of flags
 stage train 200 "$PY" -m training.cli --kind eagle3 --target "$TARGET" --data "$DATA/train" --output "$HEAD" \
@@ -173,7 +176,7 @@ if [[ $CUDA == 1 ]]; then
   stage speed 120 "$PY" -m serving.cli bench speed --dataset mtbench --tasks writing,coding --limit 2 --max-tokens 128 \
     --repeats 2 --drafter "$DRAFTERS"
 fi
-for s in bandwidth-smollm2 bandwidth-llama8b accept speed; do figures "$s"; done
+for s in bandwidth-smollm2 bandwidth-llama8b graph-steps accept speed; do figures "$s"; done
 if [[ -f $HEAD/training_summary.json ]]; then
   cp "$HEAD/training_summary.json" "$OUT/"
   # in parts of 15 MiB: a file brought back from the device machine is at most 16 MiB

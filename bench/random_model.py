@@ -26,11 +26,18 @@ SHAPES = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
     },
+    # a dry run's (bench/graph_steps.py's test): two layers of 64, a few MB
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 
 
-def _fill_random(net, model_dir, shard=None) -> None:
-    """Stands in for `load_safetensors`: every parameter drawn where it lives."""
+def _fill_random(net, model_dir, shard=None, skip=frozenset()) -> None:
+    """Stands in for `load_checkpoint`: every parameter drawn where it lives."""
     with torch.no_grad():
         for p in net.parameters():
             p.normal_(0.0, 0.02)
@@ -44,6 +51,6 @@ def random_target(shapes: str | dict, model_dir: str | Path, device: torch.devic
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(config))
-    with mock.patch.object(verifier.target, "load_safetensors", _fill_random):
+    with mock.patch.object(verifier.target, "load_checkpoint", _fill_random):
         return TargetModel(str(model_dir), device=str(device), dtype=dtype, backend=backend,
                            load_tokenizer_files=False, quantization="none")
