@@ -202,7 +202,10 @@ def test_steps_that_stay_eager(target_dir):
     many = [SeqInput([5] * 22, 0, [6 * i, 6 * i + 1, 6 * i + 2]) for i in range(3)]
     assert step.rows_for(ForwardBatch(many)) is None                                 # 66 rows > 64
     assert step.rows_for(ForwardBatch(many[:2])) == 64
-    assert step.rows_for(ForwardBatch([SeqInput([5], 6 * BS, list(range(7)))])) is None   # past the tables
+    width = len(SCRATCH)                      # the tables hold the padding sequence's blocks at least
+    assert step.rows_for(ForwardBatch([SeqInput([5], width * BS, list(range(width + 1)))])) is None  # past them
+    narrow = StaticStep(target.net, target.runner.backend, target.kv, CONFIG, 2, SCRATCH)   # max_model_len 16
+    narrow.load(ForwardBatch([SeqInput([5], 0, [0])]), 64)     # 63 padding rows on 8 blocks: a table holds them
     assert loaded_target(target_dir, backend="torch").graphs_refused(CONFIG) is not None
     assert target.graphs_refused(GraphConfig()) == "a CPU target (graphs are CUDA's)"
     assert target.graphs_refused(CONFIG) is None
