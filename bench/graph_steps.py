@@ -47,6 +47,7 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from bench.attention_bandwidth import DTYPES, timed  # noqa: E402
 from bench.random_model import SHAPES, random_target  # noqa: E402
@@ -124,7 +125,6 @@ def sync(device: torch.device) -> None:
 
 def write_trace(path: Path, target: TargetModel, batch: ForwardBatch, device: torch.device) -> None:
     """A chrome trace (gzipped) of one graphed and one eager step of `batch`."""
-    from torch.profiler import ProfilerActivity, profile, record_function
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         with record_function("graphed step"):
