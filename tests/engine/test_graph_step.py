@@ -16,6 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed, so its backend cannot be tested")
 
 from conftest import make_tiny_model  # noqa: E402
+from gemma_cases import make_gemma  # noqa: E402
 from drafters.kinds import default_speculation  # noqa: E402
 from spec import LLM, SamplingParams  # noqa: E402
 from spec.adaptive import AdaptiveConfig  # noqa: E402
@@ -120,6 +121,17 @@ def test_a_padded_step_gives_the_unpadded_bits(target_dir, shapes):
     gen = torch.Generator().manual_seed(len(shapes) * 31 + len(shapes[0]))
     target = loaded_target(target_dir)
     batch, prefixes = a_step(shapes, gen)
+    prefill(target, batch, prefixes, gen)
+    step = StaticStep(target.net, target.runner.backend, target.kv, CONFIG, BLOCKS, SCRATCH)
+    assert_same_rows(*both_ways(target, batch, step))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", pytest.param("gemma3_text", marks=pytest.mark.slow)])
+def test_a_padded_gemma_step_gives_the_unpadded_bits(tmp_path, model_type):
+    """Sliding windows (contexts past them), soft-capped scores and logits: padding changes no bit."""
+    gen = torch.Generator().manual_seed(13)
+    target = loaded_target(make_gemma(tmp_path / model_type, model_type))
+    batch, prefixes = a_step(["datastore", "decode", "chain"], gen)
     prefill(target, batch, prefixes, gen)
     step = StaticStep(target.net, target.runner.backend, target.kv, CONFIG, BLOCKS, SCRATCH)
     assert_same_rows(*both_ways(target, batch, step))
