@@ -9,7 +9,9 @@
 # What the machine lacks travels as wheels in $GPU_CHECK_CARRY/wheels (default .gpu/wheels), the
 # shared data as $GPU_CHECK_CARRY/data.tgz (train/ and mtbench/ of ../shared/data). Both are
 # first added to $GPU_CHECK_STASH (default /tmp/tercel-gpu-stash), which outlives the call on a
-# machine that stays up.
+# machine that stays up. Replies regenerated beforehand on a CPU (`training/regenerate.py`'s JSONL,
+# gzipped) may travel as $GPU_CHECK_CARRY/regenerated.jsonl.gz: the training stage then regenerates
+# only the conversations it lacks (the int4 CPU target's replies: the served default's own).
 #
 # The wheels (Python 3.12 there; bench/gpu_wheels.txt lists what the H200 image lacked on 2026-12-04,
 # plus accelerate and psutil since train-drafter's loop runs on accelerate, 2026-12-07):
@@ -85,6 +87,7 @@ figures() {  # the markdown tables of a stage's log, into the summary
 stash() {  # what this call carried joins what earlier calls on this machine left
   [[ -d $CARRY/wheels ]] && cp -f "$CARRY"/wheels/* "$STASH/wheels/" 2>/dev/null
   [[ -f $CARRY/data.tgz ]] && cp -f "$CARRY/data.tgz" "$STASH/"
+  [[ -f $CARRY/regenerated.jsonl.gz ]] && cp -f "$CARRY/regenerated.jsonl.gz" "$STASH/"
   ls -la "$STASH" "$STASH/wheels"
 }
 
@@ -164,6 +167,8 @@ if [[ $CUDA == 1 ]]; then
   # the step with CUDA graphs off and on, 1-32 requests x 1-64 tree rows; the trace: one step each way (8B shapes)
   stage graph-steps 120 "$PY" -m bench.graph_steps --shapes default,llama-3.1-8b --trace "$OUT/step-trace.json.gz"
 fi
+# replies carried from a CPU run: train-drafter skips the conversations they answer
+[[ -f $STASH/regenerated.jsonl.gz ]] && mkdir -p "$HEAD" && gzip -dc "$STASH/regenerated.jsonl.gz" >"$HEAD/regenerated.jsonl"
 # shellcheck disable=SC2086  # GPU_CHECK_TRAIN_ARGS is a list of flags
 stage train 200 "$PY" -m training.cli --kind eagle3 --target "$TARGET" --data "$DATA/train" --output "$HEAD" \
   --regenerate --dtype bf16 --ttt-steps 3 --eval-data "$DATA/mtbench/question.jsonl" \

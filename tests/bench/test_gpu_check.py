@@ -3,6 +3,7 @@ installed into a scratch folder, the GPU suite passes as skips, the training com
 tiny model, and everything lands in the output folder. A part gone missing stops the run."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -73,7 +74,12 @@ def dry_data(tmp_path):
 def test_dry_run_installs_the_parts_skips_the_gpu_suite_and_trains(tmp_path, tiny_llama_dir, dry_data):
     train = "--limit-per-source 4 --regen-max-tokens 8 --max-tokens 300 --eval-prompts 2 --eval-tokens 8 " \
             "--regen-batch 4 --draft-vocab 4096 --max-len 200 --batch-tokens 1024"
-    done = run_check(tmp_path, carry_in_parts(tmp_path), GPU_CHECK_DATA=str(dry_data),
+    carry = carry_in_parts(tmp_path)
+    carried = [{**r, "conversations": r["conversations"][:1] + [{"role": "assistant", "content": f"carried {r['id']}"}]}
+               for r in arithmetic_conversations(12)]           # every reply regenerated already, on a CPU
+    with gzip.open(carry / "regenerated.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in carried)
+    done = run_check(tmp_path, carry, GPU_CHECK_DATA=str(dry_data),
                      GPU_CHECK_TARGET=str(tiny_llama_dir), GPU_CHECK_TRAIN_ARGS=train)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert done.returncode == 0, summary + done.stderr
@@ -84,6 +90,8 @@ def test_dry_run_installs_the_parts_skips_the_gpu_suite_and_trains(tmp_path, tin
     assert sorted(p.name for p in (tmp_path / "stash" / "wheels").iterdir()) == [WHEEL, f"{WHEEL}.sha256"]
     assert json.loads((tmp_path / "out" / "training_summary.json").read_text())["heldout"]["prompts"] == 2
     assert (tmp_path / "out" / "eagle3-head.tgz.part-00").is_file() and (tmp_path / "out" / "logs.tgz").is_file()
+    with gzip.open(tmp_path / "out" / "regenerated.jsonl.gz", "rt") as f:   # trained on, none regenerated
+        assert [json.loads(line) for line in f] == carried
 
 
 def test_a_missing_part_stops_the_run_at_install(tmp_path):
