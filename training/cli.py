@@ -3,6 +3,7 @@
 
     train-drafter --kind eagle3 --data ../shared/data/train --output heads/mine \\
         --limit-per-source 300 --regenerate --eval-data ../shared/data/heldout
+    train-drafter --data ../shared/data/train --output runs/all --regenerate-only   # replies only, resumable
     accelerate launch --multi_gpu --num_processes 8 $(which train-drafter) --kind eagle3 ...   # data parallel
     torchrun --nproc_per_node 2 $(which train-drafter) ...                    # the same on CPUs
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import shlex
 import sys
 import time
@@ -46,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=1024, help="tokens per conversation")
     p.add_argument("--regenerate", action="store_true",
                    help="replace the replies by the target's own (self-distillation, Tercel's engine)")
+    p.add_argument("--regenerate-only", action="store_true",
+                   help="regenerate the replies into OUTPUT/regenerated.jsonl and stop, in a seeded order mixing the "
+                        "sources (a run cut short leaves a uniform sample; the next picks up where it stopped): "
+                        "a CPU's share of a job whose training runs elsewhere")
     p.add_argument("--regen-max-tokens", type=int, default=256)
     p.add_argument("--regen-temperature", type=float, default=0.0)
     p.add_argument("--regen-batch", type=int, default=TrainConfig.regen_batch, help="replies generated at once")
@@ -114,8 +120,11 @@ def train(cfg: TrainConfig, command: str | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     # the small student trains on the CPU; an EAGLE-3 head where the launcher puts its process
     procs = PartialState(cpu=cfg.kind == "small" or not torch.cuda.is_available())
-    if cfg.regenerate:
+    if cfg.regenerate or cfg.regenerate_only:
         convs = _regenerate(cfg, convs, out, procs)
+    if cfg.regenerate_only:
+        return {"regenerated": len(convs), "output": str(out / "regenerated.jsonl"),
+                "wall_seconds": round(time.perf_counter() - start, 1), "main_process": procs.is_main_process}
     target = TargetModel(cfg.target, device=str(procs.device) if procs.device.type == "cuda" else None)
     examples = [ex for c in convs if (ex := tokenize_conversation(target.tokenizer, c, cfg.max_len))]
     if not examples:
@@ -144,7 +153,8 @@ def _regenerate(cfg: TrainConfig, convs, out: Path, procs):
     """The main process writes the replies (resumably); the others wait for them."""
     path = out / "regenerated.jsonl"
     if procs.is_main_process:
-        regenerate(convs, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
+        order = random.Random(cfg.seed).sample(convs, len(convs))    # the sources mixed: a partial run is a sample
+        regenerate(order, cfg.target, str(path), max_new_tokens=cfg.regen_max_tokens,
                    temperature=cfg.regen_temperature, batch_size=cfg.regen_batch, seed=cfg.seed,
                    quantization=cfg.quantization)
     procs.wait_for_everyone()

@@ -20,6 +20,7 @@ class TrainConfig:
     limit_per_source: int | None = None  # seeded sample of at most this many conversations per source
     max_len: int = 1024                # tokens per conversation after templating
     regenerate: bool = False           # replace replies by the target's own (self-distillation)
+    regenerate_only: bool = False      # write the regenerated replies and stop (a CPU's part, a GPU trains)
     regen_max_tokens: int = 256
     regen_temperature: float = 0.0
     regen_batch: int = 32              # replies generated at once (a GPU takes more)

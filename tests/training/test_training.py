@@ -240,6 +240,22 @@ def test_regenerate_writes_the_targets_own_replies(tiny_llama_dir, tiny_data, tm
     assert regenerate(convs[:3], str(tiny_llama_dir), str(path), max_new_tokens=8, llm=llm) == []
 
 
+def test_regenerate_only_writes_the_replies_and_resumes(tiny_llama_dir, tiny_data, tmp_path, capsys):
+    """A CPU's share of a job trained elsewhere: the replies, no head; a second run adds nothing."""
+    out = tmp_path / "replies"
+    args = ["--target", str(tiny_llama_dir), "--data", str(tiny_data), "--output", str(out), "--regenerate-only",
+            "--regen-max-tokens", "4"]
+    assert train_main(args) == 0
+    convs, _ = load_conversations([str(tiny_data)])
+    rows = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(c.id for c in convs)
+    assert not (out / "training_summary.json").exists() and not (out / "config.json").exists()
+    capsys.readouterr()
+    assert train_main(args) == 0
+    assert (out / "regenerated.jsonl").read_text().count("\n") == len(rows)
+    assert json.loads(capsys.readouterr().out)["regenerated"] == len(convs)
+
+
 def test_bad_command_lines(tmp_path, capsys):
     assert train_main(["--data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o")]) == 2
     assert "not found" in capsys.readouterr().err
