@@ -4,6 +4,7 @@
     TERCEL_CPU_ISA=avx2 python -m bench.serve_pair ...        # the AVX2 build
     python -m bench.serve_pair --configs default,noguard,none  # also the drafter without the batch guard
     python -m bench.serve_pair --workload agent --concurrency 1,4   # multi-turn agent sessions
+    python -m bench.serve_pair --server-args=--fixed-threads  # more `tercel serve` flags, every server
 
 Each round starts each server afresh (`tercel serve`, the order reversed in odd rounds) and runs
 every concurrency level on prompts that process has not seen: the levels take disjoint slices of
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import sys
 
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompts or sessions per level, at least 2 per client (default 16 prompts, 8 sessions)")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 128 chat, 256 agent)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--server-args", default="", help="more `tercel serve` flags for every server, e.g. '--fixed-threads'")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--json", help="write every round's figures here")
     args = ap.parse_args(argv)
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         order = names if r % 2 == 0 else names[::-1]
         got = {}
         for name in order:
-            with server(CONFIGS[name], args.port, args.threads) as url:
+            with server(CONFIGS[name] + shlex.split(args.server_args), args.port, args.threads) as url:
                 got[name] = asyncio.run(run_server(url, warm, by_level, max_tokens))
             print(f"round {r + 1} {name}: " + ", ".join(f"{c} clients {got[name][c]['throughput_tok_s']:.1f} tok/s"
                                                          for c in levels), file=sys.stderr, flush=True)
