@@ -163,17 +163,8 @@ def run_shape(shape: str, args, device: torch.device, dtype: torch.dtype, trace:
         if point[0] * point[1] <= config.max_rows:        # may run graphed: kept to compare
             eager_logits[point] = target.forward(batch).logits.cpu()
 
-    # The measure of the graphs' memory is the reserved memory's growth over their capture, which
-    # empties the allocator's cache first: empty it here too, or the eager steps' cached blocks
-    # count against the graphs.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    # Block tables at least a bucket's padding wide: StaticStep pads a step with one sequence
-    # over the scratch blocks, whose table must fit the same width.
-    max_model_len = max(args.context + max(rows), config.max_rows)
     scratch_ids = list(range(seq_blocks, seq_blocks + scratch))
-    measured = target.use_graphs(config, max_model_len, scratch_ids, taps=())
+    measured = target.use_graphs(config, args.context + max(rows), scratch_ids, taps=())
     run.measured_bytes = measured if device.type == "cuda" else None
     static = target.runner.static
     for point, batch in batches.items():

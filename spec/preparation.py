@@ -85,8 +85,7 @@ class _Preparation:
 
     def run(self) -> Prepared:
         config, target = self.config, self.target
-        eager = target.graphs_refused(config.graphs) or (
-            "LoRA adapters are served (their rows' slots are read on the host)" if config.lora_modules else None)
+        eager = target.graphs_refused(config.graphs, lora=bool(config.lora_modules))
         # padding rows of a bucketed step write to blocks of their own, past the block manager's
         scratch = 0 if eager else config.graphs.scratch_blocks(config.block_size)
         graph_bytes = 0 if eager else target.graph_bytes_estimate(config.graphs)

@@ -178,11 +178,14 @@ class TargetModel:
         self.runner.attach_lora(lora)
         return lora
 
-    def graphs_refused(self, config: GraphConfig) -> str | None:
-        """Why this target's steps stay eager under `config`, or None where decode and verify steps
-        run from fixed buffers (captured as CUDA graphs on CUDA; `verifier/graphs/`)."""
+    def graphs_refused(self, config: GraphConfig, lora: bool = False) -> str | None:
+        """Why this target's steps stay eager under `config` (with LoRA adapters served where
+        `lora`), or None where decode and verify steps run from fixed buffers (captured as CUDA
+        graphs on CUDA; `verifier/graphs/`)."""
         if not config.enabled:
             return "CUDA graphs are off"
+        if lora:
+            return "LoRA adapters are served (their rows' slots are read on the host)"
         if self.device.type != "cuda" and not config.cpu_proof:
             return "a CPU target (graphs are CUDA's)"
         if not isinstance(self.runner, DenseRunner) or self.runner.backend.name != "triton":

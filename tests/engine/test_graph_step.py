@@ -26,6 +26,7 @@ from verifier.batch import ForwardBatch, SeqInput  # noqa: E402
 from verifier.graphs.config import GraphConfig  # noqa: E402
 from verifier.graphs.static_step import StaticStep, pad_batch  # noqa: E402
 from verifier.graphs.sync_guard import HostSyncError, no_host_sync  # noqa: E402
+from verifier.model.linear import ONEDNN_MIN_ROWS, Linear  # noqa: E402
 from verifier.target import TargetModel  # noqa: E402
 
 assert tk.INTERPRETED, "triton_kernels was imported before TRITON_INTERPRET=1 was set"
@@ -47,16 +48,16 @@ def target_dir(tmp_path_factory):
                            intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, seed=21)
 
 
-def tree_mask(depth: int, width: int, nodes: int, gen: torch.Generator) -> torch.Tensor:
-    """The ancestor mask of a random tree: a root and up to `nodes` more, each at most `depth`
-    below it, no node with more than `width` children (a drafter's tree of that shape)."""
+def a_tree(depth: int, width: int, nodes: int, gen: torch.Generator) -> TokenTree:
+    """A random tree: a root and up to `nodes` more, each at most `depth` below it, no node with
+    more than `width` children (a drafter's tree of that shape)."""
     parents, depths, kids = [-1], [0], [0]
     while len(parents) < min(nodes + 1, CONFIG.max_seq_rows):
         open_ = [i for i in range(len(parents)) if depths[i] < depth and kids[i] < width]
         p = open_[int(torch.randint(len(open_), (1,), generator=gen))]
         parents.append(p), depths.append(depths[p] + 1), kids.append(0)
         kids[p] += 1
-    return TokenTree(tuple(range(len(parents))), tuple(parents)).ancestor_mask()
+    return TokenTree(tuple(range(len(parents))), tuple(parents))
 
 
 def a_step(shapes: list[str], gen: torch.Generator) -> tuple[ForwardBatch, list[int]]:
@@ -64,19 +65,27 @@ def a_step(shapes: list[str], gen: torch.Generator) -> tuple[ForwardBatch, list[
     verifying its tree; the prefixes to prefill first."""
     seqs, prefixes = [], []
     for i, name in enumerate(shapes):
-        mask = tree_mask(*SHAPES[name], gen)
-        q, ctx = mask.shape[0], 5 + 7 * i
-        table = list(range(6 * i, 6 * i + 6))
+        tree, ctx = a_tree(*SHAPES[name], gen), 5 + 7 * i
+        q, table = len(tree.parents), list(range(6 * i, 6 * i + 6))
         tokens = torch.randint(3, V, (q,), generator=gen).tolist()
-        depth = mask.sum(1) - 1
-        seqs.append(SeqInput(tokens, ctx, table, positions=(ctx + depth).tolist(), mask=mask,
+        seqs.append(SeqInput(tokens, ctx, table, positions=tree.positions(ctx), mask=tree.ancestor_mask(),
                              logits_indices=list(range(q))))
         prefixes.append(ctx)
     return ForwardBatch(seqs, TAPS), prefixes
 
 
+def pin_matmul_paths(net) -> None:
+    """Where MKL gives way to oneDNN is timed at load (`verifier/model/linear_tuning.py`): pinned,
+    so that an eager step and its padded bucket never straddle the switch on one machine and not
+    on another."""
+    for m in net.modules():
+        if isinstance(m, Linear):
+            m.onednn_from = ONEDNN_MIN_ROWS
+
+
 def loaded_target(target_dir, dtype=torch.float32, backend="triton") -> TargetModel:
     t = TargetModel(str(target_dir), device="cpu", dtype=dtype, backend=backend)
+    pin_matmul_paths(t.net)
     t.allocate_kv(BLOCKS + len(SCRATCH), BS)
     return t
 
@@ -235,11 +244,14 @@ def test_the_engine_on_fixed_buffers_decodes_as_plain_decoding(target_dir, draft
     prompts[1] = prompts[1][:6] * 3                   # repeats: the n-gram drafter finds drafts
     kw = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": BS, "max_num_seqs": 4,
           "adaptive": AdaptiveConfig(enabled=False), "attention_backend": "triton"}
-    plain = [o.token_ids for o in LLM(str(target_dir), **kw).generate(prompts, GREEDY)]
+    plain_llm = LLM(str(target_dir), **kw)
+    pin_matmul_paths(plain_llm.engine.target.net)
+    plain = [o.token_ids for o in plain_llm.generate(prompts, GREEDY)]
     runs = []
     forward = StaticStep.forward
     monkeypatch.setattr(StaticStep, "forward", lambda self, b, rows: (runs.append(rows), forward(self, b, rows))[1])
     llm = LLM(str(target_dir), drafter=drafter, graphs=CONFIG, **kw)
+    pin_matmul_paths(llm.engine.target.net)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == plain
     assert len(runs) >= 8 and max(runs) > 1 and sum(o.stats.verify_steps for o in outs) > 0

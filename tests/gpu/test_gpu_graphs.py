@@ -4,10 +4,10 @@ the graphs' memory stays within what the KV pool's sizing set aside for them."""
 import pytest
 import torch
 
+from bench.graph_steps import eager_steps, tree_input
 from conftest import mtbench_prompts
 from spec import LLM, SamplingParams
 from spec.adaptive import AdaptiveConfig
-from tree.token_tree import TokenTree
 from verifier.batch import ForwardBatch, SeqInput
 from verifier.graphs.config import GraphConfig
 
@@ -43,24 +43,13 @@ def test_the_engine_decodes_the_same_tokens_with_graphs(graphed, prompts, drafte
 
 
 def test_a_replay_gives_the_eager_bits(graphed):
-    target = graphed.engine.target
-    runner, graphs = target.runner, target.runner.static
-    blocks = graphed.engine.blocks
-    gen = torch.Generator().manual_seed(0)
-    seqs = []
+    target, blocks = graphed.engine.target, graphed.engine.blocks
+    vocab, gen = target.config.vocab_size, torch.Generator().manual_seed(0)
     with blocks.scratch(-1, 200 + 16) as table_a, blocks.scratch(-2, 90 + 16) as table_b:
         for table, ctx in ((table_a, 200), (table_b, 90)):
             target.forward(ForwardBatch([SeqInput(torch.randint(100, 40000, (ctx,), generator=gen).tolist(), 0, table)]))
-        for table, ctx, n in ((table_a, 200, 11), (table_b, 90, 1)):
-            parents = (-1, *(int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)))
-            mask = TokenTree(tuple(range(n)), parents).ancestor_mask()
-            seqs.append(SeqInput(torch.randint(100, 40000, (n,), generator=gen).tolist(), ctx, table,
-                                 positions=(ctx + mask.sum(1) - 1).tolist(), mask=mask, logits_indices=list(range(n))))
-        batch = ForwardBatch(seqs)
+        batch = ForwardBatch([tree_input(11, 200, table_a, vocab, gen), tree_input(1, 90, table_b, vocab, gen)])
         replayed = target.forward(batch)                          # 12 rows: the 16-row graph
-        runner.static = None
-        try:
+        with eager_steps(target):
             eager = target.forward(batch)                         # the eager path, unpadded
-        finally:
-            runner.static = graphs
     assert torch.equal(replayed.logits, eager.logits)

@@ -70,10 +70,9 @@ class StaticStep:
         self.net, self.backend, self.kv, self.config, self.scratch = net, backend, kv, config, scratch
         # the padding sequence may need more blocks than a request can have (a short max_model_len)
         t, seqs, self.width = config.max_rows, config.max_rows + 1, max(max_blocks_per_seq, len(scratch))
-        self.anc_size = t * config.max_seq_rows + 1
         self._sizes64 = {"ids": t, "positions": t, "logits_rows": t, "slots": t, "anc_offsets": t}
         self._sizes32 = {"ctx_lens": seqs, "tok_seq": t, "n_new": t, "block_tables": seqs * self.width,
-                         "anc": self.anc_size}
+                         "anc": t * config.max_seq_rows + 1}       # each row sees at most its sequence's rows
         dev = kv.k.device
         pin = dev.type == "cuda"
         self.dev64 = _Fields(torch.zeros(5 * t, dtype=torch.int64, device=dev), self._sizes64)
